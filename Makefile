@@ -1,0 +1,59 @@
+# Two entry points do all the set-up on a fresh machine:
+#   make demo   -- create .venv, install, run the main job (DLRM on generated Criteo data, tuned)
+#   make test   -- create .venv if missing, install with dev extras, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test venv install bench simulate pretrain lint format clean
+
+venv: $(STAMP)
+
+# torch==2.13.0 (CPU) is installed only when the interpreter has no torch of its own, so a
+# user's CUDA build is kept (the venv then sees it through --system-site-packages).
+$(STAMP): pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  echo "using the interpreter's own torch"; \
+	  test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+	  test -x $(PY) || $(PYTHON) -m venv $(VENV); \
+	  $(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0; \
+	fi
+	$(PIP) install -q -e ".[dev]"
+	# TorchRec for the DLRM example. On CPU its normal dependencies pull a CUDA fbgemm, so the
+	# CPU fbgemm is installed first and torchrec itself without dependencies.
+	@if $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)"; then \
+	  $(PIP) install -q fbgemm-gpu==1.8.0 pyre-extensions iopath && $(PIP) install -q --no-deps torchrec==1.8.0; \
+	else \
+	  $(PIP) install -q fbgemm-gpu-cpu==1.8.0 pyre-extensions iopath && $(PIP) install -q --no-deps torchrec==1.8.0; \
+	fi
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(PY) -m torchtune_pipe.cli demo
+
+bench: $(STAMP)
+	$(PY) benchmarks/executor.py
+
+simulate: $(STAMP)
+	$(PY) -m torchtune_pipe.cli simulate --out out/simulate
+
+pretrain: $(STAMP)
+	$(PY) -m torchtune_pipe.cli pretrain
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info out

@@ -1,0 +1,1 @@
+"""DLRM on Criteo click logs: data source, feature transforms, synthetic data generator."""

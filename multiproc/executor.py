@@ -1,0 +1,881 @@
+"""The stage executor: a chain of resizable worker pools joined by shared-memory channels.
+
+One router thread in the consumer's process owns all bookkeeping. Payload bytes never pass
+through it (they sit in the producers' arenas); it moves small control messages between
+workers over private pipes, waits on those pipes and on the workers' process sentinels (so a
+death is seen at once, without polling), and knows at every moment which frames each worker
+holds. That knowledge is what makes recovery exact: a dead worker's frames, units and
+stateful holdings are re-delivered, with what it already committed skipped.
+
+Example:
+    >>> spec = ExecutorSpec((StageSpec("read", "source", read_unit, workers=2),
+    ...                      StageSpec("udf", "map", transform, workers=3)))
+    >>> with Executor(spec) as ex:
+    ...     for item in ex.run(units):
+    ...         ...
+    ...     ex.resize("udf", 5)
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import os
+import pickle
+import threading
+import time
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait as mp_wait
+from typing import Any
+
+from . import channel, pool, stats
+from .errors import (
+    ExecutorClosedError,
+    ExecutorError,
+    RemoteTraceback,
+    SpecError,
+    StageError,
+    WorkerDiedError,
+)
+from .spec import ExecutorSpec, check_picklable
+
+log = logging.getLogger(__name__)
+
+_MAX_SLOTS = 1024
+_exec_ids = itertools.count()
+
+
+@dataclass
+class _Frame:
+    id: int
+    seq: tuple
+    payload: Any
+    n: int
+    producer: int  # wid, or -1 when made by the router
+    skip: frozenset = frozenset()
+    consumed: set = field(default_factory=set)
+
+
+@dataclass
+class _Unit:
+    id: int
+    pos: int
+    unit: Any
+    committed: int = 0  # frames already committed (skipped on re-delivery)
+
+
+@dataclass
+class _Order:
+    """Reorders frames by sequence key ``(domain, unit, frame)`` (ordered mode)."""
+
+    frames: dict = field(default_factory=dict)
+    next_seq: tuple | None = None
+
+
+@dataclass
+class _StageState:
+    index: int
+    target: int
+    budget: int
+    ready: collections.deque = field(default_factory=collections.deque)
+    order: _Order = field(default_factory=_Order)
+    restarts: int = 0
+    closed: bool = False  # no more input will arrive
+    done: bool = False
+    flush_sent: bool = False
+    out_counter: int = 0
+    slots: set = field(default_factory=set)
+    retired: Any = None  # counters of workers that are gone, summed
+
+
+class _Run:
+    """Bookkeeping of one pass over a list of units."""
+
+    def __init__(self, units: Sequence, epoch: int):
+        self.units = collections.deque(_Unit(i, i, u) for i, u in enumerate(units))
+        self.n_units = len(self.units)
+        self.units_done = 0
+        self.unit_frames: dict = {}  # (domain, pos) -> frames in that unit, once known
+        self.epoch = epoch
+        self.sink: collections.deque = collections.deque()
+        self.sink_order = _Order()
+        self.finished = False
+
+
+class Executor:
+    """Runs an :class:`ExecutorSpec`; see the module docstring.
+
+    Args:
+        spec: the stages and options.
+    """
+
+    def __init__(self, spec: ExecutorSpec):
+        if not isinstance(spec, ExecutorSpec):
+            raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
+        self.spec = spec
+        self._stage_bytes = [check_picklable(s) for s in spec.stages]
+        self._names = [s.name for s in spec.stages]
+        self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._commands: collections.deque = collections.deque()
+        self._sink_frees: collections.deque = collections.deque()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        self._counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
+        self._free_slots = list(range(_MAX_SLOTS - 1, -1, -1))
+        self._wids = itertools.count()
+        self._frame_ids = itertools.count()
+        self._workers: dict[int, pool.WorkerHandle] = {}
+        self._by_seg: dict[str, int] = {}
+        self._seg_refs: collections.Counter = collections.Counter()
+        self._segments: set[str] = set()
+        self._stages = [
+            _StageState(i, s.workers, s.buffer_bytes) for i, s in enumerate(spec.stages)
+        ]
+        self._cache = channel.MappingCache()
+        self._run: _Run | None = None
+        self._error: BaseException | None = None
+        self._closed = False
+        self._delivered_items = 0
+        self._delivered_frames = 0
+        self._start_latencies_ns: list[int] = []
+        self._seg_bytes: collections.Counter = collections.Counter()  # stage -> bytes in arenas
+        self._sizes: dict = {}  # (segment, offset) -> bytes
+        self._pending_free: dict = {}  # wid -> offsets to send
+        self._pending_count: collections.Counter = collections.Counter()  # wid -> frames queued
+        self._thread = threading.Thread(target=self._router, name=f"multiproc-router-{self._tag}", daemon=True)
+        self._finalizer = weakref.finalize(self, Executor._finalize, self._shutdown_state())
+        with self._lock:
+            for st in self._stages:
+                for _ in range(st.target):
+                    self._spawn(st.index)
+        self._thread.start()
+
+    # ---------------------------------------------------------------- public API
+    def run(self, units: Sequence, epoch: int = 0) -> Iterator[Any]:
+        """Push ``units`` through the pipeline; iterate the items that come out.
+
+        Only one run is active at a time. Closing the iterator early (``break``) stops the
+        executor; a new ``run`` then starts fresh workers.
+        """
+        units = list(units)
+        with self._lock:
+            self._check_open()
+            if self._run is not None and not self._run.finished:
+                raise ExecutorError("Executor.run: a run is already active; finish or close it first")
+            self._run = _Run(units, epoch)
+            for st in self._stages:
+                st.closed = st.done = st.flush_sent = False
+                st.order = _Order()
+                st.out_counter = 0
+            for h in self._workers.values():
+                if h.alive() and self.spec.stages[h.stage].stateful:
+                    self._send(h, ("epoch", epoch))
+        self._wake()
+        return self._iterate(self._run)
+
+    def resize(self, stage: str | int, n: int) -> None:
+        """Set a stage's worker count (within its bounds) while running."""
+        i = self._stage_index(stage)
+        s = self.spec.stages[i]
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise SpecError(f"resize(): stage {s.name!r}: n must be an int, got {n!r}")
+        if not s.min_workers <= n <= s.max_workers:
+            raise SpecError(
+                f"resize(): stage {s.name!r}: n must be in [{s.min_workers}, {s.max_workers}], got {n}"
+            )
+        self._command(("resize", i, n))
+
+    def set_budget(self, stage: str | int, budget_bytes: int) -> None:
+        """Set the byte budget of a stage's outbound channel while running."""
+        i = self._stage_index(stage)
+        s = self.spec.stages[i]
+        if not isinstance(budget_bytes, int) or not 64 * 1024 <= budget_bytes <= s.max_buffer_bytes:
+            raise SpecError(
+                f"set_budget(): stage {s.name!r}: budget_bytes must be an int in "
+                f"[65536, {s.max_buffer_bytes}] (max_buffer_bytes), got {budget_bytes!r}"
+            )
+        self._command(("budget", i, budget_bytes))
+
+    def workers(self, stage: str | int) -> int:
+        """The stage's target worker count."""
+        return self._stages[self._stage_index(stage)].target
+
+    def budget(self, stage: str | int) -> int:
+        return self._stages[self._stage_index(stage)].budget
+
+    @property
+    def stage_names(self) -> list[str]:
+        return list(self._names)
+
+    def start_latencies_ms(self) -> list[float]:
+        """Time from a worker's start request to its first message, for every worker so far."""
+        with self._lock:
+            return [x / 1e6 for x in self._start_latencies_ns]
+
+    def snapshot(self, per_worker: bool = False) -> stats.Snapshot:
+        """All counters now, without stopping anything."""
+        now = time.monotonic_ns()
+        with self._lock:
+            stages = []
+            for st in self._stages:
+                rows = [stats.read_row(self._names[st.index], slot, self._counters.row(slot), now)
+                        for slot in sorted(st.slots)]
+                if st.retired is not None:
+                    rows.append(stats.read_row(self._names[st.index], -1, st.retired, now))
+                live = [h for h in self._workers.values() if h.stage == st.index and h.alive()]
+                used = sum(self._seg_refs[h.seg_name] for h in live)
+                queued = len(st.ready)
+                stages.append(stats.StageSnapshot(
+                    name=self._names[st.index],
+                    workers=sum(1 for h in live if h.state != "retiring"),
+                    items_in=sum(r.items_in for r in rows),
+                    items_out=sum(r.items_out for r in rows),
+                    busy_ns=sum(r.busy_ns for r in rows),
+                    blocked_in_ns=sum(r.blocked_in_ns for r in rows),
+                    blocked_out_ns=sum(r.blocked_out_ns for r in rows),
+                    worker_ns=sum(r.alive_ns for r in rows),
+                    cpu_ns=sum(r.cpu_ns for r in rows),
+                    bytes_out=sum(r.bytes_out for r in rows),
+                    errors=sum(r.errors for r in rows),
+                    spilled=sum(r.spilled for r in rows),
+                    restarts=st.restarts,
+                    buffer_budget_bytes=st.budget,
+                    buffer_used_bytes=self._seg_bytes[st.index],
+                    buffer_items=used,
+                    queued_frames=queued,
+                    per_worker=tuple(rows) if per_worker else (),
+                ))
+            return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Stop every worker (within ``timeout_s``) and remove every shared-memory segment."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._cond.notify_all()
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s + 2.0)
+        self._finalizer()
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------- consumer side
+    def _iterate(self, run: _Run) -> Iterator[Any]:
+        try:
+            while True:
+                payload = self._next_frame(run)
+                if payload is None:
+                    return
+                items = channel.decode(payload, self._cache, self._release_sink)
+                self._delivered_frames += 1
+                for x in items:
+                    self._delivered_items += 1
+                    yield x
+                del items
+        except GeneratorExit:
+            if not run.finished:
+                self.close()
+            raise
+        except BaseException:
+            self.close()
+            raise
+
+    def _next_frame(self, run: _Run):
+        with self._cond:
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if run.sink:
+                    frame = run.sink.popleft()
+                    self._frame_left(frame)
+                    return frame.payload
+                if run.finished:
+                    return None
+                if self._closed:
+                    raise ExecutorClosedError("the executor was closed while iterating")
+                # Woken by the router on every delivery; the timeout only re-checks liveness.
+                self._cond.wait(1.0)
+                if not self._thread.is_alive() and self._error is None and not run.finished:
+                    self._error = ExecutorError("the executor's router thread ended unexpectedly")
+
+    def _release_sink(self, ref: channel.ShmRef) -> None:
+        # Called by a finalizer in whatever thread dropped the last reference.
+        self._sink_frees.append((ref.segment, ref.offset))
+        self._wake()
+
+    # ---------------------------------------------------------------- helpers
+    def _stage_index(self, stage: str | int) -> int:
+        if isinstance(stage, int) and not isinstance(stage, bool):
+            if 0 <= stage < len(self._names):
+                return stage
+        elif stage in self._names:
+            return self._names.index(stage)
+        raise SpecError(f"no stage {stage!r}; stages are {self._names}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutorClosedError("the executor is closed; create a new one")
+        if self._error is not None:
+            raise self._error
+
+    def _command(self, cmd) -> None:
+        with self._lock:
+            self._check_open()
+            self._commands.append(cmd)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # pipe full (already woken) or closed
+
+    def _send(self, h: pool.WorkerHandle, msg) -> None:
+        try:
+            h.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):
+            pass  # its death is seen through the sentinel / EOF
+
+    def _shutdown_state(self):
+        return (self._workers, self._segments, self._counters, self._wake_r, self._wake_w, self._cache)
+
+    @staticmethod
+    def _finalize(state) -> None:
+        workers, segments, counters, wake_r, wake_w, cache = state
+        for h in list(workers.values()):
+            if h.alive():
+                try:
+                    h.conn.send(("exit",))
+                except Exception:
+                    pass
+        deadline = time.monotonic() + 1.5
+        for h in list(workers.values()):
+            pool.stop_worker(h, max(0.0, deadline - time.monotonic()))
+            try:
+                h.conn.close()
+            except Exception:
+                pass
+        for name in list(segments):
+            channel.unlink_segment(name)
+        segments.clear()
+        cache.clear()
+        counters.close(unlink=True)
+        for fd in (wake_r, wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+    # ---------------------------------------------------------------- worker lifecycle
+    def _spawn(self, stage: int) -> None:
+        s = self.spec.stages[stage]
+        st = self._stages[stage]
+        wid = next(self._wids)
+        if not self._free_slots:
+            raise ExecutorError(f"stage {s.name!r}: more than {_MAX_SLOTS} workers started")
+        slot = self._free_slots.pop()
+        seg_name = f"ttp_{self._tag}_w{wid}"
+        size = s.max_buffer_bytes
+        fd = os.open(os.path.join(channel.SHM_DIR, seg_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        finally:
+            os.close(fd)
+        self._segments.add(seg_name)
+        index = sum(1 for h in self._workers.values() if h.stage == stage)
+        h = pool.WorkerHandle(wid, stage, index, slot, seg_name, thread=s.worker_type == "thread")
+        self._by_seg[seg_name] = wid
+        self._workers[wid] = h
+        st.slots.add(slot)
+        n_alive = max(1, self._n_active(stage) + 1)
+        args = (self._stage_bytes[stage], wid, slot, index, f"ttp_{self._tag}_stats", _MAX_SLOTS,
+                seg_name, size, max(st.budget // n_alive, 64 * 1024))
+        h.start_ns = time.monotonic_ns()
+        pool.start_worker(h, args)
+        self._rebudget(stage)
+
+    def _n_active(self, stage: int) -> int:
+        return sum(1 for h in self._workers.values() if h.stage == stage and h.state in ("starting", "ready"))
+
+    def _rebudget(self, stage: int) -> None:
+        st = self._stages[stage]
+        active = [h for h in self._workers.values() if h.stage == stage and h.state in ("starting", "ready")]
+        if not active:
+            return
+        share = max(st.budget // len(active), 64 * 1024)
+        for h in active:
+            self._send(h, ("budget", share))
+
+    def _resize(self, stage: int, n: int) -> None:
+        st = self._stages[stage]
+        st.target = n
+        active = [h for h in self._workers.values() if h.stage == stage and h.state in ("starting", "ready")]
+        for _ in range(n - len(active)):
+            self._spawn(stage)
+        if len(active) > n:
+            # Retire the least loaded (then newest) workers: they finish what they hold first.
+            victims = sorted(active, key=lambda h: (len(h.inflight), -h.wid))[: len(active) - n]
+            for h in victims:
+                h.state = "retiring"
+                self._send(h, ("retire",))
+                if self.spec.stages[stage].kind == "source":
+                    pass
+            self._rebudget(stage)
+
+    def _on_gone(self, h: pool.WorkerHandle, died: bool, why: str = "") -> None:
+        """A worker ended: re-deliver what it held; replace it if it died."""
+        s = self.spec.stages[h.stage]
+        st = self._stages[h.stage]
+        prev = h.state
+        h.state = "dead" if died else "gone"
+        try:
+            h.conn.close()
+        except Exception:
+            pass
+        if h.proc is not None and not h.thread:
+            h.proc.join(0.1)
+        run = self._run
+        if died:
+            st.restarts += 1
+            log.warning("stage %r worker %d (pid %d) %s; re-delivering %d frames",
+                        s.name, h.wid, h.pid, why, len(h.inflight) + len(h.held))
+        # Everything it held goes back to the front of its stage's queue, in sequence order.
+        back = list(h.inflight.values()) + list(h.held.values())
+        keep = set()
+        for f in h.held.values():
+            self._pending_count[f.producer] += 1  # queued again
+            if f.payload[0] == "shm":
+                keep.add((f.payload[1].segment, f.payload[1].offset))
+        h.inflight.clear()
+        h.held.clear()
+        if s.kind == "source":
+            for u in sorted(back, key=lambda u: u.pos, reverse=True):
+                run.units.appendleft(u)
+        else:
+            for f in sorted(back, key=lambda f: f.seq, reverse=True):
+                f.skip = frozenset(f.consumed)
+                st.ready.appendleft(f)
+        # Frames it consumed but had not yet released: it never will (held frames excepted:
+        # they are delivered again from the same memory).
+        for seg, off in list(h.owes - keep):
+            self._free(seg, off)
+        h.owes.clear()
+        self._retire_slot(h)
+        if h.flushing:
+            h.flushing = False
+            st.flush_sent = False  # flush again once the re-delivered frames are through
+        self._maybe_unlink(h.seg_name)
+        if died:
+            if st.restarts > self.spec.max_restarts:
+                raise WorkerDiedError(
+                    f"stage {s.name!r} worker {h.wid} (pid {h.pid}) {why}; {st.restarts} worker "
+                    f"deaths in this stage exceed max_restarts={self.spec.max_restarts}"
+                )
+            if prev != "retiring" and not self._closed:
+                self._spawn(h.stage)
+
+    def _retire_slot(self, h: pool.WorkerHandle) -> None:
+        """Fold a finished worker's counters into its stage's totals and reuse its slot."""
+        st = self._stages[h.stage]
+        if h.slot not in st.slots:
+            return
+        row = self._counters.row(h.slot)
+        if st.retired is None:
+            st.retired = row.copy()
+            st.retired[stats.STARTED_NS] = 0
+        else:
+            add = row.copy()
+            for c in (stats.PID, stats.STARTED_NS):
+                add[c] = 0
+            st.retired += add
+        st.retired[stats.PID] = 0
+        row[:] = 0
+        st.slots.discard(h.slot)
+        self._free_slots.append(h.slot)
+
+    def _maybe_unlink(self, seg: str) -> None:
+        wid = self._by_seg.get(seg)
+        h = self._workers.get(wid)
+        if h is not None and not h.alive() and self._seg_refs[seg] <= 0:
+            channel.unlink_segment(seg)
+            self._segments.discard(seg)
+            self._cache.drop(seg)
+            del self._by_seg[seg]
+            del self._workers[wid]
+
+    # ---------------------------------------------------------------- accounting
+    def _free(self, seg: str, off: int) -> None:
+        wid = self._by_seg.get(seg)
+        if wid is None:
+            return
+        self._seg_refs[seg] -= 1
+        h = self._workers[wid]
+        self._seg_bytes[h.stage] -= self._sizes.pop((seg, off), 0)
+        if h.alive():
+            self._pending_free.setdefault(wid, []).append(off)
+        else:
+            self._maybe_unlink(seg)
+
+    def _flush_frees(self) -> None:
+        pf = self._pending_free
+        if not pf:
+            return
+        for wid, offs in pf.items():
+            h = self._workers.get(wid)
+            if h is not None and h.alive():
+                self._send(h, ("free", offs))
+        pf.clear()
+
+    def _new_frame(self, seq, payload, n, producer: int, stage: int) -> _Frame:
+        f = _Frame(next(self._frame_ids), seq, payload, n, producer)
+        if payload[0] == "shm":
+            ref = payload[1]
+            self._seg_refs[ref.segment] += 1
+            self._seg_bytes[stage] += ref.size
+            self._sizes[(ref.segment, ref.offset)] = ref.size
+        self._pending_count[producer] += 1
+        return f
+
+    def _frame_left(self, f: _Frame) -> None:
+        """A frame stopped being queued or in flight (it is consumed or held)."""
+        self._pending_count[f.producer] -= 1
+        h = self._workers.get(f.producer)
+        if h is not None and h.blocked and self._pending_count[f.producer] <= 0 and h.alive():
+            self._send(h, ("spill_ok",))
+            h.blocked = False
+
+    # ---------------------------------------------------------------- routing
+    def _deliver(self, stage: int, f: _Frame) -> None:
+        """Hand a frame produced by ``stage`` to the next stage (or the sink)."""
+        nxt = stage + 1
+        run = self._run
+        if nxt == len(self.spec.stages):
+            if self.spec.ordered:
+                self._reorder_put(run.sink_order, f, run.sink)
+            else:
+                run.sink.append(f)
+            self._cond.notify_all()
+            return
+        st = self._stages[nxt]
+        if self.spec.ordered and self.spec.stages[nxt].stateful:
+            self._reorder_put(st.order, f, st.ready)
+        else:
+            st.ready.append(f)
+
+    def _reorder_put(self, order: _Order, f: _Frame, out: collections.deque) -> None:
+        order.frames[f.seq] = f
+        self._drain_reorder(order, out)
+
+    def _drain_reorder(self, order: _Order, out: collections.deque) -> None:
+        run = self._run
+        while order.frames:
+            nxt = order.next_seq
+            if nxt is None:
+                nxt = (min(order.frames)[0], 0, 0)  # a domain's first frame
+            f = order.frames.pop(nxt, None)
+            if f is not None:
+                out.append(f)
+                order.next_seq = (nxt[0], nxt[1], nxt[2] + 1)
+                continue
+            total = run.unit_frames.get((nxt[0], nxt[1]))
+            if total is not None and nxt[2] >= total:
+                order.next_seq = (nxt[0], nxt[1] + 1, 0)
+                continue
+            order.next_seq = nxt
+            break
+
+    def _dispatch(self) -> None:
+        run = self._run
+        if run is None or run.finished:
+            return
+        credits = self.spec.credits
+        for i, s in enumerate(self.spec.stages):
+            st = self._stages[i]
+            ready = [h for h in self._workers.values() if h.stage == i and h.state == "ready"]
+            if not ready:
+                continue
+            if s.kind == "source":
+                while run.units:
+                    h = min(ready, key=lambda h: len(h.inflight))
+                    if len(h.inflight) >= credits:
+                        break
+                    u = run.units.popleft()
+                    h.inflight[u.id] = u
+                    self._send(h, ("unit", u.id, u.unit, u.committed))
+                continue
+            while st.ready:
+                h = min(ready, key=lambda h: len(h.inflight))
+                if len(h.inflight) >= credits:
+                    break
+                f = st.ready.popleft()
+                if s.stateful:
+                    st.flush_sent = False  # input after a flush: flush again at the end
+                h.inflight[f.id] = f
+                self._send(h, ("run", f.id, f.payload, f.skip))
+
+    def _check_progress(self) -> None:
+        """Close stages whose input is exhausted; flush stateful ones; finish the run."""
+        run = self._run
+        if run is None or run.finished:
+            return
+        for i, s in enumerate(self.spec.stages):
+            st = self._stages[i]
+            if st.done:
+                continue
+            ws = [h for h in self._workers.values() if h.stage == i and h.alive()]
+            busy = any(h.inflight for h in ws)
+            if i == 0:
+                st.closed = run.units_done == run.n_units
+            else:
+                st.closed = self._stages[i - 1].done
+            if not st.closed or busy or st.ready or st.order.frames:
+                return
+            if s.stateful:
+                if any(h.state == "starting" for h in ws):
+                    return
+                if not st.flush_sent:
+                    st.flush_sent = True
+                    for h in ws:
+                        if h.state == "ready":
+                            h.flushing = True
+                            self._send(h, ("flush",))
+                if any(h.flushing for h in ws) or st.ready or any(h.held for h in ws):
+                    return
+            st.done = True
+        if run.sink_order.frames:
+            return
+        run.finished = True
+        self._cond.notify_all()
+
+    # ---------------------------------------------------------------- messages
+    def _on_message(self, h: pool.WorkerHandle, msg) -> None:
+        kind = msg[0]
+        run = self._run
+        i = h.stage
+        s = self.spec.stages[i]
+        st = self._stages[i]
+        if kind == "hello":
+            if h.state == "starting":
+                h.state = "ready"
+            h.ready_ns = time.monotonic_ns()
+            self._start_latencies_ns.append(h.ready_ns - h.start_ns)
+        elif kind == "emit":
+            _, _, uid, k, payload, n = msg
+            u = h.inflight.get(uid)
+            if u is None:
+                return
+            u.committed = k + 1
+            f = self._new_frame((0, u.pos, k), payload, n, h.wid, i)
+            self._deliver(i, f)
+        elif kind == "unit_done":
+            _, _, uid, total, frees = msg
+            self._take_frees(h, frees)
+            u = h.inflight.pop(uid, None)
+            if u is None:
+                return
+            run.unit_frames[(0, u.pos)] = total
+            run.units_done += 1
+            if self.spec.ordered:
+                self._drain_all_reorders()
+        elif kind in ("done", "flushed", "handoff"):
+            _, _, fid, outs, consumed, frees = msg
+            f_in = None
+            if kind == "done":
+                f_in = h.inflight.pop(fid, None)
+                if f_in is None:
+                    raise ExecutorError(f"stage {s.name!r} worker {h.wid} finished unknown frame {fid}")
+                self._frame_left(f_in)
+                if f_in.payload[0] == "shm":
+                    h.owes.add((f_in.payload[1].segment, f_in.payload[1].offset))
+                if s.stateful:
+                    h.held[fid] = f_in
+            if consumed:
+                for cfid, idxs in consumed.items():
+                    f = h.held.get(cfid)
+                    if f is None:
+                        continue
+                    f.consumed.update(idxs)
+                    if len(f.consumed) >= f.n:
+                        del h.held[cfid]
+            if kind == "flushed":
+                h.held.clear()  # a flushed reducer holds nothing
+            self._take_frees(h, frees)
+            for payload, n in outs:
+                if s.stateful:
+                    seq = (i + 1, st.out_counter, 0)
+                    if kind != "handoff":
+                        run.unit_frames[(i + 1, st.out_counter)] = 1
+                        st.out_counter += 1
+                    f = self._new_frame(seq, payload, n, h.wid, i)
+                    if kind == "handoff":
+                        # Items given back by a retiring worker re-enter their own stage.
+                        f.seq = (-1, f.id, 0)
+                        st.ready.appendleft(f)
+                    else:
+                        self._deliver(i, f)
+                else:
+                    self._deliver(i, self._new_frame(f_in.seq, payload, n, h.wid, i))
+            if kind == "flushed":
+                h.flushing = False
+            if self.spec.ordered:
+                self._drain_all_reorders()
+        elif kind == "frees":
+            self._take_frees(h, msg[2])
+        elif kind == "blocked":
+            h.blocked = True
+            self._take_frees(h, msg[2])
+            if self._pending_count[h.wid] <= 0:
+                self._send(h, ("spill_ok",))
+                h.blocked = False
+        elif kind == "unblocked":
+            h.blocked = False
+        elif kind == "bye":
+            self._take_frees(h, msg[2])
+            h.state = "gone"
+        elif kind == "error":
+            _, _, fid, exc_bytes, tname, text, tb, where = msg
+            self._error = self._make_error(s.name, h, exc_bytes, tname, text, tb, where)
+        else:
+            raise ExecutorError(f"unknown message {kind!r} from stage {s.name!r} worker {h.wid}")
+
+    def _drain_all_reorders(self) -> None:
+        run = self._run
+        for st in self._stages:
+            if st.order.frames:
+                self._drain_reorder(st.order, st.ready)
+        if run.sink_order.frames:
+            before = len(run.sink)
+            self._drain_reorder(run.sink_order, run.sink)
+            if len(run.sink) != before:
+                self._cond.notify_all()
+
+    def _take_frees(self, h: pool.WorkerHandle, frees) -> None:
+        for seg, off in frees or ():
+            h.owes.discard((seg, off))
+            self._free(seg, off)
+
+    def _make_error(self, stage: str, h, exc_bytes, tname, text, tb, where) -> BaseException:
+        note = f"in stage {stage!r}, worker {h.wid} (pid {h.pid}), {where}"
+        exc = None
+        if exc_bytes is not None:
+            try:
+                exc = pickle.loads(exc_bytes)
+            except Exception:
+                exc = None
+        if exc is None:
+            exc = StageError(f"{tname}: {text} ({note})")
+        exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"raised {note}")
+        exc.stage = stage
+        exc.worker = h.wid
+        return exc
+
+    # ---------------------------------------------------------------- the router loop
+    def _router(self) -> None:
+        try:
+            self._router_loop()
+        except BaseException as e:  # make the consumer see it instead of hanging
+            log.debug("router failed", exc_info=True)
+            with self._cond:
+                if self._error is None:
+                    self._error = e
+                self._cond.notify_all()
+
+    def _router_loop(self) -> None:
+        while True:
+            with self._lock:
+                if self._closed:
+                    return
+                handles = [h for h in self._workers.values() if h.alive()]
+            waitables = [self._wake_r]
+            for h in handles:
+                waitables.append(h.conn)
+                if h.sentinel is not None:
+                    waitables.append(h.sentinel)
+            # No timeout: every event that matters (a message, a death, a command, a release
+            # by the consumer) makes one of these ready.
+            ready = mp_wait(waitables)
+            with self._cond:
+                if self._closed:
+                    return
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 65536)
+                    except BlockingIOError:
+                        pass
+                conn_of = {id(h.conn): h for h in handles}
+                sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
+                dead = []
+                for r in ready:
+                    if r == self._wake_r:
+                        continue
+                    h = conn_of.get(id(r))
+                    if h is not None:
+                        self._drain_conn(h, dead)
+                        continue
+                    h = sent_of.get(r)
+                    if h is not None:
+                        # Read what it sent before dying: committed work counts.
+                        self._drain_conn(h, dead)
+                        if h not in dead:
+                            dead.append(h)
+                for h in dead:
+                    if h.alive() or h.state == "gone":
+                        self._finish_worker(h)
+                while self._commands:
+                    cmd = self._commands.popleft()
+                    if cmd[0] == "resize":
+                        self._resize(cmd[1], cmd[2])
+                    elif cmd[0] == "budget":
+                        self._stages[cmd[1]].budget = cmd[2]
+                        self._rebudget(cmd[1])
+                while self._sink_frees:
+                    seg, off = self._sink_frees.popleft()
+                    self._free(seg, off)
+                if self._error is None:
+                    self._dispatch()
+                    self._check_progress()
+                self._flush_frees()
+                if self._error is not None:
+                    self._cond.notify_all()
+
+    def _drain_conn(self, h: pool.WorkerHandle, dead: list) -> None:
+        try:
+            while h.conn.poll():
+                msg = h.conn.recv()
+                self._on_message(h, msg)
+                if h.state == "gone":
+                    if h not in dead:
+                        dead.append(h)
+                    return
+        except (EOFError, OSError, pickle.UnpicklingError):
+            if h not in dead:
+                dead.append(h)
+
+    def _finish_worker(self, h: pool.WorkerHandle, why: str | None = None) -> None:
+        if h.state == "gone":
+            self._on_gone(h, died=False)
+            pool.stop_worker(h, 1.0)
+            return
+        if not h.thread:
+            h.proc.join(0.5)
+        if why is None:
+            why = pool.describe_exit(h)
+        if h.state == "retiring" and not h.inflight and not h.held:
+            self._on_gone(h, died=False)
+            return
+        if self._closed:
+            return
+        self._on_gone(h, died=True, why=why)

@@ -1,0 +1,165 @@
+"""Declarative specs of stages and executors (frozen, validated at construction)."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import cloudpickle
+
+from .errors import SpecError
+
+MiB = 1 << 20
+
+StageKind = Literal["source", "map", "flat_map", "batch_map", "stateful"]
+KINDS = ("source", "map", "flat_map", "batch_map", "stateful")
+
+
+class Reducer(Protocol):
+    """State of a stateful stage worker (batching, shuffling): items in, items out.
+
+    ``push`` takes one item and returns the items ready to go downstream (often none);
+    ``flush`` returns everything still held at the end of the stream; ``drain`` returns the
+    items held (unprocessed) so another worker can take them over when this one retires.
+    Batching returns the held items themselves; shuffling returns its buffer.
+    """
+
+    def push(self, item: Any) -> list[Any]: ...
+
+    def flush(self) -> list[Any]: ...
+
+    def drain(self) -> list[Any]: ...
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """One pipeline stage.
+
+    Args:
+        name: unique stage name (used in errors, stats and knobs).
+        kind: ``source`` (``fn(unit) -> iterable of items``, fed work units), ``map``
+            (``fn(item) -> item``), ``flat_map`` (``fn(item) -> iterable``), ``batch_map``
+            (``fn(list_of_items) -> list_of_items``, one call per frame), ``stateful``
+            (``fn() -> Reducer``, a factory called once per worker).
+        fn: the stage function; must pickle (cloudpickle is used, so lambdas and closures work
+            with process workers).
+        workers: initial worker count; min_workers/max_workers bound ``resize``.
+        buffer_bytes: byte budget of the stage's outbound channel (split across its workers).
+        max_buffer_bytes: the largest budget ``set_budget`` may set (address space reserved,
+            memory is used only when written).
+        frame_items: items grouped per frame (the unit of transfer and of recovery) by
+            source and stateful stages; map stages keep their input's framing.
+        worker_type: ``process`` or ``thread``.
+        on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop and count).
+        init: optional ``init(stage_name, worker_index)`` run once in every new worker.
+    """
+
+    name: str
+    kind: StageKind
+    fn: Callable[..., Any]
+    workers: int = 1
+    min_workers: int = 1
+    max_workers: int = 64
+    buffer_bytes: int = 64 * MiB
+    max_buffer_bytes: int | None = None
+    frame_items: int = 64
+    worker_type: Literal["process", "thread"] = "process"
+    on_error: Literal["raise", "skip"] = "raise"
+    init: Callable[[str, int], None] | None = None
+
+    def __post_init__(self) -> None:
+        where = f"stage {self.name!r}"
+        if not isinstance(self.name, str) or not self.name:
+            raise SpecError(f"StageSpec: name must be a non-empty str, got {self.name!r}")
+        if self.kind not in KINDS:
+            raise SpecError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
+        if not callable(self.fn):
+            raise SpecError(f"{where}: fn must be callable, got {type(self.fn).__name__}")
+        for arg in ("workers", "min_workers", "max_workers", "frame_items"):
+            v = getattr(self, arg)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise SpecError(f"{where}: {arg} must be a positive int, got {v!r}")
+        if not self.min_workers <= self.workers <= self.max_workers:
+            raise SpecError(
+                f"{where}: need min_workers <= workers <= max_workers, got "
+                f"{self.min_workers} <= {self.workers} <= {self.max_workers}"
+            )
+        if not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 64 * 1024:
+            raise SpecError(f"{where}: buffer_bytes must be an int >= 64 KiB, got {self.buffer_bytes!r}")
+        if self.max_buffer_bytes is None:
+            object.__setattr__(self, "max_buffer_bytes", max(self.buffer_bytes * 4, 256 * MiB))
+        if self.max_buffer_bytes < self.buffer_bytes:
+            raise SpecError(
+                f"{where}: max_buffer_bytes ({self.max_buffer_bytes}) < buffer_bytes ({self.buffer_bytes})"
+            )
+        if self.worker_type not in ("process", "thread"):
+            raise SpecError(f"{where}: worker_type must be 'process' or 'thread', got {self.worker_type!r}")
+        if self.on_error not in ("raise", "skip"):
+            raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
+
+    @property
+    def stateful(self) -> bool:
+        return self.kind == "stateful"
+
+
+@dataclass(frozen=True)
+class ExecutorSpec:
+    """A chain of stages; the first is the source.
+
+    Args:
+        stages: stage specs in data-flow order; exactly the first has kind ``source``.
+        ordered: deliver items in source order (stateful stages then run one worker each).
+        max_restarts: worker deaths tolerated (replaced and their work re-delivered) before
+            the executor fails with WorkerDiedError.
+        credits: frames in flight per worker (dispatched but not finished).
+        name: a tag for shared-memory names and logs.
+    """
+
+    stages: tuple[StageSpec, ...]
+    ordered: bool = False
+    max_restarts: int = 16
+    credits: int = 2
+    name: str = "pipe"
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        stages = tuple(self.stages)
+        object.__setattr__(self, "stages", stages)
+        if not stages:
+            raise SpecError("ExecutorSpec: stages is empty; the first stage must be a source")
+        if stages[0].kind != "source":
+            raise SpecError(f"stage {stages[0].name!r}: the first stage must have kind 'source', got {stages[0].kind!r}")
+        names = set()
+        for s in stages:
+            if not isinstance(s, StageSpec):
+                raise SpecError(f"ExecutorSpec: stages must be StageSpec, got {type(s).__name__}")
+            if s.name in names:
+                raise SpecError(f"stage {s.name!r}: duplicate stage name")
+            names.add(s.name)
+        for s in stages[1:]:
+            if s.kind == "source":
+                raise SpecError(f"stage {s.name!r}: only the first stage may be a source")
+        if self.ordered:
+            for s in stages:
+                if s.stateful and s.max_workers != 1:
+                    raise SpecError(
+                        f"stage {s.name!r}: ordered=True needs stateful stages with max_workers=1 "
+                        f"(got {s.max_workers}); set ordered=False or max_workers=1"
+                    )
+        if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise SpecError(f"ExecutorSpec: max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if not isinstance(self.credits, int) or self.credits < 1:
+            raise SpecError(f"ExecutorSpec: credits must be a positive int, got {self.credits!r}")
+
+
+def check_picklable(stage: StageSpec) -> bytes:
+    """Pickle a stage for process workers, or raise SpecError naming the stage."""
+    try:
+        return cloudpickle.dumps(stage)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise SpecError(
+            f"stage {stage.name!r}: its function does not pickle for process workers ({e}); "
+            f"make it picklable or use worker_type='thread'"
+        ) from e

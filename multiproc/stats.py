@@ -1,0 +1,131 @@
+"""Lock-free per-worker counters in shared memory, and snapshots of them.
+
+Each worker slot is one row of int64 counters written only by that worker (single writer;
+aligned 8-byte stores do not tear on the platforms torch supports), so the executor and any
+tuner read them at any time without a lock and without stopping anything.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .channel import Segment
+
+# Counter columns.
+ITEMS_IN, ITEMS_OUT, FRAMES_IN, FRAMES_OUT, BUSY_NS, BLOCKED_IN_NS, BLOCKED_OUT_NS, BYTES_OUT, ERRORS, SPILLED, PID, STARTED_NS, CPU_NS = range(13)
+N_COUNTERS = 16
+
+
+class CounterTable:
+    """An (n_slots x N_COUNTERS) int64 table in a shared-memory segment."""
+
+    def __init__(self, name: str, n_slots: int, create: bool):
+        size = n_slots * N_COUNTERS * 8
+        self.segment = Segment(name, size, create=create)
+        self.n_slots = n_slots
+        self.table = np.frombuffer(self.segment.mm, dtype=np.int64, count=n_slots * N_COUNTERS).reshape(
+            n_slots, N_COUNTERS
+        )
+        if create:
+            self.table[:] = 0
+
+    def row(self, slot: int) -> np.ndarray:
+        return self.table[slot]
+
+    def close(self, unlink: bool) -> None:
+        self.table = None  # drop the export before the mapping goes
+        if unlink:
+            self.segment.unlink()
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """Counters of one worker since it started."""
+
+    stage: str
+    slot: int
+    pid: int
+    items_in: int
+    items_out: int
+    frames_in: int
+    frames_out: int
+    busy_ns: int
+    blocked_in_ns: int
+    blocked_out_ns: int
+    bytes_out: int
+    errors: int
+    spilled: int
+    alive_ns: int
+    cpu_ns: int = 0
+
+
+@dataclass(frozen=True)
+class StageSnapshot:
+    """A stage's totals: all workers it ever had (dead and retired ones included)."""
+
+    name: str
+    workers: int
+    items_in: int
+    items_out: int
+    busy_ns: int
+    blocked_in_ns: int
+    blocked_out_ns: int
+    worker_ns: int
+    cpu_ns: int
+    bytes_out: int
+    errors: int
+    spilled: int
+    restarts: int
+    buffer_budget_bytes: int
+    buffer_used_bytes: int
+    buffer_items: int
+    queued_frames: int
+    per_worker: tuple[WorkerStats, ...] = field(default=())
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Everything the executor counts, at one instant (``t_ns`` from ``time.monotonic_ns``)."""
+
+    t_ns: int
+    stages: tuple[StageSnapshot, ...]
+    delivered_items: int
+    delivered_frames: int
+
+    def stage(self, name: str) -> StageSnapshot:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
+
+
+def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats:
+    r = row.copy()
+    return WorkerStats(
+        stage=stage,
+        slot=slot,
+        pid=int(r[PID]),
+        items_in=int(r[ITEMS_IN]),
+        items_out=int(r[ITEMS_OUT]),
+        frames_in=int(r[FRAMES_IN]),
+        frames_out=int(r[FRAMES_OUT]),
+        busy_ns=int(r[BUSY_NS]),
+        blocked_in_ns=int(r[BLOCKED_IN_NS]),
+        blocked_out_ns=int(r[BLOCKED_OUT_NS]),
+        bytes_out=int(r[BYTES_OUT]),
+        errors=int(r[ERRORS]),
+        spilled=int(r[SPILLED]),
+        alive_ns=max(0, now_ns - int(r[STARTED_NS])) if r[STARTED_NS] else 0,
+        cpu_ns=int(r[CPU_NS]),
+    )
+
+
+def table_name(tag: str) -> str:
+    return f"ttp_{os.getpid()}_{tag}_stats"
+
+
+now_ns = time.monotonic_ns

@@ -1,0 +1,337 @@
+"""The loop every stage worker runs (in a process or a thread).
+
+A worker talks only to the executor, over its own private pipe: it never shares a lock or a
+queue with other workers, so one killed at any instant cannot corrupt anything the others
+use. It takes frames (or, for the source, work units), runs the stage function, writes the
+results into its own arena, and commits them with one message. Releasing an input happens only
+after the outputs made from it are committed, so the executor can re-deliver whatever a dead
+worker held.
+
+Messages in:  run, unit, free, budget, spill_ok, drop, flush, retire, exit.
+Messages out: hello, emit, unit_done, done, flushed, handoff, blocked, frees, error, bye.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from typing import Any
+
+import cloudpickle
+
+from . import channel, reducers, stats
+from .channel import Allocator, MappingCache, Segment
+
+_ns = time.perf_counter_ns
+_cpu_ns = time.thread_time_ns
+
+
+class _Exit(Exception):
+    pass
+
+
+def _exc_payload(exc: BaseException) -> bytes | None:
+    try:
+        data = pickle.dumps(exc)
+        pickle.loads(data)
+        return data
+    except Exception:
+        return None
+
+
+class _Worker:
+    def __init__(self, conn, stage_bytes: bytes, wid: int, slot: int, index: int, stats_name: str,
+                 n_slots: int, seg_name: str, seg_size: int, budget: int):
+        self.conn = conn
+        self.stage = cloudpickle.loads(stage_bytes)
+        self.wid = wid
+        self.index = index
+        self.counters = stats.CounterTable(stats_name, n_slots, create=False)
+        self.row = self.counters.row(slot)
+        self.row[:] = 0
+        self.row[stats.PID] = os.getpid()
+        self.row[stats.STARTED_NS] = time.monotonic_ns()
+        self.seg = Segment(seg_name, seg_size, create=False)
+        self.alloc = Allocator(seg_size, budget)
+        self.cache = MappingCache()
+        self.pending_frees: list = []
+        self.deferred: collections.deque = collections.deque()
+        self.retiring = False
+        self.reducer = None
+        self.epoch = 0
+
+    # -- plumbing ---------------------------------------------------------------------------
+    def _release(self, ref) -> None:
+        # Runs from a finalizer, possibly in the middle of anything: only append.
+        self.pending_frees.append((ref.segment, ref.offset))
+
+    def _take_frees(self) -> list:
+        if not self.pending_frees:
+            return []
+        out, self.pending_frees = self.pending_frees, []
+        return out
+
+    def _recv(self):
+        if self.deferred:
+            return self.deferred.popleft()
+        frees = self._take_frees()
+        if frees:
+            self.conn.send(("frees", self.wid, frees))
+        t0 = _ns()
+        msg = self.conn.recv()
+        self.row[stats.BLOCKED_IN_NS] += _ns() - t0
+        return msg
+
+    def _handle_control(self, msg) -> bool:
+        """Handle a message that needs no stage work; False if it must wait its turn."""
+        kind = msg[0]
+        if kind == "free":
+            for off in msg[1]:
+                self.alloc.free(off)
+        elif kind == "budget":
+            self.alloc.limit = min(self.alloc.size, msg[1])
+        elif kind == "drop":
+            self.cache.drop(msg[1])
+        elif kind == "exit":
+            raise _Exit
+        elif kind == "spill_ok":
+            pass  # only meaningful while blocked
+        elif kind == "epoch":
+            self.epoch = msg[1]
+            self.reducer = None
+        else:
+            return False
+        return True
+
+    def _encode(self, obj):
+        """Write one frame into the arena, waiting for space (backpressure) if needed."""
+        payload, nbytes = channel.encode(obj, self.alloc, self.seg)
+        if payload is not None:
+            return payload, nbytes
+        t0 = _ns()
+        if nbytes > self.alloc.limit:
+            # Larger than this worker's whole budget: it can never fit; send it inline.
+            self.row[stats.SPILLED] += 1
+            payload, nbytes = channel.encode(obj, None, None)
+            return payload, nbytes
+        self.conn.send(("blocked", self.wid, self._take_frees()))
+        try:
+            while True:
+                msg = self.conn.recv()
+                if msg[0] == "spill_ok":
+                    # Every frame of ours is already held by consumers (none queued or in
+                    # flight): waiting could deadlock, so this one travels inline.
+                    self.row[stats.SPILLED] += 1
+                    return channel.encode(obj, None, None)
+                if not self._handle_control(msg):
+                    self.deferred.append(msg)
+                    continue
+                if msg[0] == "free" or msg[0] == "budget":
+                    payload, nbytes = channel.encode(obj, self.alloc, self.seg)
+                    if payload is not None:
+                        self.conn.send(("unblocked", self.wid))
+                        return payload, nbytes
+        finally:
+            self.row[stats.BLOCKED_OUT_NS] += _ns() - t0
+
+    def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list:
+        outs = []
+        for i in range(0, len(items), frame_items):
+            chunk = items[i : i + frame_items]
+            payload, nbytes = self._encode(chunk)
+            outs.append((payload, len(chunk)))
+            if count:
+                self.row[stats.BYTES_OUT] += nbytes
+                self.row[stats.FRAMES_OUT] += 1
+                self.row[stats.ITEMS_OUT] += len(chunk)
+        return outs
+
+    def _error(self, frame_id, exc: BaseException, where: str) -> bool:
+        """Report or count a stage-function failure; True when processing may go on."""
+        self.row[stats.ERRORS] += 1
+        if self.stage.on_error == "skip":
+            return True
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.conn.send(("error", self.wid, frame_id, _exc_payload(exc), type(exc).__name__, str(exc), tb, where))
+        return False
+
+    # -- stage kinds -----------------------------------------------------------------------
+    def run_unit(self, unit_id, unit, skip_frames: int) -> None:
+        fi = self.stage.frame_items
+        k = 0
+        buf: list = []
+        t0, c0 = _ns(), _cpu_ns()
+        try:
+            for item in self.stage.fn(unit):
+                buf.append(item)
+                if len(buf) == fi:
+                    if k >= skip_frames:
+                        self._send_unit_frame(unit_id, k, buf)
+                    k += 1
+                    buf = []
+            if buf:
+                if k >= skip_frames:
+                    self._send_unit_frame(unit_id, k, buf)
+                k += 1
+        except Exception as e:
+            if not self._error(unit_id, e, f"work unit {unit!r}"):
+                return
+        finally:
+            self.row[stats.BUSY_NS] += _ns() - t0
+            self.row[stats.CPU_NS] += _cpu_ns() - c0
+        self.row[stats.FRAMES_IN] += 1
+        self.conn.send(("unit_done", self.wid, unit_id, k, self._take_frees()))
+
+    def _send_unit_frame(self, unit_id, k: int, items: list) -> None:
+        payload, nbytes = self._encode(items)
+        self.row[stats.BYTES_OUT] += nbytes
+        self.row[stats.FRAMES_OUT] += 1
+        self.row[stats.ITEMS_OUT] += len(items)
+        self.row[stats.ITEMS_IN] += len(items)
+        self.conn.send(("emit", self.wid, unit_id, k, payload, len(items)))
+
+    def run_frame(self, frame_id, payload, skip: frozenset) -> None:
+        t0, c0 = _ns(), _cpu_ns()
+        items = channel.decode(payload, self.cache, self._release)
+        self.row[stats.FRAMES_IN] += 1
+        self.row[stats.ITEMS_IN] += len(items)
+        st = self.stage
+        try:
+            if st.kind == "stateful":
+                self._run_stateful(frame_id, items, skip)
+                return
+            out: list = []
+            if st.kind == "batch_map":
+                try:
+                    out = list(st.fn(items))
+                except Exception as e:
+                    if not self._error(frame_id, e, f"frame of {len(items)} items"):
+                        return
+            else:
+                fn = st.fn
+                flat = st.kind == "flat_map"
+                for i, x in enumerate(items):
+                    try:
+                        if flat:
+                            out.extend(fn(x))
+                        else:
+                            out.append(fn(x))
+                    except Exception as e:
+                        if not self._error(frame_id, e, f"item {i} of frame {frame_id}"):
+                            return
+            del items
+            payload_out, nbytes = self._encode(out)
+            self.row[stats.BYTES_OUT] += nbytes
+            self.row[stats.FRAMES_OUT] += 1
+            self.row[stats.ITEMS_OUT] += len(out)
+            self.conn.send(("done", self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees()))
+        finally:
+            self.row[stats.BUSY_NS] += _ns() - t0
+            self.row[stats.CPU_NS] += _cpu_ns() - c0
+
+    def _run_stateful(self, frame_id, items: list, skip: frozenset) -> None:
+        if self.reducer is None:
+            self.reducer = self.stage.fn(self.epoch, self.index)
+        ready: list = []
+        consumed: dict = {}
+        for i, x in enumerate(items):
+            if i in skip:
+                continue
+            try:
+                ready.extend(self.reducer.push((frame_id, i), x))
+            except Exception as e:
+                if not self._error(frame_id, e, f"item {i} of frame {frame_id}"):
+                    return
+                consumed.setdefault(frame_id, []).append(i)
+        del items
+        self._commit_stateful("done", frame_id, ready, consumed)
+
+    def _commit_stateful(self, kind: str, frame_id, ready: list, consumed: dict) -> None:
+        outs_items = []
+        for tags, out in ready:
+            if out is not reducers.DROPPED:
+                outs_items.append(out)
+            for fid, i in tags:
+                consumed.setdefault(fid, []).append(i)
+        outs = self._emit_frames(outs_items, self.stage.frame_items) if outs_items else []
+        del ready, outs_items
+        self.conn.send((kind, self.wid, frame_id, outs, consumed, self._take_frees()))
+
+    def flush(self) -> None:
+        t0 = _ns()
+        ready = self.reducer.flush() if self.reducer is not None else []
+        self._commit_stateful("flushed", None, ready, {})
+        self.row[stats.BUSY_NS] += _ns() - t0
+
+    def handoff(self) -> None:
+        """Give the items held in state back to the stage (this worker retires)."""
+        held = self.reducer.drain() if self.reducer is not None else []
+        consumed: dict = {}
+        items = []
+        for (fid, i), x in held:
+            items.append(x)
+            consumed.setdefault(fid, []).append(i)
+        # Handed-over items are not outputs; undo their input count, the taker counts them.
+        outs = self._emit_frames(items, max(len(items), 1), count=False) if items else []
+        self.row[stats.ITEMS_IN] -= len(items)
+        self.conn.send(("handoff", self.wid, None, outs, consumed, self._take_frees()))
+
+    # -- main loop --------------------------------------------------------------------------
+    def loop(self) -> None:
+        if self.stage.init is not None:
+            self.stage.init(self.stage.name, self.index)
+        self.conn.send(("hello", self.wid, os.getpid()))
+        while True:
+            msg = self._recv()
+            if self._handle_control(msg):
+                continue
+            kind = msg[0]
+            if kind == "run":
+                self.run_frame(msg[1], msg[2], msg[3])
+            elif kind == "unit":
+                self.run_unit(msg[1], msg[2], msg[3])
+            elif kind == "flush":
+                self.flush()
+            elif kind == "retire":
+                if self.stage.kind == "stateful":
+                    self.handoff()
+                self.conn.send(("bye", self.wid, self._take_frees()))
+                return
+            else:
+                raise RuntimeError(f"worker got unknown message {kind!r}")
+
+    def close(self) -> None:
+        self.cache.clear()
+        self.counters.close(unlink=False)
+
+
+def worker_main(conn, *args, is_thread: bool = False) -> None:
+    """Entry point of a worker (process target or thread target)."""
+    if not is_thread:
+        # Ctrl-C goes to the whole process group; the consumer decides what happens, and the
+        # executor stops workers. A worker dying of SIGINT would look like a crash.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    w = None
+    try:
+        w = _Worker(conn, *args)
+        w.loop()
+    except (_Exit, EOFError, BrokenPipeError, ConnectionResetError):
+        pass
+    except BaseException as e:  # report anything else (e.g. init failed) before dying
+        tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        try:
+            conn.send(("error", args[1] if len(args) > 1 else -1, None, _exc_payload(e), type(e).__name__, str(e), tb, "worker start"))
+        except Exception:
+            print(tb, file=sys.stderr)
+    finally:
+        if w is not None:
+            w.close()
+        try:
+            conn.close()
+        except Exception:
+            pass

@@ -1,0 +1,78 @@
+"""Suite-wide guards: every test must leave no child process and no /dev/shm entry behind."""
+
+from __future__ import annotations
+
+import multiprocessing.forkserver as _fs
+import multiprocessing.resource_tracker as _rt
+import os
+import time
+
+import psutil
+import pytest
+
+SHM = "/dev/shm"
+
+
+def _service_pids() -> set[int]:
+    """Long-lived helpers multiprocessing keeps for the whole session (not leaks)."""
+    pids = set()
+    fs_pid = getattr(_fs._forkserver, "_forkserver_pid", None)
+    if fs_pid:
+        pids.add(fs_pid)
+    rt_pid = getattr(_rt._resource_tracker, "_pid", None)
+    if rt_pid:
+        pids.add(rt_pid)
+    return pids
+
+
+def _children() -> dict[int, str]:
+    me = psutil.Process()
+    services = _service_pids()
+    out = {}
+    for p in me.children(recursive=True):
+        if p.pid in services:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            out[p.pid] = " ".join(p.cmdline()[:3])
+        except psutil.Error:
+            continue
+    return out
+
+
+def _shm() -> set[str]:
+    """This session's segments: the executor names every segment after the creating pid, so
+    other processes on the machine (parallel test runs) cannot cause false alarms."""
+    prefix = f"ttp_{os.getpid()}_"
+    try:
+        return {n for n in os.listdir(SHM) if n.startswith(prefix)}
+    except FileNotFoundError:
+        return set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    """Fail a test that leaves a child process or a shared-memory segment behind."""
+    before_children = set(_children())
+    before_shm = _shm()
+    yield
+    deadline = time.monotonic() + 5.0
+    while True:
+        left = {p: c for p, c in _children().items() if p not in before_children}
+        new_shm = _shm() - before_shm
+        if (not left and not new_shm) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)  # polling with a deadline: process exit has no portable event here
+    for pid in left:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    for name in new_shm:
+        try:
+            os.unlink(os.path.join(SHM, name))
+        except OSError:
+            pass
+    assert not left, f"test left child processes behind: {left}"
+    assert not new_shm, f"test left shared-memory segments behind: {sorted(new_shm)}"

@@ -1,0 +1,53 @@
+"""Stage functions for executor tests (module level so worker processes can import them)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import torch
+
+
+def read_range(unit):
+    lo, hi = unit
+    yield from range(lo, hi)
+
+
+def identity(x):
+    return x
+
+
+def add_one(x):
+    return x + 1
+
+
+def fail_on_13(x):
+    if x == 13:
+        raise KeyError(f"bad id {x}")
+    return x
+
+
+def big_tensor(x):
+    return {"id": x, "payload": torch.full((64 * 1024,), float(x))}
+
+
+def die_on_first(x):
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def make_payload(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "f32": torch.randn(8192, 13, generator=g),
+        "i64": torch.randint(0, 1 << 40, (50000,), generator=g),
+        "bf16": torch.randn(3000, generator=g).bfloat16(),
+        "bool": torch.rand(5000, generator=g) > 0.5,
+        "strided": torch.arange(20000.0).reshape(100, 200)[:, ::3],
+        "scalar": torch.tensor(3.5),
+        "empty": torch.empty(0, 4),
+        "np": np.arange(10000, dtype=np.int32).reshape(100, 100),
+        "np_small": np.arange(4),
+        "nested": [("a", 1), {"b": torch.ones(3)}],
+        "text": "héllo",
+    }

@@ -1,0 +1,144 @@
+import pytest
+
+from torchtune_pipe.tuning import (
+    TUNERS,
+    Allocation,
+    HeuristicTuner,
+    MiB,
+    Observation,
+    StageStats,
+    StaticTuner,
+    Tuner,
+    UnoptimizedTuner,
+    even_split,
+    is_io_bound,
+    make_tuner,
+    oversubscribe_factor,
+    safe,
+)
+
+
+def obs_of(workers=(1, 1, 1), cpus=10.0, memory=1 << 30, **stage_kw):
+    stages = tuple(
+        StageStats(name=f"s{i}", workers=w, items_per_s=100.0, busy=0.9, **stage_kw)
+        for i, w in enumerate(workers)
+    )
+    return Observation(
+        stages, throughput=100.0, cpus=cpus, memory_limit_bytes=memory, memory_used_bytes=0
+    )
+
+
+def test_even_split_gives_remainder_to_first_stages():
+    assert even_split(10, 3) == (4, 3, 3)
+    assert even_split(11, 3) == (4, 4, 3)
+    assert even_split(9, 3) == (3, 3, 3)
+    assert even_split(2, 3) == (1, 1, 1)  # never fewer than one each
+    with pytest.raises(ValueError, match="n must be"):
+        even_split(4, 0)
+
+
+def test_heuristic_splits_cpus_evenly():
+    tuner = HeuristicTuner()
+    alloc = tuner.reset(obs_of(cpus=10))
+    assert alloc.workers == (4, 3, 3)
+    assert alloc.buffer_bytes == (64 * MiB,) * 3
+    assert tuner.step(obs_of(cpus=10)) == alloc
+    assert HeuristicTuner().reset(obs_of(cpus=7.5)).workers == (3, 2, 2)
+
+
+def test_heuristic_memory_fraction_split():
+    alloc = HeuristicTuner(buffer_bytes=None, memory_fraction=0.5).reset(
+        obs_of(cpus=3, memory=300 * MiB)
+    )
+    assert alloc.buffer_bytes == (50 * MiB,) * 3
+    with pytest.raises(ValueError, match="memory_fraction"):
+        HeuristicTuner(memory_fraction=0.0)
+
+
+def test_unoptimized_one_worker_min_buffers():
+    alloc = UnoptimizedTuner().reset(obs_of(cpus=16))
+    assert alloc == Allocation((1, 1, 1), (MiB, MiB, MiB))
+    stages = tuple(StageStats(name=f"s{i}", workers=1, min_workers=m) for i, m in enumerate((2, 1)))
+    obs = Observation(stages, 0.0, cpus=8, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    assert UnoptimizedTuner().reset(obs).workers == (2, 1)
+
+
+def test_static_returns_given_allocation_and_checks_length():
+    tuner = StaticTuner(workers=(2, 3, 1), buffer_bytes=8 * MiB)
+    assert tuner.reset(obs_of(cpus=10)) == Allocation((2, 3, 1), (8 * MiB,) * 3)
+    with pytest.raises(ValueError, match="2 entries but the pipeline has 3 stages"):
+        StaticTuner(workers=(1, 1)).reset(obs_of())
+    with pytest.raises(ValueError, match="positive"):
+        StaticTuner(workers=(0, 1))
+
+
+def test_fixed_tuners_are_clamped_to_cpu_and_memory():
+    tuner = StaticTuner(workers=(8, 8, 8), buffer_bytes=(400 * MiB, 400 * MiB, 200 * MiB))
+    alloc = tuner.reset(obs_of(cpus=6, memory=500 * MiB))
+    assert sum(alloc.workers) == 6 and min(alloc.workers) >= 1
+    assert sum(alloc.buffer_bytes) <= 500 * MiB
+    # The machine shrinks: the same tuner obeys the new budget at the next step.
+    assert sum(tuner.step(obs_of(cpus=3, memory=500 * MiB)).workers) == 3
+    # Never fewer than one worker per stage, even with fewer CPUs than stages.
+    assert tuner.step(obs_of(cpus=1)).workers == (1, 1, 1)
+
+
+def test_io_bound_classification():
+    assert is_io_bound(StageStats("a", 1, io_bound=True))
+    assert is_io_bound(StageStats("a", 1, items_per_s=5.0, busy=0.1, blocked_in=0.05))
+    # Low busy because starved by the upstream stage is not I/O.
+    assert not is_io_bound(StageStats("a", 1, items_per_s=5.0, busy=0.1, blocked_in=0.8))
+    assert not is_io_bound(StageStats("a", 1, items_per_s=5.0, busy=0.9))
+    assert not is_io_bound(StageStats("a", 1))  # nothing measured yet
+
+
+def test_io_bound_stages_may_oversubscribe():
+    stages = (
+        StageStats("read", 4, items_per_s=10.0, busy=0.25, io_bound=True),
+        StageStats("udf", 2, items_per_s=10.0, busy=1.0),
+    )
+    obs = Observation(stages, 10.0, cpus=4, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    want = Allocation((4, 2), (MiB, MiB))
+    # Four reader workers at 25% busy free 3 cores: cap = 4 * (1 + 3/4) = 7 workers.
+    assert oversubscribe_factor(obs, want) == pytest.approx(1.75)
+    assert safe(want, obs) == want
+    # Without the I/O stage the same request is cut to the 4 CPUs.
+    cpu_only = Observation((stages[1], stages[1]), 10.0, 4, 1 << 30, 0)
+    assert sum(safe(want, cpu_only).workers) == 4
+    # The factor is capped at 2x.
+    many = Allocation((40, 2), (MiB, MiB))
+    assert oversubscribe_factor(obs, many) == 2.0
+    assert sum(safe(many, obs).workers) == 8
+
+
+def test_safe_rejects_wrong_stage_count():
+    with pytest.raises(ValueError, match="allocation has 2 stages but the pipeline has 3"):
+        safe(Allocation((1, 1), (MiB, MiB)), obs_of())
+
+
+def test_registry_makes_every_baseline():
+    assert set(TUNERS) >= {
+        "static",
+        "unoptimized",
+        "heuristic",
+        "autotune",
+        "autotune-adaptive",
+        "plumber",
+        "plumber-adaptive",
+        "oracle",
+        "intune",
+    }
+    obs = obs_of(cpus=6)
+    for name in TUNERS:
+        if name == "intune":
+            continue
+        kw = {"workers": (1, 2, 3)} if name == "static" else {}
+        tuner = make_tuner(name, **kw)
+        assert isinstance(tuner, Tuner)
+        alloc = tuner.reset(obs)
+        assert len(alloc.workers) == 3 and sum(alloc.workers) <= 6
+        assert len(tuner.step(obs).workers) == 3
+    assert make_tuner("autotune-adaptive").config.adaptive
+    assert make_tuner("plumber-adaptive").adaptive
+    with pytest.raises(ValueError, match="unknown tuner 'nope'"):
+        make_tuner("nope")

@@ -1,0 +1,143 @@
+import json
+import threading
+
+import pytest
+
+from torchtune_pipe.tuning import (
+    Allocation,
+    HeuristicTuner,
+    Limits,
+    MiB,
+    TuningLoop,
+    run_episode,
+)
+from torchtune_pipe.tuning.testing import LinearTunable
+
+WAIT_S = 10.0  # generous deadline for events; tests normally finish in milliseconds
+
+
+class SignallingTunable(LinearTunable):
+    """Sets ``observed`` once ``target`` observations have happened."""
+
+    def __init__(self, *args, target=3, **kw):
+        super().__init__(*args, **kw)
+        self.target = target
+        self.calls = 0
+        self.observed = threading.Event()
+
+    def observe(self):
+        obs = super().observe()
+        self.calls += 1
+        if self.calls >= self.target:
+            self.observed.set()
+        return obs
+
+
+class FailingTuner(HeuristicTuner):
+    name = "failing"
+
+    def step(self, obs):
+        raise RuntimeError("boom in step")
+
+
+class ShiftingTuner(HeuristicTuner):
+    """Alternates between two allocations so every step applies something new."""
+
+    name = "shifting"
+
+    def step(self, obs):
+        w = (3, 1) if obs.t % 2 else (1, 3)
+        return Allocation(w, (8 * MiB, 8 * MiB))
+
+
+def test_loop_applies_logs_and_stops(tmp_path):
+    pipe = SignallingTunable((0.01, 0.02), cpus=4, target=5)
+    log_path = tmp_path / "decisions.jsonl"
+    loop = TuningLoop(pipe, ShiftingTuner(), interval_s=0.005, log_path=str(log_path)).start()
+    assert pipe.observed.wait(WAIT_S)
+    loop.stop()
+    assert not loop.running
+    assert loop.steps >= 5 and pipe.applied[0].workers == (2, 2)  # reset: heuristic split
+    assert {a.workers for a in pipe.applied[1:]} == {(3, 1), (1, 3)}
+    records = [json.loads(line) for line in log_path.read_text().splitlines()]
+    assert len(records) == loop.steps
+    first = records[0]
+    assert first["tuner"] == "shifting" and first["allocation"]["workers"] == [2, 2]
+    assert set(first) >= {"t", "obs", "allocation", "tuner", "step_s", "applied"}
+    assert set(first["obs"]) >= {"throughput", "cpus", "workers", "memory_used_bytes"}
+    assert all(r["step_s"] >= 0 for r in records)
+    assert 0.0 <= loop.cpu_fraction <= 1.0 and loop.cpu_s > 0.0
+    assert loop.last_allocation == pipe.allocation
+
+
+def test_loop_clamps_with_limits_fn():
+    pipe = SignallingTunable((0.01, 0.02), cpus=64, target=2)
+    limits = Limits(cpus=3, memory_bytes=4 * MiB)
+    with TuningLoop(pipe, ShiftingTuner(), interval_s=0.005, limits_fn=lambda obs: limits):
+        assert pipe.observed.wait(WAIT_S)
+    assert all(sum(a.workers) <= 3 and sum(a.buffer_bytes) <= 4 * MiB for a in pipe.applied)
+
+
+def test_tuner_exception_stops_the_loop_and_is_raised_by_stop(tmp_path):
+    pipe = SignallingTunable((0.01, 0.02), cpus=4, target=2)
+    log_path = tmp_path / "decisions.jsonl"
+    loop = TuningLoop(pipe, FailingTuner(), interval_s=0.005, log_path=str(log_path)).start()
+    assert pipe.observed.wait(WAIT_S)
+    with pytest.raises(RuntimeError, match="boom in step"):
+        loop.stop()
+    assert isinstance(loop.error, RuntimeError) and not loop.running
+    assert pipe.calls == 2  # nothing ran after the failing step
+    last = json.loads(log_path.read_text().splitlines()[-1])
+    assert last["error"] == "RuntimeError: boom in step"
+    loop.stop()  # reported once; a second stop is quiet
+
+
+def test_context_manager_surfaces_tuner_error():
+    pipe = SignallingTunable((0.01, 0.02), cpus=4, target=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with TuningLoop(pipe, FailingTuner(), interval_s=0.005):
+            assert pipe.observed.wait(WAIT_S)
+
+
+def test_context_manager_keeps_the_callers_exception():
+    pipe = SignallingTunable((0.01, 0.02), cpus=4, target=2)
+    with pytest.raises(KeyError):
+        with TuningLoop(pipe, FailingTuner(), interval_s=0.005) as loop:
+            assert pipe.observed.wait(WAIT_S)
+            raise KeyError("training failed")
+    assert isinstance(loop.error, RuntimeError)
+
+
+def test_lifecycle_errors():
+    pipe = LinearTunable((0.01,), cpus=1)
+    with pytest.raises(ValueError, match="interval_s must be positive"):
+        TuningLoop(pipe, HeuristicTuner(), interval_s=0)
+    loop = TuningLoop(pipe, HeuristicTuner(), interval_s=60.0)
+    loop.stop()  # never started: nothing to do
+    loop = TuningLoop(pipe, HeuristicTuner(), interval_s=60.0).start()
+    with pytest.raises(RuntimeError, match="already started"):
+        loop.start()
+    loop.stop()  # wakes the 60 s wait at once
+    assert not loop.running and loop.steps == 1
+
+
+def test_run_episode_steps_and_clamps():
+    pipe = LinearTunable((0.01, 0.02), cpus=4)
+    trace = run_episode(pipe, ShiftingTuner(), steps=6)
+    assert len(trace) == 6 and [o.t for o in trace] == [2, 3, 4, 5, 6, 7]
+    assert pipe.applied[0].workers == (2, 2) and len(pipe.applied) == 7
+    limits = Limits(cpus=2, memory_bytes=1 << 30)
+    run_episode(pipe, ShiftingTuner(), steps=3, limits_fn=lambda obs: limits)
+    assert all(a.workers == (1, 1) for a in pipe.applied[-4:])
+    with pytest.raises(ValueError, match="steps must be"):
+        run_episode(pipe, ShiftingTuner(), steps=-1)
+
+
+def test_run_episode_ends_on_oom():
+    pipe = LinearTunable((0.01, 0.02), cpus=4, memory_limit_bytes=16 * MiB)
+    # Heuristic buffers of 64 MiB per stage are clamped to the limit, so no OOM...
+    assert len(run_episode(pipe, HeuristicTuner(), steps=4)) == 4
+    # ...but a limit that drops below what is in use ends the episode.
+    pipe.memory_limit_bytes = 1
+    trace = run_episode(pipe, HeuristicTuner(), steps=4)
+    assert len(trace) == 1 and trace[0].oom

@@ -1,0 +1,57 @@
+"""torchtune_pipe: self-tuning data-loading pipelines for PyTorch.
+
+Build a :class:`Pipeline` from a source, iterate it with a :class:`Loader` (optionally steered
+by a tuner), or swap ``torch.utils.data.DataLoader`` for :class:`DataLoader`.
+"""
+
+from .dataloader import DataLoader
+from .errors import (
+    BadLinesError,
+    LoaderTimeoutError,
+    PipelineError,
+    SourceError,
+    StateError,
+    TorchtunePipeError,
+)
+from .loader import Loader, RunningPipeline, transfer
+from .pipeline import Pipeline, Prefetch, Stage
+from .sources import (
+    FileRange,
+    IndexUnit,
+    IterableDatasetSource,
+    LineFileSource,
+    MapDatasetSource,
+    NodeSource,
+    ShardUnit,
+    Source,
+    as_source,
+)
+from .telemetry import Machine, Meter, observe
+
+__all__ = [
+    "BadLinesError",
+    "DataLoader",
+    "FileRange",
+    "IndexUnit",
+    "IterableDatasetSource",
+    "LineFileSource",
+    "Loader",
+    "LoaderTimeoutError",
+    "Machine",
+    "MapDatasetSource",
+    "Meter",
+    "NodeSource",
+    "Pipeline",
+    "PipelineError",
+    "Prefetch",
+    "RunningPipeline",
+    "ShardUnit",
+    "Source",
+    "SourceError",
+    "Stage",
+    "StateError",
+    "TorchtunePipeError",
+    "as_source",
+    "observe",
+    "transfer",
+]

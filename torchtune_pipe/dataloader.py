@@ -1,0 +1,291 @@
+"""A drop-in replacement for ``torch.utils.data.DataLoader``, running on tuned stage pools.
+
+``torchtune_pipe.DataLoader`` takes the same arguments and yields the same batches in the
+same order as torch's for the same seed. Underneath, a map-style dataset becomes a *fetch*
+stage (``__getitem__``/``__getitems__`` on the sampler's batches, drawn in the main process
+exactly as torch draws them) and a *collate* stage; with ``num_workers="auto"`` they are two
+stages a tuner splits the CPUs between, with an integer they are one stage of that many
+workers (torch's own arrangement). An ``IterableDataset`` is read as ``num_workers`` shards
+(``get_worker_info()`` works as in torch) and delivered round-robin, as torch does.
+
+It deliberately does not subclass torch's DataLoader (frameworks that re-instantiate
+DataLoader subclasses would rebuild it as a plain one).
+
+Example:
+    >>> from torchtune_pipe import DataLoader        # was: from torch.utils.data import ...
+    >>> loader = DataLoader(ds, batch_size=64, shuffle=True, num_workers="auto")  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from .loader import Loader
+from .pipeline import Pipeline
+from .sources import IterableDatasetSource, MapDatasetSource
+
+log = logging.getLogger(__name__)
+
+
+class _Collate:
+    """The collate stage's function."""
+
+    def __init__(self, collate: Callable[[Any], Any]):
+        self.collate = collate
+
+    def __call__(self, data: Any) -> Any:
+        return self.collate(data)
+
+
+class _Collated:
+    """A source whose items are collated where they are fetched (torch's arrangement: one
+    stage of ``num_workers`` workers doing both)."""
+
+    def __init__(self, source: Any, collate: Callable[[Any], Any]):
+        self.source = source
+        self.collate = collate
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def units(self, epoch: int = 0) -> list:
+        return self.source.units(epoch)
+
+    def units_state(self) -> Any:
+        return getattr(self.source, "units_state", lambda: None)()
+
+    def load_units_state(self, state: Any) -> None:
+        if hasattr(self.source, "load_units_state"):
+            self.source.load_units_state(state)
+
+    def read(self, unit: Any) -> Iterator[Any]:
+        for _, x in self.read_from(unit, frozenset()):
+            yield x
+
+    def read_from(self, unit: Any, skip: frozenset) -> Iterator[tuple[int, Any]]:
+        from .sources import read_indexed
+
+        for k, data in read_indexed(self.source, unit, skip):
+            yield k, self.collate(data)
+
+
+class _WorkerInit:
+    """``StageSpec.init`` for the fetch stage: sets torch's worker info, then calls the
+    user's ``worker_init_fn(worker_index)`` (as torch does, once per worker process)."""
+
+    def __init__(self, source: MapDatasetSource, num_workers: int, worker_init_fn: Callable | None):
+        self.source = source
+        self.num_workers = num_workers
+        self.worker_init_fn = worker_init_fn
+
+    def __call__(self, stage_name: str, index: int) -> None:
+        from torch.utils.data._utils import worker as torch_worker
+
+        torch_worker._worker_info = torch_worker.WorkerInfo(
+            id=index, num_workers=self.num_workers, seed=index, dataset=self.source.dataset
+        )
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(index)
+
+
+class DataLoader:
+    """``torch.utils.data.DataLoader``'s interface on a tuned, resumable pipeline.
+
+    Args: those of ``torch.utils.data.DataLoader`` (same defaults, same validation), plus:
+        num_workers: an int (as torch), or ``"auto"``: separate fetch and collate stages whose
+            workers ``tuner`` moves (default tuner ``"heuristic"``).
+        tuner: as :class:`~torchtune_pipe.loader.Loader` (None: fixed workers).
+        progress: show a live per-stage table.
+
+    Differences from torch: workers come from a fork server (``multiprocessing_context`` is
+    accepted and ignored), are kept across epochs (``persistent_workers`` is implied), and
+    a pipeline that dies is restarted up to 16 times before the error reaches you.
+    ``state_dict()`` / ``load_state_dict()`` resume mid-epoch with exactly the batches not
+    yet delivered, whatever the worker counts.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int | None = 1,
+        shuffle: bool | None = None,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        num_workers: int | str = 0,
+        collate_fn: Callable[[Any], Any] | None = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: int | None = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        tuner: Any = None,
+        progress: bool = False,
+    ):
+        from torch.utils.data import IterableDataset
+        from torch.utils.data._utils.collate import default_collate, default_convert
+
+        auto = num_workers == "auto"
+        if not auto and (not isinstance(num_workers, int) or num_workers < 0):
+            raise ValueError(
+                "num_workers option should be non-negative (or 'auto'); use num_workers=0 to "
+                "disable multiprocessing."
+            )
+        if timeout < 0:
+            raise ValueError("timeout option should be non-negative")
+        if num_workers == 0 and prefetch_factor is not None:
+            raise ValueError(
+                "prefetch_factor option could only be specified in multiprocessing."
+                "let num_workers > 0 to enable multiprocessing, otherwise set prefetch_factor to None."
+            )
+        if prefetch_factor is not None and prefetch_factor < 0:
+            raise ValueError("prefetch_factor option should be non-negative")
+        if persistent_workers and num_workers == 0:
+            raise ValueError("persistent_workers option needs num_workers > 0")
+        iterable = isinstance(dataset, IterableDataset)
+        if iterable:
+            if shuffle not in (False, None):
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified shuffle option, but got shuffle={shuffle}"
+                )
+            if sampler is not None:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified sampler option, but got sampler={sampler}"
+                )
+            if batch_sampler is not None:
+                raise ValueError(
+                    f"DataLoader with IterableDataset: expected unspecified batch_sampler option, but got batch_sampler={batch_sampler}"
+                )
+        if sampler is not None and shuffle:
+            raise ValueError("sampler option is mutually exclusive with shuffle")
+        if batch_sampler is not None:
+            if batch_size != 1 or shuffle or sampler is not None or drop_last:
+                raise ValueError(
+                    "batch_sampler option is mutually exclusive with batch_size, shuffle, sampler, and drop_last"
+                )
+            batch_size = None
+            drop_last = False
+        elif batch_size is None and drop_last:
+            raise ValueError(
+                "batch_size=None option disables auto-batching and is mutually exclusive with drop_last=True"
+            )
+        auto_collation = batch_sampler is not None or batch_size is not None
+        if collate_fn is None:
+            collate_fn = default_collate if auto_collation else default_convert
+
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.collate_fn = collate_fn
+        self.pin_memory = pin_memory
+        self.pin_memory_device = pin_memory_device
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        self.multiprocessing_context = multiprocessing_context
+        self.generator = generator
+        self.prefetch_factor = prefetch_factor
+        self.persistent_workers = persistent_workers
+        self.in_order = in_order
+
+        workers = 2 if auto else num_workers
+        if iterable:
+            self.source: Any = IterableDatasetSource(
+                dataset,
+                shards=max(1, workers),
+                batch_size=batch_size,
+                drop_last=drop_last,
+                worker_init_fn=worker_init_fn if workers > 0 else None,
+            )
+            self.sampler = self.batch_sampler = None
+        else:
+            self.source = MapDatasetSource(
+                dataset,
+                batch_size=batch_size,
+                shuffle=bool(shuffle),
+                sampler=sampler,
+                batch_sampler=batch_sampler,
+                drop_last=drop_last,
+                generator=generator,
+                seed_units=workers > 0,
+            )
+            self.sampler = self.source.sampler
+            self.batch_sampler = (
+                self.source.batch_sampler if batch_sampler is None else batch_sampler
+            )
+        init = None
+        if not iterable and workers > 0:
+            init = _WorkerInit(self.source, workers, worker_init_fn)
+        bounded = max(1, workers)
+        if auto:
+            pipe = Pipeline.from_source(self.source, name="fetch", workers=1, init=init)
+            pipe = pipe.map(_Collate(collate_fn), name="collate", workers=1)
+        else:
+            pipe = Pipeline.from_source(
+                _Collated(self.source, collate_fn),
+                name="fetch",
+                workers=bounded,
+                max_workers=max(64, bounded),
+                init=init,
+            )
+        depth = (prefetch_factor or 2) * max(1, workers)
+        if pin_memory or timeout:
+            pipe = pipe.prefetch(depth, pin_memory=pin_memory)
+        self.pipeline = pipe
+        if auto and tuner is None:
+            tuner = "heuristic"
+        self._loader = Loader(
+            pipe,
+            tuner=tuner,
+            ordered=in_order and not iterable,
+            inline=workers == 0,
+            timeout_s=float(timeout),
+            interleave=iterable and workers > 1,
+            progress=progress,
+        )
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._loader)
+
+    def __len__(self) -> int:
+        if self.sampler is not None or self.batch_sampler is not None:
+            return len(self.source)
+        n = len(self.dataset)  # raises TypeError like torch for datasets without __len__
+        if self.batch_size is not None:
+            n = n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
+        return n
+
+    @property
+    def loader(self) -> Loader:
+        """The underlying :class:`~torchtune_pipe.loader.Loader` (tuning, telemetry)."""
+        return self._loader
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch of the next iteration (also passed to ``sampler.set_epoch``)."""
+        self._loader.set_epoch(epoch)
+
+    def state_dict(self) -> dict:
+        """Resumable state: the delivered batches of this epoch (see ``Loader.state_dict``)."""
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at the next ``iter()`` with exactly the batches not yet delivered."""
+        self._loader.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop the workers and free their shared memory."""
+        self._loader.close()
+
+    def __enter__(self) -> DataLoader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,646 @@
+"""The Loader: iterates a running pipeline, epoch after epoch, and lets a tuner steer it.
+
+A :class:`Loader` owns one executor (kept across epochs), an optional tuning loop (a daemon
+thread stepping a tuner through :class:`RunningPipeline`, the pipeline's
+:class:`~torchtune_pipe.tuning.base.Tunable`), an optional prefetch thread (pinning and device
+transfer), and the bookkeeping that makes ``state_dict()`` exact.
+
+Resume rule: the state records *which* items were delivered, by ``(unit, position in unit)``
+(units numbered in the epoch's deterministic unit order), never how many workers ran, so a
+state saved under one allocation or tuner loads under any other. Loading it re-issues the
+units not finished and skips the delivered items of the partial ones. The rest of the epoch
+is then exactly the items not delivered, in every mode. In ordered mode without a shuffle
+stage it is also in the same order, with the same batch boundaries, as an uninterrupted run;
+with a shuffle stage (or unordered) the order of the remaining items differs.
+
+Example:
+    >>> with pipe.loader(tuner="heuristic", ordered=True) as loader:   # doctest: +SKIP
+    ...     for epoch in range(3):
+    ...         loader.set_epoch(epoch)
+    ...         for batch in loader: ...
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from multiproc import Executor
+
+from . import telemetry
+from .errors import LoaderTimeoutError, StateError
+from .pipeline import Pipeline, Work, run_inline
+from .tuning.base import Allocation, Limits, Observation, clamp
+
+log = logging.getLogger(__name__)
+
+_STATE_VERSION = 1
+_MIN_BUDGET = 64 * 1024
+_END = object()
+
+
+def transfer(
+    obj: Any, pin_memory: bool = False, device: Any = None, non_blocking: bool = True
+) -> Any:
+    """Pin and/or move every tensor in ``obj`` (nested containers, TensorDicts) to ``device``."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        if pin_memory and not obj.is_pinned():
+            obj = obj.pin_memory()
+        if device is not None:
+            obj = obj.to(device, non_blocking=non_blocking)
+        return obj
+    if type(obj).__name__ in ("TensorDict", "LazyStackedTensorDict") and hasattr(obj, "to"):
+        if pin_memory:
+            obj = obj.pin_memory()
+        return obj.to(device, non_blocking=non_blocking) if device is not None else obj
+    if isinstance(obj, Mapping):
+        items = {k: transfer(v, pin_memory, device, non_blocking) for k, v in obj.items()}
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(transfer(v, pin_memory, device, non_blocking) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(transfer(v, pin_memory, device, non_blocking) for v in obj)
+    return obj
+
+
+def accelerator_available() -> bool:
+    """Whether pinning memory makes sense here (an accelerator is present)."""
+    import torch
+
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None:
+        return bool(acc.is_available())
+    return torch.cuda.is_available()
+
+
+class Prefetcher:
+    """Runs ``stream`` on a daemon thread, ``depth`` items ahead of the consumer.
+
+    Args:
+        stream: tagged items ``(unit, k, x)``.
+        depth: queue bound.
+        convert: applied to ``x`` on the thread (pinning, device transfer), or None.
+        timeout_s: :meth:`get` raises ``TimeoutError`` after waiting this long (0: forever).
+    """
+
+    def __init__(
+        self,
+        stream: Iterator[tuple],
+        depth: int,
+        convert: Callable[[Any], Any] | None = None,
+        timeout_s: float = 0.0,
+    ):
+        self._stream = stream
+        self._convert = convert
+        self._timeout = timeout_s if timeout_s > 0 else None
+        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ttp-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for t in self._stream:
+                if self._stop.is_set():
+                    return
+                if self._convert is not None and t[1] is not None and not (t[0] >= 0 and t[1] < 0):
+                    t = (t[0], t[1], self._convert(t[2]))
+                self._queue.put(("item", t))
+                if self._stop.is_set():
+                    return
+            self._queue.put(("end", None))
+        except BaseException as e:  # handed to the consumer, which re-raises it
+            if not self._stop.is_set():
+                self._queue.put(("error", e))
+
+    def get(self) -> Any:
+        """The next tagged item, or ``_END`` at the end of the stream.
+
+        Raises:
+            TimeoutError: nothing arrived within ``timeout_s``.
+            BaseException: whatever the stream raised.
+        """
+        try:
+            kind, value = self._queue.get(timeout=self._timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no item within {self._timeout} s") from None
+        if kind == "item":
+            return value
+        if kind == "end":
+            return _END
+        raise value
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the thread: empty the queue so a blocked ``put`` returns, then join."""
+        self._stop.set()
+        # After this drain the thread's pending put (at most one: it checks the flag after
+        # every put) finds room, so the join below only waits for the current item.
+        try:
+            while True:
+                self._queue.get_nowait()
+        except queue.Empty:
+            pass
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the thread still runs."""
+        return self._thread.is_alive()
+
+
+END = _END
+
+
+# ---------------------------------------------------------------------------- bookkeeping
+class _Progress:
+    """Which items of the epoch reached the consumer, by ``(unit, k)``."""
+
+    def __init__(self, epoch: int, state: Mapping | None = None):
+        self.epoch = epoch
+        self.finished = False
+        self.done: set[int] = set()
+        self.seen: dict[int, set[int]] = {}
+        self.totals: dict[int, int] = {}
+        self.delivered = 0
+        self.last_unit = -1
+        if state is not None:
+            self.done = set(state["done"])
+            self.seen = {int(u): set(ks) for u, ks in state["partial"].items()}
+            self.delivered = int(state["delivered"])
+            self.last_unit = int(state["last_unit"])
+
+    def took(self, u: int, k: Any) -> None:
+        if u < 0:  # a batch: k holds its items' ids
+            for uu, kk in k:
+                self._one(uu, kk)
+        else:
+            self._one(u, k)
+        self.delivered += 1
+
+    def _one(self, u: int, k: int) -> None:
+        self.seen.setdefault(u, set()).add(k)
+        self.last_unit = u
+        self._check(u)
+
+    def end(self, u: int, n: int) -> None:
+        self.totals[u] = n
+        self._check(u)
+
+    def _check(self, u: int) -> None:
+        n = self.totals.get(u)
+        if n is not None and len(self.seen.get(u, ())) >= n:
+            self.done.add(u)
+            self.seen.pop(u, None)
+            del self.totals[u]
+
+    def state(self) -> dict:
+        return {
+            "epoch": self.epoch,
+            "finished": self.finished,
+            "done": sorted(self.done),
+            "partial": {u: sorted(ks) for u, ks in sorted(self.seen.items())},
+            "delivered": self.delivered,
+            "last_unit": self.last_unit,
+        }
+
+
+def _interleave(
+    stream: Iterator[tuple], starts: dict[int, int], start_after: int
+) -> Iterator[tuple]:
+    """Round-robin over units, one item each, skipping finished units: the order torch's
+    DataLoader gives an IterableDataset read by one worker per shard.
+
+    ``starts`` maps each unit to read (in order) to its first undelivered position;
+    ``start_after`` is the unit whose item was delivered last (-1: none).
+    """
+    active = list(starts)
+    nxt = dict(starts)
+    pending: dict = {}
+    totals: dict = {}
+    cur = next((i for i, u in enumerate(active) if u > start_after), 0)
+    for t in stream:
+        u, k, _ = t
+        if k < 0:
+            totals[u] = -1 - k
+        else:
+            pending[(u, k)] = t
+        while active:
+            cu = active[cur]
+            item = pending.pop((cu, nxt[cu]), None)
+            if item is not None:
+                yield item
+                nxt[cu] += 1
+                cur = (cur + 1) % len(active)
+                continue
+            if totals.get(cu) is not None and totals[cu] <= nxt[cu]:
+                yield (cu, -1 - totals[cu], None)
+                active.pop(cur)
+                cur = cur % len(active) if active else 0
+                continue
+            break
+
+
+def _skip_prefix(skip: set[int]) -> int:
+    n = 0
+    while n in skip:
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------- the Tunable
+class RunningPipeline:
+    """A running pipeline as a :class:`~torchtune_pipe.tuning.base.Tunable`.
+
+    ``observe()`` reports the interval since the previous call; ``apply()`` clamps the
+    allocation to the machine's limits (:func:`~torchtune_pipe.tuning.base.clamp`) and calls
+    ``executor.resize`` / ``executor.set_budget`` for the stages that change.
+    """
+
+    def __init__(self, executor: Executor, meter: telemetry.Meter):
+        self.executor = executor
+        self.meter = meter
+        self._last: Observation | None = None
+
+    def observe(self) -> Observation:
+        """Rates since the previous observation, plus machine facts."""
+        self._last = self.meter.observe()
+        return self._last
+
+    def apply(self, allocation: Allocation) -> None:
+        """Resize stages and buffers to ``allocation`` (clamped to the limits)."""
+        from .tuning.safety import oversubscribe_factor
+
+        obs = self._last or self.observe()
+        limits = Limits(
+            cpus=obs.cpus,
+            memory_bytes=obs.memory_limit_bytes,
+            min_workers=tuple(b.min_workers for b in self.meter.bounds),
+            max_workers=tuple(b.max_workers for b in self.meter.bounds),
+            min_buffer_bytes=_MIN_BUDGET,
+        )
+        a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
+        ex = self.executor
+        for i, st in enumerate(ex.spec.stages):
+            if a.workers[i] != ex.workers(i):
+                ex.resize(i, a.workers[i])
+            budget = min(max(a.buffer_bytes[i], _MIN_BUDGET), st.max_buffer_bytes)
+            if budget != ex.budget(i):
+                ex.set_budget(i, budget)
+
+    def allocation(self) -> Allocation:
+        """The allocation the executor runs with now."""
+        ex = self.executor
+        n = len(ex.spec.stages)
+        return Allocation(
+            tuple(ex.workers(i) for i in range(n)), tuple(ex.budget(i) for i in range(n))
+        )
+
+
+def _make_tuner(tuner: Any) -> Any:
+    if tuner is None or tuner == "static":
+        return None  # the stages' own knobs, unchanged
+    if isinstance(tuner, str):
+        from .tuning.registry import make_tuner
+
+        return make_tuner(tuner)
+    if not (hasattr(tuner, "reset") and hasattr(tuner, "step")):
+        raise ValueError(f"Loader: tuner must be None, a tuner name or a Tuner, got {tuner!r}")
+    return tuner
+
+
+# ---------------------------------------------------------------------------- the Loader
+class Loader:
+    """Iterates a :class:`~torchtune_pipe.pipeline.Pipeline`, one epoch per ``iter()``.
+
+    Args:
+        pipeline: the pipeline.
+        tuner: None or ``"static"`` (keep the stages' knobs), a tuner name
+            (``"unoptimized"``, ``"heuristic"``, ``"autotune"``, ``"plumber"``, ``"intune"``...)
+            or a :class:`~torchtune_pipe.tuning.base.Tuner`.
+        ordered: deliver items in source order (deterministic given the seeds); shuffle and
+            batch stages then run one worker each.
+        inline: run every stage in the calling thread (no worker processes).
+        epoch: the first epoch.
+        progress: show a live per-stage table while iterating.
+        tuning_interval_s: seconds between tuning steps.
+        tuning_log: file to append the tuner's decisions to (JSON lines).
+        memory_limit_bytes: memory the stage buffers may use in total (default: what is free).
+        timeout_s: raise :class:`~torchtune_pipe.errors.LoaderTimeoutError` when no item
+            arrives for this long (0: wait forever).
+        length: items per epoch for ``len()`` when the source cannot say.
+        interleave: deliver round-robin across units (torch's order for iterable datasets
+            read by one worker per shard); needs a pipeline without shuffle or batch stages.
+        max_restarts: worker deaths tolerated per stage.
+
+    Example:
+        >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
+        >>> state = loader.state_dict(); loader.load_state_dict(state)
+    """
+
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        *,
+        tuner: Any = None,
+        ordered: bool = False,
+        inline: bool = False,
+        epoch: int = 0,
+        progress: bool = False,
+        tuning_interval_s: float = 1.0,
+        tuning_log: str | None = None,
+        memory_limit_bytes: int | None = None,
+        timeout_s: float = 0.0,
+        length: int | None = None,
+        interleave: bool = False,
+        max_restarts: int = 16,
+    ):
+        if not isinstance(pipeline, Pipeline):
+            raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"Loader: epoch must be an int >= 0, got {epoch!r}")
+        if timeout_s < 0:
+            raise ValueError(f"Loader: timeout_s must be >= 0, got {timeout_s}")
+        if interleave and any(s.stateful for s in pipeline.stages):
+            raise ValueError(
+                "Loader: interleave=True needs a pipeline without shuffle or batch stages"
+            )
+        self.pipeline = pipeline
+        self.tuner = _make_tuner(tuner)
+        self.ordered = ordered
+        self.inline = inline
+        self.progress = progress
+        self.tuning_interval_s = tuning_interval_s
+        self.tuning_log = tuning_log
+        self.memory_limit_bytes = memory_limit_bytes
+        self.timeout_s = timeout_s
+        self.interleave = interleave
+        self.max_restarts = max_restarts
+        self._length = length
+        self._epoch = epoch
+        self._pending: Mapping | None = None
+        self._progress = _Progress(epoch)
+        self._units_state: Any = None
+        self._executor: Executor | None = None
+        self._tunable: RunningPipeline | None = None
+        self._active: weakref.ref | None = None
+        self._closed = False
+        self._clock = telemetry.ConsumerClock()
+        self._machine_facts: telemetry.Machine | None = None
+        self._held: dict = {}  # what the finalizer closes when the loader is collected
+        self._finalizer = weakref.finalize(self, Loader._cleanup, self._held)
+
+    # ------------------------------------------------------------------------ public API
+    def __iter__(self) -> Iterator[Any]:
+        if self._closed:
+            raise RuntimeError("Loader: iterated after close(); create a new loader")
+        self._end_active()  # one epoch at a time: a new iter() ends the previous one
+        it = self._iterate()
+        # Held weakly: an iterator the caller drops (``break``) is collected at once, and its
+        # cleanup stops the workers, as when torch's DataLoader iterator goes away.
+        self._active = weakref.ref(it)
+        return it
+
+    def __len__(self) -> int:
+        if self._length is not None:
+            return self._length
+        try:
+            n = len(self.pipeline.source)
+        except TypeError:
+            raise TypeError("Loader: the source does not know its length; pass length=") from None
+        for st in self.pipeline.stages:
+            if st.kind == "batch":
+                n = n // st.size if st.drop_last else math.ceil(n / st.size)
+        return n
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``iter()`` run ``epoch`` (seeds unit order and shuffling)."""
+        if not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"Loader.set_epoch(): epoch must be an int >= 0, got {epoch!r}")
+        self._epoch = epoch
+        self._pending = None
+
+    @property
+    def epoch(self) -> int:
+        """The epoch the next (or current) iteration runs."""
+        return self._epoch
+
+    def state_dict(self) -> dict:
+        """What was delivered in the current epoch; independent of worker counts."""
+        if self._pending is not None:
+            return dict(self._pending)
+        state = self._progress.state()
+        state["version"] = _STATE_VERSION
+        state["units_state"] = self._units_state
+        return state
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Resume from ``state`` at the next ``iter()``: exactly the undelivered items.
+
+        Raises:
+            StateError: ``state`` is not a loader state of this version.
+        """
+        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
+            raise StateError(
+                f"Loader.load_state_dict(): expected a state of version {_STATE_VERSION} from "
+                f"Loader.state_dict(), got {type(state).__name__}"
+            )
+        missing = {"epoch", "finished", "done", "partial", "delivered", "last_unit"} - set(state)
+        if missing:
+            raise StateError(f"Loader.load_state_dict(): state lacks {sorted(missing)}")
+        self._end_active()
+        self._pending = dict(state)
+
+    @property
+    def tunable(self) -> RunningPipeline | None:
+        """The running pipeline as a Tunable (None until the first ``iter()``)."""
+        return self._tunable
+
+    def observe(self) -> Observation | None:
+        """An observation of the running pipeline now (None when no executor runs)."""
+        return self._tunable.observe() if self._tunable is not None else None
+
+    def close(self) -> None:
+        """Stop the iteration, the tuner, the workers; remove shared memory. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._end_active()
+        self._finalizer()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------ internals
+    def _end_active(self) -> None:
+        it = self._active() if self._active is not None else None
+        self._active = None
+        if it is not None:
+            it.close()
+
+    @staticmethod
+    def _cleanup(held: dict) -> None:
+        ex = held.pop("executor", None)
+        if ex is not None:
+            ex.close()
+
+    def _machine(self) -> telemetry.Machine:
+        if self._machine_facts is None:
+            self._machine_facts = telemetry.Machine.probe()
+        m = self._machine_facts
+        return telemetry.Machine(
+            telemetry.cpus_available(), telemetry.memory_available_bytes(), m.dram_gbps, m.cpu_ghz
+        )
+
+    def _ensure_executor(self) -> Executor:
+        if self._executor is None:
+            spec = self.pipeline.spec(self.ordered)
+            spec = type(spec)(spec.stages, ordered=spec.ordered, max_restarts=self.max_restarts)
+            ex = Executor(spec)
+            self._executor = ex
+            self._held["executor"] = ex
+            bounds = [telemetry.Bounds(s.min_workers, s.max_workers) for s in spec.stages]
+            meter = telemetry.Meter(
+                ex.snapshot, self._machine, bounds, self._clock, self.memory_limit_bytes
+            )
+            self._tunable = RunningPipeline(ex, meter)
+        return self._executor
+
+    def _drop_executor(self) -> None:
+        ex, self._executor = self._executor, None
+        self._held.pop("executor", None)
+        if ex is not None:
+            ex.close()
+
+    def _plan(self) -> tuple[int, _Progress, list[Work]]:
+        """The epoch to run, its bookkeeping, and the work (minus what was delivered)."""
+        state, self._pending = self._pending, None
+        source = self.pipeline.source
+        epoch = self._epoch
+        progress = _Progress(epoch)
+        if state is not None:
+            epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
+            progress = _Progress(epoch, None if state["finished"] else state)
+            if not state["finished"] and hasattr(source, "load_units_state"):
+                source.load_units_state(state.get("units_state"))
+        self._epoch = epoch
+        units = source.units(epoch)
+        self._units_state = source.units_state() if hasattr(source, "units_state") else None
+        bad = [u for u in list(progress.done) + list(progress.seen) if not 0 <= u < len(units)]
+        if bad:
+            raise StateError(
+                f"Loader: the state names units {bad[:5]} but epoch {epoch} has {len(units)} units"
+            )
+        works = [
+            Work(pos, u, frozenset(progress.seen.get(pos, ())))
+            for pos, u in enumerate(units)
+            if pos not in progress.done
+        ]
+        return epoch, progress, works
+
+    def _iterate(self) -> Iterator[Any]:
+        epoch, progress, works = self._plan()
+        self._progress = progress
+        if self.inline:
+            stream = run_inline(self.pipeline, works, epoch)
+        else:
+            stream = self._ensure_executor().run(works, epoch)
+        if self.interleave:
+            starts = {w.pos: _skip_prefix(set(w.skip)) for w in works}
+            stream = _interleave(stream, starts, progress.last_unit)
+        pre = self._prefetcher(stream)
+        loop = self._start_tuning()
+        watcher = self._start_watch()
+        complete = False
+        try:
+            while True:
+                self._clock.asked()
+                t = self._next(pre, stream)
+                if t is _END:
+                    break
+                u, k, x = t
+                if u >= 0 and k < 0:
+                    progress.end(u, -1 - k)
+                    continue
+                progress.took(u, k)
+                self._clock.took()
+                yield x
+            complete = True
+            progress.finished = True
+            self._epoch = epoch + 1
+        finally:
+            self._clock.pause()
+            if not complete and not self.inline:
+                self._drop_executor()  # wakes a prefetch thread waiting on the executor
+            if pre is not None:
+                pre.stop()
+            if hasattr(stream, "close"):
+                stream.close()
+            if watcher is not None:
+                watcher.stop()
+            if loop is not None:
+                loop.stop(raise_error=complete)
+
+    def _next(self, pre: Prefetcher | None, stream: Iterator[tuple]) -> Any:
+        if pre is None:
+            return next(stream, _END)
+        try:
+            return pre.get()
+        except TimeoutError:
+            raise LoaderTimeoutError(
+                f"Loader: no item arrived within timeout_s={self.timeout_s} s; a stage may be "
+                "stuck (watch it with progress=True)"
+            ) from None
+
+    def _prefetcher(self, stream: Iterator[tuple]) -> Prefetcher | None:
+        spec = self.pipeline.prefetch_spec
+        if spec is None and not self.timeout_s:
+            return None
+        convert = None
+        depth = 2
+        if spec is not None:
+            depth = spec.depth
+            pin = spec.pin_memory and accelerator_available()
+            if pin or spec.device is not None:
+                convert = _Transfer(pin, spec.device, spec.non_blocking)
+        return Prefetcher(stream, depth, convert, self.timeout_s)
+
+    def _start_tuning(self) -> Any:
+        if self.tuner is None or self._tunable is None or self.inline:
+            return None
+        from .tuning.loop import TuningLoop
+
+        return TuningLoop(
+            self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log
+        ).start()
+
+    def _start_watch(self) -> Any:
+        if not self.progress or self._tunable is None or self.inline:
+            return None
+        from ._watch import Watcher
+
+        meter = self._tunable.meter
+        own = telemetry.Meter(meter._snapshot, self._machine, meter.bounds, self._clock)
+        return Watcher(own.observe).start()
+
+
+class _Transfer:
+    """Picklable device-transfer function for the prefetch thread."""
+
+    def __init__(self, pin: bool, device: Any, non_blocking: bool):
+        self.pin, self.device, self.non_blocking = pin, device, non_blocking
+
+    def __call__(self, x: Any) -> Any:
+        return transfer(x, self.pin, self.device, self.non_blocking)

@@ -1,0 +1,469 @@
+"""The Pipeline builder: declarative, validated stages that become an executor spec.
+
+A :class:`Pipeline` is immutable; every builder method returns a new one, so a base pipeline
+can be extended several ways. Stages run in the order they are added, and any number of map
+stages can sit anywhere, so both the paper's ``load -> batch -> shuffle -> UDF -> prefetch``
+and the common ``load -> shuffle -> UDF -> batch`` are plain chains.
+
+Items travel tagged: the source wraps every item as ``(unit, k, item)`` and every unit ends
+with a marker ``(unit, -1 - count, None)``; maps keep the tag, batches carry the tags of their
+items as ``(-1, ids, batch)``. The :class:`~torchtune_pipe.loader.Loader` strips the tags at
+the consumer and uses them to know exactly which items were delivered, which is what makes
+resuming independent of worker counts.
+
+Example:
+    >>> pipe = (Pipeline.from_source(LineFileSource("day_*.tsv"), workers=2)   # doctest: +SKIP
+    ...         .map(parse, name="parse", workers=2)
+    ...         .shuffle(10_000)
+    ...         .batch(512, collate=collate)
+    ...         .prefetch(2, pin_memory=True))
+    >>> for batch in pipe.loader(tuner="heuristic"): ...                     # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+import cloudpickle
+
+from multiproc import Batcher, ExecutorSpec, Shuffler, StageSpec
+from multiproc.reducers import DROPPED
+
+from .errors import PipelineError
+from .sources import as_source, read_indexed
+
+if TYPE_CHECKING:
+    from .loader import Loader
+
+MiB = 1 << 20
+_MIN_BUFFER = 64 * 1024
+
+StageKind = Literal["source", "map", "shuffle", "batch"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a pipeline and its knobs.
+
+    Attributes:
+        name: unique stage name (in errors, stats, tuner decisions).
+        kind: ``source``, ``map``, ``shuffle`` or ``batch``.
+        fn: the map function, or the collate function of a batch stage (None: lists).
+        workers: initial worker processes (CPUs); the tuner moves it in
+            ``[min_workers, max_workers]``.
+        buffer_bytes: initial byte budget of the stage's outbound buffer; the tuner moves it
+            up to ``max_buffer_bytes``.
+        worker_type: ``process`` or ``thread``.
+        on_error: ``raise`` or ``skip`` (drop the failing item and count it).
+        size: items per batch (batch stages).
+        drop_last: drop an incomplete last batch (batch stages).
+        buffer: shuffle buffer size in items (shuffle stages).
+        seed: shuffle seed (shuffle stages).
+        init: ``init(stage_name, worker_index)`` run in every new worker.
+    """
+
+    name: str
+    kind: StageKind
+    fn: Callable[..., Any] | None = None
+    workers: int = 1
+    min_workers: int = 1
+    max_workers: int = 64
+    buffer_bytes: int = 64 * MiB
+    max_buffer_bytes: int | None = None
+    worker_type: Literal["process", "thread"] = "process"
+    on_error: Literal["raise", "skip"] = "raise"
+    size: int = 0
+    drop_last: bool = False
+    buffer: int = 0
+    seed: int = 0
+    init: Callable[[str, int], None] | None = None
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the stage holds items across calls (shuffle, batch)."""
+        return self.kind in ("shuffle", "batch")
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """The consumer side: a bounded background thread in the main process.
+
+    Attributes:
+        depth: items held ready ahead of the consumer.
+        pin_memory: pin tensors (when an accelerator is present).
+        device: move tensors to this device with ``non_blocking`` copies (None: stay).
+        non_blocking: use non-blocking copies for the device transfer.
+    """
+
+    depth: int = 2
+    pin_memory: bool = False
+    device: Any = None
+    non_blocking: bool = True
+
+
+def _positive_int(method: str, arg: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise PipelineError(f"{method}: {arg} must be a positive int, got {value!r}")
+
+
+class Pipeline:
+    """An immutable chain of stages; build with :meth:`from_source` and the stage methods.
+
+    Raises:
+        PipelineError: (a ``ValueError``) on any invalid stage or argument, naming both.
+    """
+
+    def __init__(self, source: Any, stages: tuple[Stage, ...], prefetch: Prefetch | None = None):
+        self.source = source
+        self.stages = stages
+        self.prefetch_spec = prefetch
+
+    # ------------------------------------------------------------------------ building
+    @classmethod
+    def from_source(
+        cls,
+        source: Any,
+        *,
+        name: str = "source",
+        workers: int = 1,
+        min_workers: int = 1,
+        max_workers: int = 64,
+        buffer_bytes: int = 64 * MiB,
+        worker_type: Literal["process", "thread"] = "process",
+        on_error: Literal["raise", "skip"] = "raise",
+        init: Callable[[str, int], None] | None = None,
+    ) -> Pipeline:
+        """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
+        map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
+
+        Raises:
+            PipelineError: ``source`` is none of these, or a knob is invalid.
+        """
+        try:
+            src = as_source(source)
+        except TypeError as e:
+            raise PipelineError(f"from_source(): source: {e}") from e
+        stage = cls._stage(
+            "from_source()", (), name, "source", None, workers, min_workers, max_workers,
+            buffer_bytes, worker_type, on_error, init,
+        )  # fmt: skip
+        return cls(src, (stage,))
+
+    def map(
+        self,
+        fn: Callable[[Any], Any],
+        *,
+        name: str | None = None,
+        workers: int = 1,
+        min_workers: int = 1,
+        max_workers: int = 64,
+        buffer_bytes: int = 64 * MiB,
+        worker_type: Literal["process", "thread"] = "process",
+        on_error: Literal["raise", "skip"] = "raise",
+        init: Callable[[str, int], None] | None = None,
+    ) -> Pipeline:
+        """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
+
+        Args:
+            fn: the function; it must pickle (closures and lambdas do, via cloudpickle) for
+                process workers.
+            name: stage name; default ``fn.__name__`` (``map``, ``map_1``... if taken).
+            workers, min_workers, max_workers: the worker knob and its bounds.
+            buffer_bytes: the outbound buffer knob (>= 64 KiB).
+            worker_type: ``process`` (default) or ``thread`` (for GIL-free functions).
+            on_error: ``raise`` or ``skip``.
+            init: ``init(stage_name, worker_index)`` run once in every new worker.
+        """
+        method = f"map({name!r})" if name else "map()"
+        if not callable(fn):
+            raise PipelineError(f"{method}: fn must be callable, got {type(fn).__name__}")
+        if name is None:
+            name = self._free_name(getattr(fn, "__name__", "map").strip("<>") or "map")
+        stage = self._stage(
+            method, self.stages, name, "map", fn, workers, min_workers, max_workers,
+            buffer_bytes, worker_type, on_error, init,
+        )  # fmt: skip
+        if worker_type == "process":
+            _check_pickles(method, "fn", fn)
+        return self._add(stage, method)
+
+    def shuffle(
+        self, buffer: int, *, seed: int = 0, name: str = "shuffle", buffer_bytes: int = 64 * MiB
+    ) -> Pipeline:
+        """Shuffle with a buffer of ``buffer`` items (tf.data-style), seeded by ``seed`` and
+        the epoch. In ordered (deterministic) mode the stage runs one worker."""
+        method = f"shuffle({name!r})"
+        _positive_int(method, "buffer", buffer)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise PipelineError(f"{method}: seed must be an int, got {seed!r}")
+        stage = self._stage(
+            method, self.stages, name, "shuffle", None, 1, 1, 64, buffer_bytes, "process",
+            "raise", None,
+        )  # fmt: skip
+        return self._add(dataclasses.replace(stage, buffer=buffer, seed=seed), method)
+
+    def batch(
+        self,
+        size: int,
+        *,
+        collate: Callable[[list], Any] | None = None,
+        drop_last: bool = False,
+        name: str = "batch",
+        workers: int = 1,
+        max_workers: int = 64,
+        buffer_bytes: int = 64 * MiB,
+    ) -> Pipeline:
+        """Group ``size`` consecutive items and apply ``collate`` (None: a list).
+
+        In ordered mode the stage runs one worker; unordered, each worker batches the items
+        it receives."""
+        method = f"batch({name!r})"
+        _positive_int(method, "size", size)
+        if collate is not None and not callable(collate):
+            raise PipelineError(f"{method}: collate must be callable or None, got {collate!r}")
+        if not isinstance(drop_last, bool):
+            raise PipelineError(f"{method}: drop_last must be a bool, got {drop_last!r}")
+        if collate is not None:
+            _check_pickles(method, "collate", collate)
+        stage = self._stage(
+            method, self.stages, name, "batch", collate, workers, 1, max_workers,
+            buffer_bytes, "process", "raise", None,
+        )  # fmt: skip
+        return self._add(dataclasses.replace(stage, size=size, drop_last=drop_last), method)
+
+    def prefetch(
+        self,
+        depth: int = 2,
+        *,
+        pin_memory: bool = False,
+        device: Any = None,
+        non_blocking: bool = True,
+    ) -> Pipeline:
+        """Keep ``depth`` items ready on a background thread of the main process, pinned
+        and/or moved to ``device`` (nested tensors and TensorDicts). Must come last."""
+        _positive_int("prefetch()", "depth", depth)
+        if self.prefetch_spec is not None:
+            raise PipelineError("prefetch(): the pipeline already ends with a prefetch")
+        return Pipeline(self.source, self.stages, Prefetch(depth, pin_memory, device, non_blocking))
+
+    # ------------------------------------------------------------------------ using
+    def loader(self, tuner: Any = None, **options: Any) -> Loader:
+        """A :class:`~torchtune_pipe.loader.Loader` running this pipeline; see its arguments."""
+        from .loader import Loader
+
+        return Loader(self, tuner=tuner, **options)
+
+    def spec(self, ordered: bool = False, name: str = "pipe") -> ExecutorSpec:
+        """The executor spec of this pipeline (stage functions wrapped to carry item tags).
+
+        In ordered mode shuffle and batch stages are bounded to one worker (the executor
+        reorders only around single-worker stateful stages).
+        """
+        specs = []
+        for st in self.stages:
+            max_w = 1 if (ordered and st.stateful) else st.max_workers
+            common = dict(
+                workers=min(st.workers, max_w), min_workers=min(st.min_workers, max_w),
+                max_workers=max_w, buffer_bytes=st.buffer_bytes,
+                max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
+                on_error=st.on_error, init=st.init,
+            )  # fmt: skip
+            if st.kind == "source":
+                specs.append(StageSpec(st.name, "source", ReadTagged(self.source), **common))
+            elif st.kind == "map":
+                specs.append(StageSpec(st.name, "map", MapTagged(st.fn), **common))
+            else:
+                specs.append(StageSpec(st.name, "stateful", TaggedReducer(_factory(st)), **common))
+        return ExecutorSpec(tuple(specs), ordered=ordered, name=name)
+
+    def __repr__(self) -> str:
+        chain = " -> ".join(f"{s.kind}({s.name!r})" for s in self.stages)
+        tail = f" -> prefetch({self.prefetch_spec.depth})" if self.prefetch_spec else ""
+        return f"Pipeline({chain}{tail})"
+
+    # ------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _stage(method, existing, name, kind, fn, workers, min_workers, max_workers,
+               buffer_bytes, worker_type, on_error, init) -> Stage:  # fmt: skip
+        if not isinstance(name, str) or not name:
+            raise PipelineError(f"{method}: name must be a non-empty str, got {name!r}")
+        if any(s.name == name for s in existing):
+            raise PipelineError(f"{method}: stage name {name!r} is already used; pass name=")
+        for arg, v in (
+            ("workers", workers),
+            ("min_workers", min_workers),
+            ("max_workers", max_workers),
+        ):
+            _positive_int(method, arg, v)
+        if not min_workers <= workers <= max_workers:
+            raise PipelineError(
+                f"{method}: need min_workers <= workers <= max_workers, got "
+                f"{min_workers} <= {workers} <= {max_workers}"
+            )
+        if (
+            not isinstance(buffer_bytes, int)
+            or isinstance(buffer_bytes, bool)
+            or buffer_bytes < _MIN_BUFFER
+        ):
+            raise PipelineError(
+                f"{method}: buffer_bytes must be an int >= 65536, got {buffer_bytes!r}"
+            )
+        if worker_type not in ("process", "thread"):
+            raise PipelineError(
+                f"{method}: worker_type must be 'process' or 'thread', got {worker_type!r}"
+            )
+        if on_error not in ("raise", "skip"):
+            raise PipelineError(f"{method}: on_error must be 'raise' or 'skip', got {on_error!r}")
+        if init is not None and not callable(init):
+            raise PipelineError(f"{method}: init must be callable or None, got {init!r}")
+        return Stage(name, kind, fn, workers, min_workers, max_workers, buffer_bytes, None,
+                     worker_type, on_error, init=init)  # fmt: skip
+
+    def _add(self, stage: Stage, method: str) -> Pipeline:
+        if self.prefetch_spec is not None:
+            raise PipelineError(
+                f"{method}: prefetch() must be the last stage; add {stage.kind} before it"
+            )
+        return Pipeline(self.source, self.stages + (stage,), None)
+
+    def _free_name(self, base: str) -> str:
+        names = {s.name for s in self.stages}
+        if base not in names:
+            return base
+        i = 1
+        while f"{base}_{i}" in names:
+            i += 1
+        return f"{base}_{i}"
+
+
+def _check_pickles(method: str, arg: str, fn: Any) -> None:
+    try:
+        cloudpickle.dumps(fn)
+    except (pickle.PicklingError, TypeError, AttributeError) as e:
+        raise PipelineError(
+            f"{method}: {arg} does not pickle for process workers ({e}); make it picklable or "
+            "use worker_type='thread'"
+        ) from e
+
+
+def _factory(st: Stage) -> Callable[..., Any]:
+    if st.kind == "shuffle":
+        return Shuffler(st.buffer, st.seed)
+    return Batcher(st.size, CollateTagged(st.fn), st.drop_last)
+
+
+# ---------------------------------------------------------------------------- tagging
+# An item is (unit, k, x); a unit's end is (unit, -1 - count, None); a batch is (-1, ids, x).
+
+
+@dataclass(frozen=True)
+class Work:
+    """What the executor's source stage receives: a unit, its position, items to skip."""
+
+    pos: int
+    unit: Any
+    skip: frozenset = frozenset()
+
+
+class ReadTagged:
+    """Source stage function: the unit's items tagged ``(pos, k, item)``, then its end."""
+
+    def __init__(self, source: Any):
+        self.source = source
+
+    def __call__(self, work: Work) -> Iterator[tuple]:
+        count = len(work.skip)  # items delivered before a resume count towards the unit
+        for k, item in read_indexed(self.source, work.unit, work.skip):
+            count += 1
+            yield (work.pos, k, item)
+        yield (work.pos, -1 - count, None)
+
+
+class MapTagged:
+    """Map stage function: applies ``fn`` under the tag; ends pass through."""
+
+    def __init__(self, fn: Callable[[Any], Any]):
+        self.fn = fn
+
+    def __call__(self, t: tuple) -> tuple:
+        u, k, x = t
+        if u >= 0 and k < 0:
+            return t
+        return (u, k, self.fn(x))
+
+
+class CollateTagged:
+    """Batch collate: ``(-1, ids of the items, collate(items))``."""
+
+    def __init__(self, collate: Callable[[list], Any] | None):
+        self.collate = collate
+
+    def __call__(self, items: list) -> tuple:
+        ids: list = []
+        xs = []
+        for u, k, x in items:
+            if u < 0:
+                ids.extend(k)
+            else:
+                ids.append((u, k))
+            xs.append(x)
+        return (-1, tuple(ids), self.collate(xs) if self.collate is not None else xs)
+
+
+class TaggedReducer:
+    """Stateful stage factory: unit ends bypass the wrapped reducer (shuffle or batch)."""
+
+    def __init__(self, factory: Callable[..., Any]):
+        self.factory = factory
+
+    def __call__(self, epoch: int = 0, worker: int = 0) -> _PassEnds:
+        return _PassEnds(self.factory(epoch, worker))
+
+
+class _PassEnds:
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def push(self, tag: Any, t: tuple) -> list:
+        if t[0] >= 0 and t[1] < 0:
+            return [([tag], t)]
+        return self.inner.push(tag, t)
+
+    def flush(self) -> list:
+        return self.inner.flush()
+
+    def drain(self) -> list:
+        return self.inner.drain()
+
+
+def run_inline(pipeline: Pipeline, works: list[Work], epoch: int) -> Iterator[tuple]:
+    """Run the pipeline in the calling thread (no workers): the tagged stream of items."""
+    read = ReadTagged(pipeline.source)
+    stream: Iterator[tuple] = (t for w in works for t in read(w))
+    for st in pipeline.stages[1:]:
+        stream = _inline_stage(st, stream, epoch)
+    return stream
+
+
+def _inline_stage(st: Stage, stream: Iterator[tuple], epoch: int) -> Iterator[tuple]:
+    if st.kind == "map":
+        fn = MapTagged(st.fn)
+        for t in stream:
+            try:
+                yield fn(t)
+            except Exception:
+                if st.on_error == "raise":
+                    raise
+        return
+    reducer = TaggedReducer(_factory(st))(epoch, 0)
+    for t in stream:
+        for _, out in reducer.push(None, t):
+            if out is not DROPPED:
+                yield out
+    for _, out in reducer.flush():
+        if out is not DROPPED:
+            yield out

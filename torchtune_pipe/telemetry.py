@@ -1,0 +1,340 @@
+"""Telemetry: executor counters turned into rates, plus the machine facts a tuner needs.
+
+:func:`observe` turns two executor snapshots into an
+:class:`~torchtune_pipe.tuning.base.Observation`; :class:`Meter` keeps the previous snapshot
+for one reader (a tuner and a progress display each hold their own, so neither shortens the
+other's interval). Machine facts: free CPUs (affinity and cgroup v2 ``cpu.max``, whichever is
+smaller), available memory (psutil and cgroup ``memory.max``), resident memory of the
+pipeline's processes, DRAM copy bandwidth (measured once, cached on disk) and CPU clock.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from multiproc import Snapshot
+
+from .tuning.base import Observation, StageStats
+
+log = logging.getLogger(__name__)
+
+_CGROUP = Path("/sys/fs/cgroup")
+# A stage whose workers burn less CPU than this share of their busy time waits on I/O.
+_IO_CPU_SHARE = 0.5
+
+
+# ---------------------------------------------------------------------------- machine facts
+def cpus_available(cgroup: Path = _CGROUP) -> float:
+    """CPUs this process may use: its affinity mask and the cgroup v2 quota, whichever is
+    smaller (a quota of 150000/100000 is 1.5 CPUs)."""
+    try:
+        n = float(len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        n = float(os.cpu_count() or 1)
+    try:
+        quota, period = (cgroup / "cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, int(quota) / int(period))
+    except (OSError, ValueError):
+        pass
+    return n
+
+
+def memory_available_bytes(cgroup: Path = _CGROUP) -> int:
+    """Memory that can still be allocated: psutil's ``available``, capped by the cgroup v2
+    limit minus its current usage."""
+    avail = psutil.virtual_memory().available
+    try:
+        limit = (cgroup / "memory.max").read_text().strip()
+        if limit != "max":
+            used = int((cgroup / "memory.current").read_text().strip())
+            avail = min(avail, max(0, int(limit) - used))
+    except (OSError, ValueError):
+        pass
+    return int(avail)
+
+
+def resident_bytes(pids: Iterable[int]) -> int:
+    """Resident memory (RSS) of the given processes, summed; gone processes count zero."""
+    total = 0
+    for pid in set(pids):
+        if pid <= 0:
+            continue
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+def cpu_ghz() -> float:
+    """Current CPU clock in GHz (0.0 when the platform does not say)."""
+    try:
+        freq = psutil.cpu_freq()
+    except (OSError, NotImplementedError, FileNotFoundError):
+        freq = None
+    if freq and freq.current:
+        return float(freq.current) / 1000.0
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return float(line.split(":")[1]) / 1000.0
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0.0
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torchtune_pipe"
+
+
+def measure_dram_gbps(size_bytes: int = 64 << 20, repeats: int = 5) -> float:
+    """DRAM copy bandwidth in GB/s: the best of ``repeats`` numpy copies of ``size_bytes``
+    (read + write bytes counted, as STREAM's copy does)."""
+    import numpy as np
+
+    src = np.ones(size_bytes // 8, dtype=np.float64)
+    dst = np.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * size_bytes / best / 1e9
+
+
+def dram_gbps(
+    cache_dir: Path | None = None, measure: Callable[[], float] = measure_dram_gbps
+) -> float:
+    """DRAM copy bandwidth, measured on first use and cached per host in ``cache_dir``
+    (default ``~/.cache/torchtune_pipe/dram.json``); 0.0 if it cannot be measured."""
+    path = (cache_dir or _cache_dir()) / "dram.json"
+    host = os.uname().nodename
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("host") == host:
+            return float(cached["gbps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    try:
+        gbps = float(measure())
+    except (MemoryError, ValueError) as e:
+        log.warning("could not measure DRAM bandwidth: %s", e)
+        return 0.0
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"host": host, "gbps": gbps}))
+        tmp.replace(path)  # atomic: concurrent processes never read half a file
+    except OSError as e:
+        log.debug("could not cache DRAM bandwidth in %s: %s", path, e)
+    return gbps
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Facts about the machine, as one value.
+
+    Attributes:
+        cpus: CPUs available (see :func:`cpus_available`).
+        memory_available_bytes: memory that can still be allocated.
+        dram_gbps: DRAM copy bandwidth (0.0 if unknown).
+        cpu_ghz: CPU clock (0.0 if unknown).
+    """
+
+    cpus: float
+    memory_available_bytes: int
+    dram_gbps: float = 0.0
+    cpu_ghz: float = 0.0
+
+    @classmethod
+    def probe(cls, measure_dram: bool = True) -> Machine:
+        """Read every fact now (the DRAM bandwidth comes from the on-disk cache after the
+        first measurement)."""
+        return cls(
+            cpus_available(),
+            memory_available_bytes(),
+            dram_gbps() if measure_dram else 0.0,
+            cpu_ghz(),
+        )
+
+
+# ---------------------------------------------------------------------------- rates
+@dataclass(frozen=True)
+class Bounds:
+    """The worker bounds of one stage (from its spec)."""
+
+    min_workers: int = 1
+    max_workers: int = 1 << 16
+
+
+def observe(
+    prev: Snapshot,
+    cur: Snapshot,
+    machine: Machine,
+    *,
+    bounds: Sequence[Bounds] = (),
+    memory_limit_bytes: int | None = None,
+    consumer_items: tuple[int, int] | None = None,
+    consumer_step_s: float = 0.0,
+    t: float = 0.0,
+) -> Observation:
+    """Turn two snapshots into an :class:`Observation` of the interval between them.
+
+    Args:
+        prev, cur: executor snapshots, ``prev`` taken first.
+        machine: machine facts (CPUs, memory, bandwidth, clock).
+        bounds: per-stage worker bounds, in pipeline order (default: 1 and unbounded).
+        memory_limit_bytes: memory the buffers may use (default: the buffers' current
+            budgets plus the machine's available memory).
+        consumer_items: items the consumer took at ``prev`` and at ``cur``; throughput is
+            measured from them (default: items the executor delivered).
+        consumer_step_s: the consumer's mean time between ``next()`` calls.
+        t: seconds since the pipeline started.
+    """
+    dt_ns = max(1, cur.t_ns - prev.t_ns)
+    dt = dt_ns / 1e9
+    before = {s.name: s for s in prev.stages}
+    stages = []
+    for i, s in enumerate(cur.stages):
+        p = before.get(s.name)
+
+        def d(attr: str, s=s, p=p) -> int:
+            return getattr(s, attr) - (getattr(p, attr) if p is not None else 0)
+
+        capacity = dt_ns * max(1, s.workers)
+        out = d("items_out")
+        busy_ns = max(0, d("busy_ns"))
+        cpu_ns = max(0, d("cpu_ns"))
+        b = bounds[i] if i < len(bounds) else Bounds()
+        stages.append(
+            StageStats(
+                name=s.name,
+                workers=s.workers,
+                min_workers=b.min_workers,
+                max_workers=b.max_workers,
+                items_per_s=max(0, out) / dt,
+                busy=min(1.0, busy_ns / capacity),
+                blocked_in=min(1.0, max(0, d("blocked_in_ns")) / capacity),
+                blocked_out=min(1.0, max(0, d("blocked_out_ns")) / capacity),
+                buffer_bytes=s.buffer_budget_bytes,
+                buffer_fill=min(1.0, s.buffer_used_bytes / max(1, s.buffer_budget_bytes)),
+                cpu_s_per_item=cpu_ns / 1e9 / out if out > 0 else 0.0,
+                io_bound=busy_ns > 0 and cpu_ns < _IO_CPU_SHARE * busy_ns,
+            )
+        )
+    if consumer_items is not None:
+        delivered = consumer_items[1] - consumer_items[0]
+    else:
+        delivered = cur.delivered_items - prev.delivered_items
+    used = sum(s.buffer_used_bytes for s in cur.stages)
+    if memory_limit_bytes is None:
+        memory_limit_bytes = (
+            sum(s.buffer_budget_bytes for s in cur.stages) + machine.memory_available_bytes
+        )
+    return Observation(
+        stages=tuple(stages),
+        throughput=max(0, delivered) / dt,
+        cpus=machine.cpus,
+        memory_limit_bytes=int(memory_limit_bytes),
+        memory_used_bytes=int(used),
+        consumer_step_s=consumer_step_s,
+        dram_gbps=machine.dram_gbps,
+        cpu_ghz=machine.cpu_ghz,
+        t=t,
+        oom=used > memory_limit_bytes,
+    )
+
+
+class ConsumerClock:
+    """Times the consumer: how long it spends between two ``next()`` calls (the model step).
+
+    The loader calls :meth:`took` when it hands an item over and :meth:`asked` when the next
+    ``next()`` arrives; the gap between them is the consumer's step time (an exponential
+    moving average, ``alpha`` weighting the newest step).
+    """
+
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.items = 0
+        self.step_s = 0.0
+        self._handed_at: float | None = None
+
+    def asked(self) -> None:
+        """``next()`` was called."""
+        if self._handed_at is not None:
+            gap = time.perf_counter() - self._handed_at
+            self.step_s = (
+                gap if self.items <= 1 else self.alpha * gap + (1 - self.alpha) * self.step_s
+            )
+            self._handed_at = None
+
+    def took(self) -> None:
+        """An item was handed to the consumer."""
+        self.items += 1
+        self._handed_at = time.perf_counter()
+
+    def pause(self) -> None:
+        """The consumer stopped iterating (end of epoch): the next gap is not a step."""
+        self._handed_at = None
+
+
+class Meter:
+    """One reader's view of a running executor: each :meth:`observe` covers the time since
+    the previous one.
+
+    Args:
+        snapshot: returns the executor's current snapshot.
+        machine: returns machine facts (called at every observation; cheap except the first).
+        bounds: per-stage worker bounds.
+        clock: the consumer clock (for throughput and step time), optional.
+        memory_limit_bytes: memory the buffers may use (None: see :func:`observe`).
+    """
+
+    def __init__(
+        self,
+        snapshot: Callable[[], Snapshot],
+        machine: Callable[[], Machine],
+        bounds: Sequence[Bounds] = (),
+        clock: ConsumerClock | None = None,
+        memory_limit_bytes: int | None = None,
+    ):
+        self._snapshot = snapshot
+        self._machine = machine
+        self.bounds = tuple(bounds)
+        self.clock = clock
+        self.memory_limit_bytes = memory_limit_bytes
+        self._lock = threading.Lock()
+        self._start = time.perf_counter()
+        self._prev = snapshot()
+        self._prev_items = clock.items if clock is not None else 0
+        self.last: Observation | None = None
+        self.last_snapshot: Snapshot = self._prev
+
+    def observe(self) -> Observation:
+        """An observation of the interval since the previous call (or since creation)."""
+        with self._lock:
+            cur = self._snapshot()
+            items = self.clock.items if self.clock is not None else None
+            obs = observe(
+                self._prev,
+                cur,
+                self._machine(),
+                bounds=self.bounds,
+                memory_limit_bytes=self.memory_limit_bytes,
+                consumer_items=None if items is None else (self._prev_items, items),
+                consumer_step_s=self.clock.step_s if self.clock is not None else 0.0,
+                t=time.perf_counter() - self._start,
+            )
+            self._prev, self._prev_items = cur, items or 0
+            self.last, self.last_snapshot = obs, cur
+            return obs

@@ -1,0 +1,54 @@
+"""Tuners and the loop that runs them: everything meets at the :class:`Tunable` seam.
+
+``make_tuner(name)`` builds any tuner in :data:`TUNERS`; :class:`TuningLoop` runs one beside
+training; :func:`run_episode` runs one against a simulator without waiting.
+"""
+
+from .autotune import AutotuneConfig, AutotuneTuner
+from .base import (
+    Allocation,
+    Limits,
+    MiB,
+    Observation,
+    StageStats,
+    Tunable,
+    Tuner,
+    clamp,
+    limits_of,
+)
+from .baselines import HeuristicTuner, StaticTuner, UnoptimizedTuner, even_split
+from .loop import TuningLoop, run_episode
+from .oracle import OracleTuner, oracle_search
+from .plumber import PlumberPlan, PlumberTuner, solve_lp
+from .registry import TUNERS, make_tuner
+from .safety import is_io_bound, oversubscribe_factor, safe
+
+__all__ = [
+    "Allocation",
+    "AutotuneConfig",
+    "AutotuneTuner",
+    "HeuristicTuner",
+    "Limits",
+    "MiB",
+    "Observation",
+    "OracleTuner",
+    "PlumberPlan",
+    "PlumberTuner",
+    "StageStats",
+    "StaticTuner",
+    "TUNERS",
+    "Tunable",
+    "Tuner",
+    "TuningLoop",
+    "UnoptimizedTuner",
+    "clamp",
+    "even_split",
+    "is_io_bound",
+    "limits_of",
+    "make_tuner",
+    "oracle_search",
+    "oversubscribe_factor",
+    "run_episode",
+    "safe",
+    "solve_lp",
+]

@@ -1,0 +1,182 @@
+"""The seam every tuner uses: what a tuner sees, what it decides, and who applies it.
+
+A real running pipeline and the simulator both implement :class:`Tunable`, so a tuner is
+trained and tested on the simulator and deployed unchanged on a live pipeline.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class StageStats:
+    """One stage's state over the last observation interval.
+
+    Attributes:
+        name: stage name.
+        workers: workers currently running.
+        min_workers: lower bound of the stage's worker knob (>= 1).
+        max_workers: upper bound of the stage's worker knob.
+        items_per_s: items the stage emitted per second.
+        busy: mean fraction of wall time a worker spent running the stage function (0..1).
+        blocked_in: mean fraction of wall time a worker waited for input (0..1).
+        blocked_out: mean fraction of wall time a worker waited for output space (0..1).
+        buffer_bytes: byte budget of the stage's outbound buffer (channel).
+        buffer_fill: fraction of that budget in use (0..1).
+        cpu_s_per_item: busy CPU seconds spent per emitted item (0 when nothing emitted).
+        io_bound: True when the stage's time is mostly waiting (I/O), not CPU.
+    """
+
+    name: str
+    workers: int
+    min_workers: int = 1
+    max_workers: int = 1 << 16
+    items_per_s: float = 0.0
+    busy: float = 0.0
+    blocked_in: float = 0.0
+    blocked_out: float = 0.0
+    buffer_bytes: int = 0
+    buffer_fill: float = 0.0
+    cpu_s_per_item: float = 0.0
+    io_bound: bool = False
+
+
+@dataclass(frozen=True)
+class Observation:
+    """A snapshot of a pipeline and the machine it runs on, as a tuner sees it.
+
+    Attributes:
+        stages: per-stage stats in pipeline order (source first).
+        throughput: items per second delivered to the consumer.
+        latency_s: mean time an item spends in the pipeline (0 when unknown).
+        consumer_step_s: time the consumer (model) spends between two ``next()`` calls.
+        cpus: CPUs the pipeline may use (affinity and cgroup quota, whichever is smaller).
+        memory_limit_bytes: memory the pipeline's buffers may use in total.
+        memory_used_bytes: memory the pipeline's buffers use now.
+        dram_gbps: DRAM copy bandwidth in GB/s (0 when unknown).
+        cpu_ghz: CPU clock in GHz (0 when unknown).
+        t: seconds since the pipeline started.
+        oom: True when the memory limit was breached (simulator: the episode ended).
+    """
+
+    stages: tuple[StageStats, ...]
+    throughput: float
+    cpus: float
+    memory_limit_bytes: int
+    memory_used_bytes: int
+    latency_s: float = 0.0
+    consumer_step_s: float = 0.0
+    dram_gbps: float = 0.0
+    cpu_ghz: float = 0.0
+    t: float = 0.0
+    oom: bool = False
+
+    @property
+    def workers(self) -> tuple[int, ...]:
+        return tuple(s.workers for s in self.stages)
+
+    @property
+    def buffer_bytes(self) -> tuple[int, ...]:
+        return tuple(s.buffer_bytes for s in self.stages)
+
+    def allocation(self) -> Allocation:
+        """The allocation the pipeline runs with now."""
+        return Allocation(self.workers, self.buffer_bytes)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Workers per stage and outbound buffer bytes per stage, in pipeline order."""
+
+    workers: tuple[int, ...]
+    buffer_bytes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
+        object.__setattr__(self, "buffer_bytes", tuple(int(b) for b in self.buffer_bytes))
+        if len(self.workers) != len(self.buffer_bytes):
+            raise ValueError(
+                f"Allocation: workers has {len(self.workers)} stages but buffer_bytes has "
+                f"{len(self.buffer_bytes)}"
+            )
+
+    def replace(self, **changes) -> Allocation:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Hard limits that sit below every tuner (see :func:`clamp`)."""
+
+    cpus: float
+    memory_bytes: int
+    min_workers: tuple[int, ...] = field(default=())
+    max_workers: tuple[int, ...] = field(default=())
+    min_buffer_bytes: int = 1 * MiB
+
+
+def limits_of(obs: Observation, memory_fraction: float = 1.0) -> Limits:
+    """The hard limits implied by an observation."""
+    return Limits(
+        cpus=obs.cpus,
+        memory_bytes=int(obs.memory_limit_bytes * memory_fraction),
+        min_workers=tuple(s.min_workers for s in obs.stages),
+        max_workers=tuple(s.max_workers for s in obs.stages),
+    )
+
+
+def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allocation:
+    """Enforce the safety rules on any tuner's decision.
+
+    Never fewer than ``min_workers`` (>= 1) per stage, never more than ``max_workers``, total
+    workers within ``cpus * oversubscribe`` (stages that wait on I/O may legitimately run more
+    workers than cores, so callers pass ``oversubscribe > 1`` for them), and total buffer bytes
+    within ``memory_bytes``. When over a budget, the largest allocations shrink first.
+    """
+    n = len(alloc.workers)
+    lo = limits.min_workers or (1,) * n
+    hi = limits.max_workers or (1 << 16,) * n
+    workers = [max(max(1, lo[i]), min(hi[i], alloc.workers[i])) for i in range(n)]
+    cap = max(sum(max(1, x) for x in lo), int(limits.cpus * oversubscribe + 1e-9))
+    while sum(workers) > cap:
+        i = max(range(n), key=lambda j: (workers[j] - max(1, lo[j]), workers[j]))
+        if workers[i] <= max(1, lo[i]):
+            break
+        workers[i] -= 1
+    buffers = [max(limits.min_buffer_bytes, b) for b in alloc.buffer_bytes]
+    total = sum(buffers)
+    if total > limits.memory_bytes > 0:
+        scale = limits.memory_bytes / total
+        buffers = [max(limits.min_buffer_bytes, int(b * scale)) for b in buffers]
+    return Allocation(tuple(workers), tuple(buffers))
+
+
+@runtime_checkable
+class Tunable(Protocol):
+    """Something a tuner can steer: a running pipeline or a simulated one."""
+
+    def observe(self) -> Observation:
+        """Stats since the previous call, plus machine facts."""
+        ...
+
+    def apply(self, allocation: Allocation) -> None:
+        """Set workers per stage and buffer bytes per stage."""
+        ...
+
+
+@runtime_checkable
+class Tuner(Protocol):
+    """Decides allocations from observations."""
+
+    def reset(self, obs: Observation) -> Allocation:
+        """Start tuning a pipeline; returns the first allocation to apply."""
+        ...
+
+    def step(self, obs: Observation) -> Allocation:
+        """One tuning step; returns the allocation to apply (may equal the current one)."""
+        ...

@@ -1,0 +1,252 @@
+"""Drive a tuner against a :class:`~.base.Tunable`: a background thread, or synchronously.
+
+:class:`TuningLoop` is the daemon thread that runs beside training: at every interval it
+observes, asks the tuner, clamps the decision to the hard limits (:func:`.safety.safe`) and
+applies it, logging every decision as one JSON line. :func:`run_episode` does the same steps
+back to back with no waiting, for simulator studies.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+from .base import Allocation, Limits, Observation, Tunable, Tuner
+from .safety import safe
+
+log = logging.getLogger(__name__)
+
+LimitsFn = Callable[[Observation], Limits]
+
+
+def _tuner_name(tuner: Tuner) -> str:
+    return str(getattr(tuner, "name", type(tuner).__name__))
+
+
+def _decide(tuner: Tuner, obs: Observation, first: bool, limits_fn: LimitsFn | None) -> Allocation:
+    alloc = tuner.reset(obs) if first else tuner.step(obs)
+    return safe(alloc, obs, limits_fn(obs) if limits_fn else None)
+
+
+def run_episode(
+    tunable: Tunable, tuner: Tuner, steps: int, limits_fn: LimitsFn | None = None
+) -> list[Observation]:
+    """Run ``reset`` then ``steps`` tuning steps back to back, without waiting.
+
+    Each step observes (a simulator advances one interval), asks the tuner, clamps and applies.
+    The episode ends early after an observation with ``oom`` set.
+
+    Returns:
+        The observations the tuner stepped on, in order (at most ``steps``).
+
+    Example:
+        >>> trace = run_episode(SimPipeline(workload, cpus=16, memory_limit_bytes=8 << 30),
+        ...                     make_tuner("plumber"), steps=100)
+    """
+    if steps < 0:
+        raise ValueError(f"run_episode(): steps must be >= 0, got {steps}")
+    tunable.apply(_decide(tuner, tunable.observe(), True, limits_fn))
+    trace: list[Observation] = []
+    for _ in range(steps):
+        obs = tunable.observe()
+        trace.append(obs)
+        if obs.oom:
+            break
+        tunable.apply(_decide(tuner, obs, False, limits_fn))
+    return trace
+
+
+class TuningLoop:
+    """A daemon thread that observes, tunes, clamps and applies every ``interval_s``.
+
+    An exception from the tunable or the tuner is logged, ends the loop, and is raised again
+    by :meth:`stop`; it is never swallowed.
+
+    Args:
+        tunable: the pipeline (or simulator) to steer.
+        tuner: the tuner deciding allocations.
+        interval_s: seconds between tuning steps.
+        log_path: file to append one JSON line per decision to (None: no decision log).
+        limits_fn: hard limits for an observation (default: those the observation implies).
+
+    Example:
+        >>> with TuningLoop(pipeline, make_tuner("heuristic"), interval_s=1.0) as loop:
+        ...     train()
+        >>> loop.cpu_fraction
+    """
+
+    def __init__(
+        self,
+        tunable: Tunable,
+        tuner: Tuner,
+        interval_s: float = 1.0,
+        log_path: str | None = None,
+        limits_fn: LimitsFn | None = None,
+    ) -> None:
+        if not interval_s > 0:
+            raise ValueError(f"TuningLoop: interval_s must be positive, got {interval_s}")
+        self.tunable = tunable
+        self.tuner = tuner
+        self.interval_s = float(interval_s)
+        self.log_path = log_path
+        self.limits_fn = limits_fn
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._reported = False
+        self._steps = 0
+        self._cpu_s = 0.0
+        self._started_at = 0.0
+        self._ended_at: float | None = None
+        self._applied: Allocation | None = None
+
+    # -- public state ------------------------------------------------------------------------
+    @property
+    def steps(self) -> int:
+        """Decisions made so far (the reset counts as one)."""
+        return self._steps
+
+    @property
+    def last_allocation(self) -> Allocation | None:
+        """The allocation applied most recently."""
+        return self._applied
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception that ended the loop, if any."""
+        return self._error
+
+    @property
+    def running(self) -> bool:
+        """True while the thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def cpu_s(self) -> float:
+        """CPU seconds the loop thread spent on its own work."""
+        return self._cpu_s
+
+    @property
+    def cpu_fraction(self) -> float:
+        """The loop's CPU time as a fraction of one core over its wall time so far."""
+        if not self._started_at:
+            return 0.0
+        end = self._ended_at if self._ended_at is not None else time.perf_counter()
+        return self._cpu_s / max(end - self._started_at, 1e-9)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> TuningLoop:
+        """Start the thread (the first decision is ``tuner.reset``). Returns self."""
+        with self._lock:
+            if self._thread is not None:
+                raise RuntimeError(f"TuningLoop({_tuner_name(self.tuner)}): already started")
+            self._thread = threading.Thread(
+                target=self._run, name=f"tuning-loop-{_tuner_name(self.tuner)}", daemon=True
+            )
+            self._started_at = time.perf_counter()
+            self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float | None = None, raise_error: bool = True) -> None:
+        """Ask the thread to end, join it, and raise the exception that ended it, if any.
+
+        Args:
+            timeout_s: how long to wait for the current step (default: 10 intervals, >= 10 s).
+            raise_error: re-raise the loop's exception (once); False only logs it.
+
+        Raises:
+            RuntimeError: the thread did not end in time (a tuner or apply call is stuck).
+            BaseException: whatever the tuner or tunable raised inside the loop.
+        """
+        self._stop.set()
+        if self._thread is not None:
+            wait_s = timeout_s if timeout_s is not None else max(10.0, 10 * self.interval_s)
+            self._thread.join(wait_s)
+            if self._thread.is_alive():
+                raise RuntimeError(
+                    f"TuningLoop({_tuner_name(self.tuner)}): thread still busy after "
+                    f"{wait_s:.1f}s; a tuner.step or tunable.apply call is stuck"
+                )
+        if self._error is not None and raise_error and not self._reported:
+            self._reported = True
+            raise self._error
+
+    def __enter__(self) -> TuningLoop:
+        return self.start()
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        # With an exception already propagating, report the loop's own error through the log
+        # instead of replacing the caller's exception.
+        self.stop(raise_error=exc_type is None)
+
+    # -- the thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        out: IO[str] | None = None
+        try:
+            if self.log_path is not None:
+                out = open(self.log_path, "a", encoding="utf-8")
+            self._tick(out, first=True)
+            deadline = time.perf_counter()
+            while True:
+                deadline += self.interval_s
+                if self._stop.wait(max(0.0, deadline - time.perf_counter())):
+                    break
+                self._tick(out, first=False)
+        except BaseException as exc:  # reported by stop(), never swallowed
+            self._error = exc
+            log.error("tuning loop (%s) stopped by an error", _tuner_name(self.tuner), exc_info=exc)
+            if out is not None:
+                self._write(out, {"error": f"{type(exc).__name__}: {exc}", "step": self._steps})
+        finally:
+            self._ended_at = time.perf_counter()
+            if out is not None:
+                out.close()
+
+    def _tick(self, out: IO[str] | None, first: bool) -> None:
+        cpu0, wall0 = time.thread_time(), time.perf_counter()
+        try:
+            obs = self.tunable.observe()
+            alloc = _decide(self.tuner, obs, first, self.limits_fn)
+            changed = alloc != self._applied
+            if changed:
+                self.tunable.apply(alloc)
+                self._applied = alloc
+            self._steps += 1
+            if out is not None:
+                self._write(out, self._record(obs, alloc, changed, time.perf_counter() - wall0))
+        finally:
+            self._cpu_s += time.thread_time() - cpu0
+
+    def _record(self, obs: Observation, alloc: Allocation, applied: bool, step_s: float) -> dict:
+        return {
+            "t": obs.t,
+            "wall_s": round(time.perf_counter() - self._started_at, 6),
+            "tuner": _tuner_name(self.tuner),
+            "step": self._steps,
+            "obs": {
+                "throughput": obs.throughput,
+                "cpus": obs.cpus,
+                "memory_used_bytes": obs.memory_used_bytes,
+                "memory_limit_bytes": obs.memory_limit_bytes,
+                "workers": list(obs.workers),
+                "buffer_bytes": list(obs.buffer_bytes),
+                "busy": [round(s.busy, 4) for s in obs.stages],
+                "oom": obs.oom,
+            },
+            "allocation": {
+                "workers": list(alloc.workers),
+                "buffer_bytes": list(alloc.buffer_bytes),
+            },
+            "applied": applied,
+            "step_s": step_s,
+        }
+
+    @staticmethod
+    def _write(out: IO[str], record: dict) -> None:
+        out.write(json.dumps(record) + "\n")
+        out.flush()

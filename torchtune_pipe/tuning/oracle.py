@@ -1,0 +1,246 @@
+"""The yardstick: the best static allocation, by exhaustive or coordinate search.
+
+:func:`oracle_search` searches with an ``evaluate(allocation) -> throughput`` function (the
+simulator's steady-state ``evaluate``): exhaustively when the number of allocations is small,
+otherwise by coordinate search (move ``k`` workers between two stages, or add/remove ``k``,
+with ``k`` halving down to 1). :class:`OracleTuner` does the same on a live pipeline by trying
+a list of candidate static allocations for a few intervals each and settling on the best.
+Neither is meant for production: both cost many evaluations.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+from .base import Allocation, MiB, Observation
+from .baselines import even_split
+from .safety import safe
+
+log = logging.getLogger(__name__)
+
+
+def _bounds(n: int, max_workers: int | Sequence[int]) -> tuple[int, ...]:
+    hi = (max_workers,) * n if isinstance(max_workers, int) else tuple(max_workers)
+    if len(hi) != n or min(hi) < 1:
+        raise ValueError(f"max_workers must be {n} positive ints (or one), got {max_workers}")
+    return tuple(int(h) for h in hi)
+
+
+def count_allocations(hi: Sequence[int], total: int) -> int:
+    """Number of worker tuples with ``1 <= w_i <= hi[i]`` and ``sum(w) <= total``."""
+    ways = [1] + [0] * total  # ways[s]: tuples so far summing to s
+    for h in hi:
+        new = [0] * (total + 1)
+        for s, c in enumerate(ways):
+            if c:
+                for w in range(1, min(h, total - s) + 1):
+                    new[s + w] += c
+        ways = new
+    return sum(ways)
+
+
+def iter_allocations(hi: Sequence[int], total: int) -> Iterator[tuple[int, ...]]:
+    """Every worker tuple with ``1 <= w_i <= hi[i]`` and ``sum(w) <= total``."""
+    n = len(hi)
+
+    def rec(i: int, left: int, prefix: tuple[int, ...]) -> Iterator[tuple[int, ...]]:
+        if i == n:
+            yield prefix
+            return
+        reserve = n - i - 1  # one worker for each later stage
+        for w in range(1, min(hi[i], left - reserve) + 1):
+            yield from rec(i + 1, left - w, prefix + (w,))
+
+    yield from rec(0, total, ())
+
+
+def oracle_search(
+    evaluate: Callable[[Allocation], float],
+    n_stages: int,
+    cpus: int,
+    max_workers: int | Sequence[int],
+    buffer_bytes: int = 64 * MiB,
+    buffer_choices: Sequence[int] | None = None,
+    exhaustive_limit: int = 20_000,
+) -> tuple[Allocation, float]:
+    """Find the static allocation with the highest ``evaluate`` value.
+
+    Args:
+        evaluate: throughput of a static allocation (e.g. ``SimPipeline.evaluate``).
+        n_stages: stages in the pipeline.
+        cpus: total workers allowed (``sum(workers) <= cpus``).
+        max_workers: per-stage upper bound (one int for all stages).
+        buffer_bytes: buffer bytes per stage when ``buffer_choices`` is None.
+        buffer_choices: per-stage buffer sizes to try (the same for every stage).
+        exhaustive_limit: search exhaustively when at most this many worker tuples exist.
+
+    Returns:
+        (best allocation, its value).
+
+    Example:
+        >>> alloc, value = oracle_search(sim.evaluate, 4, cpus=16, max_workers=16)
+    """
+    if n_stages < 1 or cpus < n_stages:
+        raise ValueError(f"oracle_search(): need cpus >= n_stages >= 1, got {cpus=}, {n_stages=}")
+    hi = _bounds(n_stages, max_workers)
+    cache: dict[Allocation, float] = {}
+
+    def value(alloc: Allocation) -> float:
+        if alloc not in cache:
+            cache[alloc] = float(evaluate(alloc))
+        return cache[alloc]
+
+    best: tuple[Allocation, float] | None = None
+    exhaustive = count_allocations(hi, cpus) <= exhaustive_limit
+    for b in buffer_choices or (buffer_bytes,):
+        buffers = (int(b),) * n_stages
+        if exhaustive:
+            found = max((Allocation(w, buffers) for w in iter_allocations(hi, cpus)), key=value)
+        else:
+            found = _coordinate_search(value, hi, cpus, buffers)
+        if best is None or value(found) > best[1]:
+            best = (found, value(found))
+    log.debug("oracle_search: %d evaluations, best %s", len(cache), best)
+    return best
+
+
+def _coordinate_search(
+    value: Callable[[Allocation], float], hi: Sequence[int], cpus: int, buffers: tuple[int, ...]
+) -> Allocation:
+    n = len(hi)
+    workers = [min(h, w) for h, w in zip(hi, even_split(cpus, n), strict=True)]
+    current = Allocation(tuple(workers), buffers)
+    k = max(1, cpus // (2 * n))
+    while True:
+        improved = True
+        while improved:
+            improved = False
+            best, best_v = current, value(current)
+            for cand in _neighbours(current.workers, hi, cpus, k):
+                v = value(Allocation(cand, buffers))
+                if v > best_v:
+                    best, best_v, improved = Allocation(cand, buffers), v, True
+            current = best
+        if k == 1:
+            return current
+        k = max(1, k // 2)
+
+
+def _neighbours(
+    w: Sequence[int], hi: Sequence[int], cpus: int, k: int
+) -> Iterator[tuple[int, ...]]:
+    n = len(w)
+    for i in range(n):
+        for delta in (k, -k):
+            c = list(w)
+            c[i] += delta
+            if 1 <= c[i] <= hi[i] and sum(c) <= cpus:
+                yield tuple(c)
+        for j in range(n):
+            if i != j and w[j] - k >= 1 and w[i] + k <= hi[i]:
+                c = list(w)
+                c[i] += k
+                c[j] -= k
+                yield tuple(c)
+
+
+def candidate_workers(
+    n: int, cpus: int, max_workers: int | Sequence[int], max_candidates: int = 48
+) -> list[tuple[int, ...]]:
+    """Worker tuples that use all ``cpus``: every one if few enough, else a coarser grid.
+
+    The grid moves workers in blocks of ``k`` (the smallest ``k`` that keeps the count within
+    ``max_candidates``); leftover workers go to the first stage.
+    """
+    hi = _bounds(n, max_workers)
+    cpus = max(n, int(cpus))
+    k = 1
+    while math.comb(cpus // k - 1, n - 1) > max_candidates and cpus // k > n:
+        k += 1
+    units = cpus // k
+    out: list[tuple[int, ...]] = []
+    for u in iter_allocations((units,) * n, units):
+        if sum(u) != units:
+            continue
+        w = [x * k for x in u]
+        w[0] += cpus - units * k
+        w = tuple(min(h, x) for h, x in zip(hi, w, strict=True))
+        if w not in out:
+            out.append(w)
+    return out
+
+
+class OracleTuner:
+    """Try candidate static allocations on a live pipeline, then keep the best one.
+
+    Each candidate runs for ``trial_steps`` intervals; the first ``warmup_steps`` of them are
+    not scored (they mix in the previous allocation). The score is the mean ``obs.throughput``;
+    an interval that hit the memory limit scores the candidate as unusable.
+
+    Args:
+        candidates: worker tuples to try; default :func:`candidate_workers` at reset.
+        trial_steps: intervals per candidate.
+        warmup_steps: leading intervals of each trial not scored.
+        buffer_bytes: buffer bytes per stage for every candidate.
+        max_candidates: size of the default candidate list.
+    """
+
+    name = "oracle"
+
+    def __init__(
+        self,
+        candidates: Sequence[Sequence[int]] | None = None,
+        trial_steps: int = 3,
+        warmup_steps: int = 1,
+        buffer_bytes: int = 64 * MiB,
+        max_candidates: int = 48,
+    ) -> None:
+        if trial_steps <= warmup_steps or warmup_steps < 0:
+            raise ValueError(
+                f"OracleTuner: need trial_steps > warmup_steps >= 0, got {trial_steps=}, "
+                f"{warmup_steps=}"
+            )
+        self._given = [tuple(int(x) for x in c) for c in candidates] if candidates else None
+        self.trial_steps = trial_steps
+        self.warmup_steps = warmup_steps
+        self.buffer_bytes = int(buffer_bytes)
+        self.max_candidates = max_candidates
+        self.scores: list[float] = []
+        self.best: Allocation | None = None
+
+    def reset(self, obs: Observation) -> Allocation:
+        """Build the candidate list and start the first trial."""
+        n = len(obs.stages)
+        hi = [s.max_workers for s in obs.stages]
+        workers = self._given or candidate_workers(n, int(obs.cpus), hi, self.max_candidates)
+        if any(len(w) != n for w in workers):
+            raise ValueError(f"OracleTuner: every candidate needs {n} entries, got {workers}")
+        self.candidates = [Allocation(w, (self.buffer_bytes,) * n) for w in workers]
+        self.scores, self.best = [], None
+        self._trial, self._samples = 0, []
+        return safe(self.candidates[0], obs)
+
+    @property
+    def searching(self) -> bool:
+        """True while candidates are still being tried."""
+        return self.best is None
+
+    def step(self, obs: Observation) -> Allocation:
+        """Score the running candidate; move to the next one or settle on the best."""
+        if self.best is not None:
+            return safe(self.best, obs)
+        self._trial += 1
+        if self._trial > self.warmup_steps:
+            self._samples.append(-math.inf if obs.oom else obs.throughput)
+        if self._trial < self.trial_steps:
+            return safe(self.candidates[len(self.scores)], obs)
+        self.scores.append(sum(self._samples) / len(self._samples))
+        self._trial, self._samples = 0, []
+        if len(self.scores) < len(self.candidates):
+            return safe(self.candidates[len(self.scores)], obs)
+        i = max(range(len(self.scores)), key=self.scores.__getitem__)
+        self.best = self.candidates[i]
+        log.info("oracle: settled on %s (%.1f items/s)", self.best.workers, self.scores[i])
+        return safe(self.best, obs)

@@ -1,0 +1,93 @@
+"""Tuners by name: ``make_tuner("plumber")``, with the names listed in :data:`TUNERS`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .base import Tuner
+
+
+def _static(**kw) -> Tuner:
+    from .baselines import StaticTuner
+
+    return StaticTuner(**kw)
+
+
+def _unoptimized(**kw) -> Tuner:
+    from .baselines import UnoptimizedTuner
+
+    return UnoptimizedTuner(**kw)
+
+
+def _heuristic(**kw) -> Tuner:
+    from .baselines import HeuristicTuner
+
+    return HeuristicTuner(**kw)
+
+
+def _autotune(adaptive: bool) -> Callable[..., Tuner]:
+    def make(**kw) -> Tuner:
+        from .autotune import AutotuneTuner
+
+        return AutotuneTuner(adaptive=adaptive, **kw)
+
+    return make
+
+
+def _plumber(adaptive: bool) -> Callable[..., Tuner]:
+    def make(**kw) -> Tuner:
+        from .plumber import PlumberTuner
+
+        return PlumberTuner(adaptive=adaptive, **kw)
+
+    return make
+
+
+def _oracle(**kw) -> Tuner:
+    from .oracle import OracleTuner
+
+    return OracleTuner(**kw)
+
+
+def _intune(**kw) -> Tuner:
+    # Imported here: the DQN tuner pulls in torch, which the other tuners do not need.
+    from .intune import InTuneTuner
+
+    return InTuneTuner(**kw)
+
+
+_FACTORIES: dict[str, Callable[..., Tuner]] = {
+    "static": _static,
+    "unoptimized": _unoptimized,
+    "heuristic": _heuristic,
+    "autotune": _autotune(False),
+    "autotune-adaptive": _autotune(True),
+    "plumber": _plumber(False),
+    "plumber-adaptive": _plumber(True),
+    "oracle": _oracle,
+    "intune": _intune,
+}
+
+TUNERS: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def make_tuner(name: str, **kw) -> Tuner:
+    """Create the tuner called ``name`` with keyword options for its constructor.
+
+    Args:
+        name: one of :data:`TUNERS`.
+        **kw: passed to the tuner's class (e.g. ``workers=(2, 4, 1)`` for ``static``).
+
+    Raises:
+        ValueError: for an unknown name.
+
+    Example:
+        >>> tuner = make_tuner("autotune", algorithm="stage_based")
+    """
+    try:
+        factory = _FACTORIES[name]
+    except KeyError:
+        raise ValueError(
+            f"make_tuner(): unknown tuner {name!r}; choose one of {', '.join(TUNERS)}"
+        ) from None
+    return factory(**kw)

@@ -1,0 +1,66 @@
+"""The oversubscription policy that every tuner and the tuning loop apply through :func:`clamp`.
+
+Policy: a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with
+low time blocked on the pipeline's own channels, which means the worker waits on something
+outside the pipeline such as a disk or the network) does not use a full core per worker. Such a
+worker is charged only its measured busy fraction against the CPU budget, so the budget may hold
+more workers than cores, up to ``MAX_OVERSUBSCRIBE`` times the CPU count. CPU-bound stages are
+charged one core per worker. The factor is passed to :func:`clamp` as ``oversubscribe``.
+"""
+
+from __future__ import annotations
+
+from .base import Allocation, Limits, Observation, StageStats, clamp, limits_of
+
+# A stage counts as I/O-bound when it computes less than this fraction of the time...
+IO_BUSY_MAX = 0.5
+# ...and waits on its neighbours' channels less than this fraction.
+IO_BLOCKED_MAX = 0.2
+# An I/O worker is charged at least this share of a core (a stalled device is not free).
+IO_MIN_CHARGE = 0.1
+# Never allow more than this many workers per core in total.
+MAX_OVERSUBSCRIBE = 2.0
+
+
+def is_io_bound(stage: StageStats) -> bool:
+    """True when the stage's workers mostly wait on I/O rather than compute or on channels."""
+    if stage.io_bound:
+        return True
+    if stage.items_per_s <= 0.0:
+        return False
+    blocked = stage.blocked_in + stage.blocked_out
+    return stage.busy < IO_BUSY_MAX and blocked < IO_BLOCKED_MAX
+
+
+def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> float:
+    """How far past ``obs.cpus`` the total worker count may go for ``alloc`` (>= 1).
+
+    Each worker of an I/O-bound stage frees ``1 - busy`` of a core (busy floored at
+    ``IO_MIN_CHARGE``); the factor is ``1 + freed / cpus``, capped at ``MAX_OVERSUBSCRIBE``.
+
+    Args:
+        obs: the observation whose stage stats classify the stages.
+        alloc: the allocation being checked (defaults to the observed one).
+    """
+    if obs.cpus <= 0:
+        return 1.0
+    workers = (alloc or obs.allocation()).workers
+    freed = 0.0
+    for stage, w in zip(obs.stages, workers, strict=False):
+        if is_io_bound(stage):
+            freed += w * (1.0 - max(IO_MIN_CHARGE, min(1.0, stage.busy)))
+    return min(MAX_OVERSUBSCRIBE, 1.0 + freed / obs.cpus)
+
+
+def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
+    """Clamp ``alloc`` to the hard limits of ``obs`` (or ``limits``) with the I/O policy above.
+
+    Raises:
+        ValueError: when ``alloc`` does not have one entry per observed stage.
+    """
+    if len(alloc.workers) != len(obs.stages):
+        raise ValueError(
+            f"allocation has {len(alloc.workers)} stages but the pipeline has "
+            f"{len(obs.stages)} ({', '.join(s.name for s in obs.stages)})"
+        )
+    return clamp(alloc, limits or limits_of(obs), oversubscribe_factor(obs, alloc))
