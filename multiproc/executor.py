@@ -159,8 +159,9 @@ class Executor:
     def run(self, units: Sequence, epoch: int = 0) -> Iterator[Any]:
         """Push ``units`` through the pipeline; iterate the items that come out.
 
-        Only one run is active at a time. Closing the iterator early (``break``) stops the
-        executor; a new ``run`` then starts fresh workers.
+        Only one run is active at a time; workers persist from one run to the next. Closing
+        the iterator early (``break``, an exception in the consumer) closes the executor:
+        create a new one to continue.
         """
         units = list(units)
         with self._lock:
@@ -511,6 +512,10 @@ class Executor:
             channel.unlink_segment(seg)
             self._segments.discard(seg)
             self._cache.drop(seg)
+            # Consumers still map it; their mapping keeps its pages alive until dropped.
+            for c in self._workers.values():
+                if c.stage == h.stage + 1 and c.alive():
+                    self._send(c, ("drop", seg))
             del self._by_seg[seg]
             del self._workers[wid]
 
