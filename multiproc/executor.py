@@ -404,6 +404,8 @@ class Executor:
                 seg_name, size, max(st.budget // n_alive, 64 * 1024))
         h.start_ns = time.monotonic_ns()
         pool.start_worker(h, args)
+        if self._run is not None:
+            self._send(h, ("epoch", self._run.epoch))  # stateful stages seed by epoch
         self._rebudget(stage)
 
     def _n_active(self, stage: int) -> int:

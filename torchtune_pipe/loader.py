@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -585,8 +586,13 @@ class Loader:
             if not complete and not self.inline:
                 self._drop_executor()  # wakes a prefetch thread waiting on the executor
             if pre is not None:
-                pre.stop()
-            if hasattr(stream, "close"):
+                # After a timeout the thread is stuck in a stage: do not wait for it (daemon).
+                pre.stop(
+                    timeout_s=0.1 if isinstance(sys.exc_info()[1], LoaderTimeoutError) else 10.0
+                )
+                if pre.alive:
+                    log.warning("Loader: the prefetch thread is still busy in a stage; left behind")
+            if hasattr(stream, "close") and (pre is None or not pre.alive):
                 stream.close()
             if watcher is not None:
                 watcher.stop()

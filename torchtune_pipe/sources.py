@@ -10,6 +10,12 @@ A source splits its input into picklable *work units* and turns one unit into it
 
 :class:`LineFileSource` reads text files made of lines (TSV, CSV, JSON lines): plain files are
 cut into byte ranges of about ``chunk_bytes`` each, gzip files are one unit each.
+
+Adapters (the :class:`Source` protocol, below the line-file part): :class:`MapDatasetSource`
+(map-style datasets with torch's samplers; units are chunks of sampler entries),
+:class:`IterableDatasetSource` (``IterableDataset`` and ``IterDataPipe``; unit ``i`` of ``n`` is
+shard ``i``, with ``get_worker_info()`` set while it is read), :class:`NodeSource`
+(``torchdata.nodes``), and :func:`as_source` to pick one.
 """
 
 from __future__ import annotations

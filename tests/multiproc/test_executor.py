@@ -97,7 +97,9 @@ def test_exactly_once_while_workers_are_killed():
         rng = random.Random(1)
 
         def killer():
-            while not stop.wait(0.15):
+            # Ten kills spread over the run: enough to hit every stage kind, bounded so a
+            # loaded machine (slow restarts) still finishes in time.
+            while len(killed) < 10 and not stop.wait(0.2):
                 snap = ex.snapshot(per_worker=True)
                 pids = [w.pid for s in snap.stages for w in s.per_worker if w.pid > 0]
                 if pids:

@@ -1,0 +1,207 @@
+"""Differential tests: torchtune_pipe.DataLoader yields what torch's DataLoader yields."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import BatchSampler, Dataset, IterableDataset, Sampler, get_worker_info
+
+import torchtune_pipe
+from torchtune_pipe import DataLoader
+
+
+class Squares(Dataset):
+    def __init__(self, n=23, kind="tensor"):
+        self.n, self.kind = n, kind
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if self.kind == "dict":
+            return {"x": torch.tensor([i, i * i]), "name": f"s{i}", "w": float(i) / 2}
+        if self.kind == "tuple":
+            return (torch.full((2,), i), i)
+        if self.kind == "str":
+            return f"item-{i}"
+        if self.kind == "numpy":
+            return np.arange(3) * i
+        return torch.tensor(i * i)
+
+
+class Evens(Sampler):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(0, self.n, 2))
+
+    def __len__(self):
+        return math.ceil(self.n / 2)
+
+
+class Counting(IterableDataset):
+    """Shards itself by worker info, as torch's documentation shows."""
+
+    def __init__(self, n=17):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __iter__(self):
+        info = get_worker_info()
+        start, step = (0, 1) if info is None else (info.id, info.num_workers)
+        return iter(range(start, self.n, step))
+
+
+class Flaky(Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        if i == 6:
+            raise IndexError(f"bad sample {i}")
+        return i
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            _same(x, y)
+    else:
+        assert a == b
+
+
+def _compare(dataset, workers=0, **kw):
+    seed = kw.pop("seed", None)
+    kw_t, kw_o = dict(kw), dict(kw)
+    if seed is not None:
+        kw_t["generator"] = torch.Generator().manual_seed(seed)
+        kw_o["generator"] = torch.Generator().manual_seed(seed)
+    torch_workers = 2 if workers == "auto" else workers
+    expected = list(torch.utils.data.DataLoader(dataset, num_workers=torch_workers, **kw_t))
+    with DataLoader(dataset, num_workers=workers, **kw_o) as loader:
+        got = list(loader)
+        assert len(loader) == len(expected) or isinstance(dataset, IterableDataset)
+    assert len(got) == len(expected)
+    for a, b in zip(expected, got, strict=True):
+        _same(a, b)
+    return got
+
+
+@pytest.mark.parametrize("kind", ["tensor", "dict", "tuple", "str", "numpy"])
+def test_sample_kinds_inline(kind):
+    _compare(Squares(kind=kind), batch_size=4)
+
+
+@pytest.mark.parametrize("workers", [0, 2, "auto"])
+def test_shuffled_with_a_generator(workers):
+    _compare(Squares(kind="dict"), workers, batch_size=5, shuffle=True, seed=11, drop_last=True)
+
+
+def test_global_rng_shuffle_matches_when_seeded_alike():
+    torch.manual_seed(5)
+    expected = list(torch.utils.data.DataLoader(Squares(), batch_size=4, shuffle=True))
+    torch.manual_seed(5)
+    got = list(DataLoader(Squares(), batch_size=4, shuffle=True))
+    for a, b in zip(expected, got, strict=True):
+        _same(a, b)
+
+
+def test_custom_sampler_batch_sampler_and_no_batching():
+    _compare(Squares(kind="tuple"), 0, batch_size=3, sampler=Evens(23))
+    _compare(Squares(), 0, batch_sampler=BatchSampler(Evens(23), 4, True))
+    _compare(Squares(kind="numpy"), 0, batch_size=None)
+    _compare(Squares(), 2, batch_sampler=BatchSampler(Evens(23), 4, False))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_iterable_dataset_sharded_by_worker_info(workers):
+    got = _compare(Counting(), workers, batch_size=3)
+    assert sorted(int(x) for b in got for x in b) == list(range(17))
+
+
+def _seed_offset(worker_id):
+    get_worker_info().dataset.n = 9  # the worker's copy, set up as torch documents
+
+
+def test_worker_init_fn_sees_worker_info():
+    _compare(Counting(), 2, batch_size=2, worker_init_fn=_seed_offset)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_exception_in_getitem_reaches_the_user_with_its_type(workers):
+    it = iter(torch.utils.data.DataLoader(Flaky(), batch_size=2, num_workers=workers))
+    with pytest.raises(IndexError, match="bad sample 6"):
+        list(it)
+    if workers:
+        it._shutdown_workers()  # torch leaves its workers to the iterator's GC otherwise
+    del it
+    with DataLoader(Flaky(), batch_size=2, num_workers=workers) as loader:
+        with pytest.raises(IndexError, match="bad sample 6"):
+            list(loader)
+
+
+def test_resume_mid_epoch_under_other_worker_counts():
+    g = torch.Generator().manual_seed(2)
+    with DataLoader(Squares(), batch_size=3, shuffle=True, generator=g, num_workers=2) as loader:
+        full = list(loader)
+    g = torch.Generator().manual_seed(2)
+    with DataLoader(Squares(), batch_size=3, shuffle=True, generator=g, num_workers=1) as loader:
+        it = iter(loader)
+        head = [next(it) for _ in range(3)]
+        state = loader.state_dict()
+    g = torch.Generator().manual_seed(99)  # resumed order comes from the state, not this seed
+    with DataLoader(
+        Squares(), batch_size=3, shuffle=True, generator=g, num_workers="auto"
+    ) as loader:
+        loader.load_state_dict(state)
+        rest = list(loader)
+    for a, b in zip(full, head + rest, strict=True):
+        _same(a, b)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(num_workers=-1),
+        dict(timeout=-1),
+        dict(prefetch_factor=2),
+        dict(shuffle=True, sampler=Evens(4)),
+        dict(batch_sampler=BatchSampler(Evens(4), 2, False), batch_size=3),
+        dict(batch_size=None, drop_last=True),
+        dict(persistent_workers=True),
+    ],
+)
+def test_invalid_arguments_raise_like_torch(kw):
+    with pytest.raises(ValueError):
+        torch.utils.data.DataLoader(Squares(), **kw)
+    with pytest.raises(ValueError):
+        DataLoader(Squares(), **kw)
+
+
+def test_iterable_dataset_rejects_shuffle_like_torch():
+    with pytest.raises(ValueError, match="shuffle"):
+        DataLoader(Counting(), shuffle=True)
+
+
+def test_not_a_torch_dataloader_subclass_but_has_its_attributes():
+    loader = DataLoader(Squares(), batch_size=4, shuffle=True)
+    assert not isinstance(loader, torch.utils.data.DataLoader)
+    assert (
+        loader.batch_size == 4 and loader.sampler is not None and loader.batch_sampler is not None
+    )
+    assert len(loader) == 6
+    assert torchtune_pipe.DataLoader is DataLoader
+    loader.close()

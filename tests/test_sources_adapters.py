@@ -1,0 +1,151 @@
+"""Source adapters: map-style and iterable datasets, torchdata nodes, datapipes, line files."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+from torchtune_pipe import (
+    IterableDatasetSource,
+    LineFileSource,
+    MapDatasetSource,
+    NodeSource,
+    Pipeline,
+    Source,
+    SourceError,
+    as_source,
+)
+from torchtune_pipe.sources import read_indexed
+
+
+class Table(Dataset):
+    def __init__(self, n=10):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return i * 10
+
+
+class Batched(Table):
+    def __getitems__(self, idx):
+        return [("many", i) for i in idx]
+
+
+class Sharded(IterableDataset):
+    def __iter__(self):
+        info = get_worker_info()
+        if info is None:
+            return iter([("main", 0)])
+        return iter([(info.id, info.num_workers, type(info.dataset).__name__)])
+
+
+def test_map_source_units_follow_the_sampler_and_shard_by_rank():
+    src = MapDatasetSource(Table(), batch_size=3, entries_per_unit=2)
+    units = src.units()
+    assert [u.entries for u in units] == [([0, 1, 2], [3, 4, 5]), ([6, 7, 8], [9])]
+    assert list(src.read(units[1])) == [[60, 70, 80], [90]]
+    assert list(read_indexed(src, units[0], frozenset({0}))) == [(1, [30, 40, 50])]
+    r1 = MapDatasetSource(Table(), rank=1, world_size=2).units()
+    assert [u.id for u in r1] == [1, 3, 5, 7, 9]
+    assert len(src) == 4 and isinstance(src, Source)
+    assert list(MapDatasetSource(Batched(), batch_size=2).read(src.units()[0]))[0][0] == ("many", 0)
+
+
+def test_map_source_replays_a_shuffled_order_from_its_state():
+    g = torch.Generator().manual_seed(1)
+    src = MapDatasetSource(Table(), shuffle=True, generator=g)
+    first = [u.entries for u in src.units()]
+    state = src.units_state()
+    second = [u.entries for u in src.units()]
+    assert first != second  # the generator advanced, as torch's would
+    src.load_units_state(state)
+    assert [u.entries for u in src.units()] == first
+
+
+def test_map_source_validates_arguments():
+    with pytest.raises(ValueError, match="sampler is mutually exclusive with shuffle"):
+        MapDatasetSource(Table(), sampler=[0, 1], shuffle=True)
+    with pytest.raises(ValueError, match="batch_size"):
+        MapDatasetSource(Table(), batch_size=0)
+    with pytest.raises(TypeError, match="__getitem__"):
+        MapDatasetSource(3)
+
+
+def test_iterable_source_sets_worker_info_per_shard():
+    src = IterableDatasetSource(Sharded(), shards=3)
+    got = [x for u in src.units() for x in src.read(u)]
+    assert got == [(0, 3, "Sharded"), (1, 3, "Sharded"), (2, 3, "Sharded")]
+    assert get_worker_info() is None  # restored after reading
+    one = IterableDatasetSource(Sharded())
+    assert list(one.read(one.units()[0])) == [("main", 0)]
+
+
+def test_iterable_source_batches_per_shard_with_drop_last():
+    src = IterableDatasetSource(range_ds(7), batch_size=3, drop_last=True)
+    assert list(src.read(src.units()[0])) == [[0, 1, 2], [3, 4, 5]]
+
+
+class range_ds(IterableDataset):  # noqa: N801
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+def test_iterdatapipe_still_exists_and_is_sharded():
+    from torch.utils.data.datapipes.iter import IterableWrapper
+
+    dp = IterableWrapper(range(6)).sharding_filter()
+    src = as_source(dp)
+    assert isinstance(src, IterableDatasetSource)
+    src = IterableDatasetSource(dp, shards=2)
+    assert [list(src.read(u)) for u in src.units()] == [[0, 2, 4], [1, 3, 5]]
+
+
+def test_torchdata_node_source_resets_each_read():
+    from torchdata.nodes import IterableWrapper
+
+    src = as_source(IterableWrapper(range(4)))
+    assert isinstance(src, NodeSource)
+    unit = src.units()[0]
+    assert list(src.read(unit)) == [0, 1, 2, 3]
+    assert list(src.read(unit)) == [0, 1, 2, 3]
+
+
+def test_as_source_dispatch_and_rejection():
+    assert isinstance(as_source(Table()), MapDatasetSource)
+    assert isinstance(as_source(range_ds(2)), IterableDatasetSource)
+    with pytest.raises(TypeError, match="as_source"):
+        as_source(42)
+
+
+def _parse_int(line: bytes) -> int:
+    return int(line)
+
+
+@pytest.fixture
+def corrupt_file(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("1\n2\n3\nthree\n5\n6\n")
+    return str(path)
+
+
+def test_corrupt_line_is_reported_with_file_and_line_through_the_workers(corrupt_file):
+    pipe = Pipeline.from_source(LineFileSource(corrupt_file, parse=_parse_int, chunk_bytes=4))
+    with pipe.loader(ordered=True) as loader, pytest.raises(SourceError) as info:
+        list(loader)
+    assert info.value.path == corrupt_file and info.value.line == 4
+    assert f"{corrupt_file}:4" in str(info.value)
+
+
+def test_corrupt_line_is_skipped_and_counted_when_asked(corrupt_file):
+    skipped = []
+    src = LineFileSource(corrupt_file, parse=_parse_int, on_error="skip", on_skip=skipped.append)
+    with Pipeline.from_source(src).loader(inline=True) as loader:
+        assert list(loader) == [1, 2, 3, 5, 6]
+    assert [(s.line, s.path) for s in skipped] == [(4, corrupt_file)]

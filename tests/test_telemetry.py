@@ -1,0 +1,129 @@
+"""Telemetry: snapshot rates, machine facts (cgroup, memory, DRAM cache), the live table."""
+
+from __future__ import annotations
+
+import io
+import os
+import threading
+
+from multiproc import Snapshot, StageSnapshot
+from torchtune_pipe import telemetry
+from torchtune_pipe._watch import render, watch
+from torchtune_pipe.telemetry import Bounds, ConsumerClock, Machine, Meter, observe
+
+
+def _stage(name, workers, items_out, busy_ns, cpu_ns, blocked_in=0, used=0, budget=1 << 20):
+    return StageSnapshot(
+        name=name, workers=workers, items_in=items_out, items_out=items_out, busy_ns=busy_ns,
+        blocked_in_ns=blocked_in, blocked_out_ns=0, worker_ns=0, cpu_ns=cpu_ns, bytes_out=0,
+        errors=0, spilled=0, restarts=0, buffer_budget_bytes=budget, buffer_used_bytes=used,
+        buffer_items=0, queued_frames=0,
+    )  # fmt: skip
+
+
+MACHINE = Machine(cpus=4.0, memory_available_bytes=1 << 30, dram_gbps=10.0, cpu_ghz=2.5)
+
+
+def test_observe_turns_two_snapshots_into_rates():
+    a = Snapshot(0, (_stage("read", 2, 0, 0, 0), _stage("udf", 1, 0, 0, 0)), 0, 0)
+    b = Snapshot(
+        2_000_000_000,
+        (
+            _stage("read", 2, 400, 2_000_000_000, 200_000_000, used=1 << 19),
+            _stage("udf", 1, 400, 1_500_000_000, 1_500_000_000, blocked_in=500_000_000),
+        ),
+        380,
+        10,
+    )
+    obs = observe(a, b, MACHINE, bounds=[Bounds(1, 8), Bounds(1, 4)], consumer_step_s=0.01, t=3.0)
+    read, udf = obs.stages
+    assert read.items_per_s == 200 and udf.items_per_s == 200
+    assert read.busy == 0.5 and udf.busy == 0.75 and udf.blocked_in == 0.25
+    assert read.io_bound and not udf.io_bound  # read burns 10% CPU of its busy time
+    assert read.buffer_fill == 0.5 and read.max_workers == 8
+    assert abs(udf.cpu_s_per_item - 1.5 / 400) < 1e-12
+    assert obs.throughput == 190 and obs.cpus == 4.0 and obs.dram_gbps == 10.0
+    assert obs.memory_used_bytes == 1 << 19
+    assert obs.memory_limit_bytes == 2 * (1 << 20) + (1 << 30)
+    assert obs.workers == (2, 1) and obs.t == 3.0
+
+
+def test_cgroup_quota_caps_cpus_and_memory(tmp_path):
+    (tmp_path / "cpu.max").write_text("150000 100000\n")
+    (tmp_path / "memory.max").write_text(str(300 << 20))
+    (tmp_path / "memory.current").write_text(str(100 << 20))
+    assert telemetry.cpus_available(tmp_path) == min(1.5, len(os.sched_getaffinity(0)))
+    assert telemetry.memory_available_bytes(tmp_path) <= 200 << 20
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "memory.max").write_text("max\n")
+    assert telemetry.cpus_available(tmp_path) == len(os.sched_getaffinity(0))
+    assert telemetry.memory_available_bytes(tmp_path) > 0
+
+
+def test_dram_bandwidth_is_measured_once_and_cached(tmp_path):
+    calls = []
+
+    def fake():
+        calls.append(1)
+        return 12.5
+
+    assert telemetry.dram_gbps(tmp_path, fake) == 12.5
+    assert telemetry.dram_gbps(tmp_path, fake) == 12.5
+    assert calls == [1]
+    assert (tmp_path / "dram.json").exists()
+    assert telemetry.measure_dram_gbps(size_bytes=1 << 20, repeats=2) > 0
+
+
+def test_resident_memory_and_clock():
+    assert telemetry.resident_bytes([os.getpid(), -1]) > 10 << 20
+    assert telemetry.cpu_ghz() >= 0.0
+
+
+def test_consumer_clock_measures_the_gap_between_next_calls():
+    clock = ConsumerClock(alpha=1.0)
+    clock.asked()
+    clock.took()
+    clock._handed_at -= 0.25  # as if the model step took 250 ms
+    clock.asked()
+    assert clock.items == 1 and 0.25 <= clock.step_s < 1.0
+    clock.pause()
+    clock.asked()
+    assert clock.step_s < 1.0
+
+
+def test_meter_reports_each_interval_once():
+    snaps = iter(
+        [
+            Snapshot(0, (_stage("s", 1, 0, 0, 0),), 0, 0),
+            Snapshot(10**9, (_stage("s", 1, 50, 0, 0),), 50, 1),
+            Snapshot(2 * 10**9, (_stage("s", 1, 60, 0, 0),), 60, 2),
+        ]
+    )
+    meter = Meter(lambda: next(snaps), lambda: MACHINE)
+    assert meter.observe().stages[0].items_per_s == 50
+    assert meter.observe().stages[0].items_per_s == 10
+
+
+def test_live_table_renders_and_watch_stops_on_its_event():
+    from rich.console import Console
+
+    a = Snapshot(0, (_stage("read", 2, 0, 0, 0),), 0, 0)
+    b = Snapshot(10**9, (_stage("read", 2, 100, 10**9, 10**9),), 100, 1)
+    obs = observe(a, b, MACHINE)
+    out = io.StringIO()
+    console = Console(file=out, width=150)
+    console.print(render(obs))
+    text = out.getvalue()
+    assert "read" in text and "100" in text and "50%" in text
+    stop = threading.Event()
+    seen = []
+
+    def observe_twice():
+        seen.append(1)
+        if len(seen) >= 2:
+            stop.set()
+        return obs
+
+    assert (
+        watch(observe_twice, interval_s=0.01, stop=stop, console=Console(file=io.StringIO())) >= 1
+    )
