@@ -393,6 +393,7 @@ class Loader:
         self._units_state: Any = None
         self._executor: Executor | None = None
         self._tunable: RunningPipeline | None = None
+        self._tuner_started = False  # the tuner has made its first (reset) decision
         self._active: weakref.ref | None = None
         self._closed = False
         self._clock = telemetry.ConsumerClock()
@@ -628,8 +629,12 @@ class Loader:
             return None
         from .tuning.loop import TuningLoop
 
+        # One tuner per Loader: later epochs continue it (no reset), so allocations and what
+        # the agent learned carry over from epoch to epoch.
+        first = not self._tuner_started
+        self._tuner_started = True
         return TuningLoop(
-            self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log
+            self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first
         ).start()
 
     def _start_watch(self) -> Any:

@@ -141,3 +141,23 @@ def test_run_episode_ends_on_oom():
     pipe.memory_limit_bytes = 1
     trace = run_episode(pipe, HeuristicTuner(), steps=4)
     assert len(trace) == 1 and trace[0].oom
+
+
+def test_a_continued_loop_steps_instead_of_resetting():
+    class CountingTuner(ShiftingTuner):
+        resets = 0
+
+        def reset(self, obs):
+            CountingTuner.resets += 1
+            return super().reset(obs)
+
+    tuner = CountingTuner()
+    pipe = SignallingTunable((0.01, 0.02), cpus=4, target=2)
+    first = TuningLoop(pipe, tuner, interval_s=0.005).start()
+    assert pipe.observed.wait(WAIT_S)
+    first.stop()
+    pipe.calls, pipe.observed = 0, threading.Event()
+    second = TuningLoop(pipe, tuner, interval_s=0.005, reset=False).start()
+    assert pipe.observed.wait(WAIT_S)
+    second.stop()
+    assert CountingTuner.resets == 1 and second.steps >= 2

@@ -86,6 +86,7 @@ class TuningLoop:
         interval_s: float = 1.0,
         log_path: str | None = None,
         limits_fn: LimitsFn | None = None,
+        reset: bool = True,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"TuningLoop: interval_s must be positive, got {interval_s}")
@@ -94,6 +95,9 @@ class TuningLoop:
         self.interval_s = float(interval_s)
         self.log_path = log_path
         self.limits_fn = limits_fn
+        # False continues a tuner that already ran (e.g. the next epoch of the same pipeline):
+        # its first decision is a step, not a reset, so what it learned is kept.
+        self.reset = bool(reset)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -190,7 +194,7 @@ class TuningLoop:
         try:
             if self.log_path is not None:
                 out = open(self.log_path, "a", encoding="utf-8")
-            self._tick(out, first=True)
+            self._tick(out, first=self.reset)
             deadline = time.perf_counter()
             while True:
                 deadline += self.interval_s
