@@ -54,6 +54,8 @@ class StageSpec:
         worker_type: ``process`` or ``thread``.
         on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop and count).
         init: optional ``init(stage_name, worker_index)`` run once in every new worker.
+        torch_threads: torch intra-op threads per worker process (as torch's DataLoader,
+            default 1: N workers each running N-thread kernels oversubscribe the cores).
     """
 
     name: str
@@ -68,6 +70,7 @@ class StageSpec:
     worker_type: Literal["process", "thread"] = "process"
     on_error: Literal["raise", "skip"] = "raise"
     init: Callable[[str, int], None] | None = None
+    torch_threads: int = 1
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
@@ -77,7 +80,7 @@ class StageSpec:
             raise SpecError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
         if not callable(self.fn):
             raise SpecError(f"{where}: fn must be callable, got {type(self.fn).__name__}")
-        for arg in ("workers", "min_workers", "max_workers", "frame_items"):
+        for arg in ("workers", "min_workers", "max_workers", "frame_items", "torch_threads"):
             v = getattr(self, arg)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"{where}: {arg} must be a positive int, got {v!r}")

@@ -64,6 +64,7 @@ class _Worker:
         self.retiring = False
         self.reducer = None
         self.epoch = 0
+        self.thread_worker = False  # set by worker_main; thread workers share torch's settings
 
     # -- plumbing ---------------------------------------------------------------------------
     def _release(self, ref) -> None:
@@ -283,6 +284,10 @@ class _Worker:
 
     # -- main loop --------------------------------------------------------------------------
     def loop(self) -> None:
+        if not self.thread_worker:
+            import torch
+
+            torch.set_num_threads(self.stage.torch_threads)
         if self.stage.init is not None:
             self.stage.init(self.stage.name, self.index)
         self.conn.send(("hello", self.wid, os.getpid()))
@@ -319,6 +324,7 @@ def worker_main(conn, *args, is_thread: bool = False) -> None:
     w = None
     try:
         w = _Worker(conn, *args)
+        w.thread_worker = is_thread
         w.loop()
     except (_Exit, EOFError, BrokenPipeError, ConnectionResetError):
         pass

@@ -57,17 +57,24 @@ def _memory_for(workload: Workload, cpus: float) -> float:
     return cpus * workload.worker_rss_bytes + resident + n * 64 * MiB
 
 
-def sample_episode(n_stages: int, rng: random.Random, steps: int, heldout: bool = False) -> Episode:
+def sample_episode(
+    n_stages: int,
+    rng: random.Random,
+    steps: int,
+    heldout: bool = False,
+    cpu_choices: Sequence[int] = CPU_CHOICES,
+) -> Episode:
     """A random episode; workload seeds come from the held-out range only when asked."""
     seed = rng.randrange(HELDOUT_SEED, 2 * HELDOUT_SEED) if heldout else rng.randrange(HELDOUT_SEED)
     wl = generate(n_stages, seed)
     if rng.random() < 0.5:
         wl = with_batch_size(wl, rng.choice(BATCH_CHOICES))
-    c0 = rng.choice(CPU_CHOICES)
+    c0 = rng.choice(cpu_choices)
     sched = [(0.0, float(c0))]
     for _ in range(rng.choice((0, 1, 1, 2))):
         t = rng.uniform(0.25, 0.75) * steps
-        sched.append((round(t), float(rng.choice([c for c in CPU_CHOICES if c != sched[-1][1]]))))
+        others = [c for c in cpu_choices if c != sched[-1][1]] or list(cpu_choices)
+        sched.append((round(t), float(rng.choice(others))))
         sched.sort()
     peak = max(c for _, c in sched)
     mem = int(_memory_for(wl, peak) * rng.choice((0.7, 1.0, 1.5, 3.0)))
@@ -136,14 +143,25 @@ def train_config(total_steps: int) -> DQNConfig:
         eps_start=1.0,
         eps_end=0.05,
         eps_decay_steps=int(total_steps * 0.6),
-        warmup=500,
+        warmup=min(500, max(64, total_steps // 10)),
     )
 
 
 def pretrain(
-    n_stages: int, episodes: int, seed: int = 0, steps: int = 80
+    n_stages: int,
+    episodes: int,
+    seed: int = 0,
+    steps: int = 100,
+    cpu_choices: Sequence[int] = CPU_CHOICES,
 ) -> tuple[dict, dict[str, float]]:
     """Train one agent for ``n_stages``-stage pipelines.
+
+    Args:
+        n_stages: pipeline length (2..8).
+        episodes: training episodes.
+        seed: seeds episode sampling, exploration and weight initialisation.
+        steps: tuning steps per episode.
+        cpu_choices: CPU counts episodes draw from (and rescale between).
 
     Returns:
         (the tuner's state dict, training stats).
@@ -160,11 +178,12 @@ def pretrain(
         epsilon=None,
         config=config,
         reference=lambda obs: refs.get(obs.cpus, 0.0),
+        learn_every=1,
         seed=seed + n_stages,
     )
     t0, rewards, ooms = time.perf_counter(), [], 0
     for k in range(episodes):
-        ep = sample_episode(n_stages, rng, steps)
+        ep = sample_episode(n_stages, rng, steps, cpu_choices=cpu_choices)
         probe = SimPipeline(ep.workload, list(ep.cpus), ep.memory_limit_bytes, seed=ep.seed)
         refs.clear()
         refs.update({c: oracle_value(probe, c) for _, c in ep.cpus})
@@ -192,8 +211,6 @@ def pretrain(
 
 def _train_one(args: tuple[int, int, int, int, str]) -> tuple[int, dict[str, float]]:
     n, episodes, seed, steps, out = args
-    torch.set_num_threads(1)  # one process per core; small nets gain nothing from threads
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     state, stats = pretrain(n, episodes, seed, steps)
     path = weights_path(n, Path(out))
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,8 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="torchtune-pipe pretrain", description=__doc__)
     parser.add_argument("--stages", type=_parse_stages, default=_parse_stages("2-8"))
-    parser.add_argument("--episodes", type=int, default=300)
-    parser.add_argument("--steps", type=int, default=80, help="tuning steps per episode")
+    parser.add_argument(
+        "--episodes", type=int, default=300, help="episodes for 2 stages (+25%% per stage more)"
+    )
+    parser.add_argument("--steps", type=int, default=100, help="tuning steps per episode")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jobs", type=int, default=2, help="lengths trained in parallel")
@@ -319,12 +338,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.episodes < 1 or args.steps < 1:
         parser.error("--episodes and --steps must be >= 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    jobs = [(n, args.episodes, args.seed, args.steps, str(args.out)) for n in args.stages]
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
-        for n, stats in pool.map(_train_one, jobs):
+    # Longer pipelines have more actions and further to go: they get more episodes.
+    jobs = [
+        (n, args.episodes + args.episodes * (n - 2) // 4, args.seed, args.steps, str(args.out))
+        for n in sorted(args.stages, reverse=True)
+    ]
+    with concurrent.futures.ProcessPoolExecutor(
+        max_workers=max(1, args.jobs), initializer=_init_worker
+    ) as pool:
+        run = pool.map if args.jobs > 1 else map  # one job: stay in this process
+        for n, stats in run(_train_one, jobs):  # longest first: better packing
             print(f"{n} stages: {stats}")
         if args.evaluate:
-            parts = list(pool.map(_evaluate_one, [(n, str(args.out)) for n in args.stages]))
+            parts = list(run(_evaluate_one, [(n, str(args.out)) for n in args.stages]))
             for n, part in zip(args.stages, parts, strict=True):
                 print(f"{n} stages held-out: {_fmt(part.summary())}")
             report = AgentReport(
@@ -337,13 +363,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def _init_worker() -> None:
+    torch.set_num_threads(1)  # one process per core; small nets gain nothing from threads
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+
+
 def _fmt(summary: dict[str, float]) -> str:
     return ", ".join(f"{k}={v:.3f}" for k, v in summary.items())
 
 
 def _evaluate_one(args: tuple[int, str]) -> AgentReport:
     n, out = args
-    torch.set_num_threads(1)
     return evaluate_agent(lambda: InTuneTuner(out), stages=[n])
 
 

@@ -17,6 +17,10 @@ buffer full, every new worker costing the memory a worker costs now). The CPU bu
 only their busy share of a core, so such stages may hold more workers than there are cores
 (up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total).
 
+**Undo.** A worker move after which throughput falls by more than ``REVERT_DROP`` is undone
+at the next step and masked for ``TABU_STEPS`` steps: the Q network proposes, the measurement
+has the last word. The agent sees the undo as the move's outcome, so it learns from it too.
+
 **Reward.** ``r = (throughput / reference) * m(u)`` with ``u = memory_used / memory_limit``
 and ``m(u) = 1`` for ``u <= 0.8``, ``m(u) = 1 - s((u - 0.8) / 0.2)`` above, where
 ``s(x) = 3x^2 - 2x^3`` (smoothstep) so ``m`` falls smoothly to 0 at the limit; an OOM gives
@@ -52,6 +56,10 @@ MEMORY_KNEE = 0.8
 MEMORY_SAFE_SHARE = 0.95
 # Reward charged for any action but the no-op: a change costs a worker start or a resize.
 CHANGE_COST = 0.005
+# A worker move after which throughput fell by more than this share is undone (measurement
+# noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
+REVERT_DROP = 0.06
+TABU_STEPS = 10
 STAGE_FEATURES = 11
 GLOBAL_FEATURES = 13
 
@@ -334,6 +342,9 @@ class InTuneTuner:
         config: DQN hyper-parameters for learning; defaults suit fine-tuning.
         reference: throughput that normalises the reward; None uses the best throughput
             seen since the CPU count last changed.
+        learn_every: steps per gradient update while learning. Fine-tuning updates every 5th
+            step: with torch's default intra-op threads a tiny update can cost tens of ms of
+            CPU on a busy machine, and the tuning loop must stay under 2 % of a core.
         seed: seeds exploration and replay sampling.
 
     Example:
@@ -352,8 +363,12 @@ class InTuneTuner:
         epsilon: float | None = 0.02,
         config: DQNConfig | None = None,
         reference: Callable[[Observation], float] | None = None,
+        learn_every: int = 5,
         seed: int = 0,
     ) -> None:
+        if learn_every < 1:
+            raise ValueError(f"InTuneTuner: learn_every must be >= 1, got {learn_every}")
+        self.learn_every = learn_every
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
@@ -368,6 +383,8 @@ class InTuneTuner:
         self.memory = MemoryModel()
         self._alloc: Allocation | None = None
         self._cpus = 0.0
+        self._before: tuple[Allocation, float] | None = None
+        self._tabu: dict[int, int] = {}
         self._last: Action | None = None
         self._prev: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.steps = 0
@@ -391,6 +408,7 @@ class InTuneTuner:
         self.memory = MemoryModel()
         self.memory.update(obs)
         self._last, self._prev = None, None
+        self._before, self._tabu = None, {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
         if start is None:
@@ -413,9 +431,20 @@ class InTuneTuner:
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
             current = _fit_memory(current, obs, self.memory)
+        elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
+            # The last worker move cost throughput: undo it and keep it off for a while.
+            current = self._before[0]
+            self._tabu[self._prev[2]] = TABU_STEPS
+        self._before = None
         current = safe(current, obs)
         state = self.encoder.encode(obs, current, self._last)
         mask = self.actions.mask(obs, current, self.memory)
+        for index, left in list(self._tabu.items()):
+            mask[index] = False
+            if left <= 1:
+                del self._tabu[index]
+            else:
+                self._tabu[index] = left - 1
         if self.agent.training_enabled and self._prev is not None:
             ref = self.encoder.best
             if self.reference is not None:
@@ -426,13 +455,16 @@ class InTuneTuner:
             self.episode_reward += self.last_reward
             s0, m0, a0 = self._prev
             self.agent.remember(s0, m0, a0, self.last_reward, state, mask, obs.oom)
-            self.agent.learn()
+            if self.steps % self.learn_every == 0:
+                self.agent.learn()
         eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
         index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
         self.steps += 1
         self._prev = (state, mask, index)
         self._last = self.actions.decode(index)
         self._alloc = safe(self.actions.apply(current, index, obs), obs)
+        if self._alloc.workers != current.workers:
+            self._before = (current, obs.throughput)
         return self._alloc
 
     # -- weights --------------------------------------------------------------------------

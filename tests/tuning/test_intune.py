@@ -1,0 +1,210 @@
+"""The InTune tuner: actions and masks, reward, shipped weights, persistence, fine-tuning."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, Tuner
+from torchtune_pipe.tuning.intune import (
+    ACTIONS_PER_STAGE,
+    ActionSpace,
+    InTuneTuner,
+    MemoryModel,
+    StateEncoder,
+    memory_factor,
+    rescale,
+    reward,
+    weights_path,
+)
+
+GiB = 1024 * MiB
+
+
+def _obs(
+    workers=(2, 2, 2),
+    buffers=(4 * MiB,) * 3,
+    busy=(0.5, 1.0, 0.3),
+    cpus=8.0,
+    limit=8 * GiB,
+    used=1 * GiB,
+    throughput=100.0,
+    max_workers=256,
+    oom=False,
+) -> Observation:
+    stages = tuple(
+        StageStats(
+            name=f"s{i}",
+            workers=w,
+            max_workers=max_workers,
+            items_per_s=throughput,
+            busy=b,
+            blocked_in=(1 - b) / 2,
+            blocked_out=(1 - b) / 2,
+            buffer_bytes=buf,
+            buffer_fill=0.5,
+        )
+        for i, (w, b, buf) in enumerate(zip(workers, busy, buffers, strict=True))
+    )
+    return Observation(stages, throughput, cpus, limit, used, oom=oom)
+
+
+def _index(stage: int, k: int) -> int:
+    return 1 + ACTIONS_PER_STAGE * stage + k
+
+
+# -- actions and masks ----------------------------------------------------------------------
+
+
+def test_action_space_decodes_every_action():
+    space = ActionSpace(3)
+    assert space.n == 1 + 6 * 3
+    assert space.decode(0).stage is None
+    assert space.decode(_index(1, 2)).workers == 5
+    assert space.decode(_index(2, 4)).buffer == 1
+    assert space.decode(_index(2, 5)).buffer == -1
+    with pytest.raises(ValueError, match="index must be in"):
+        space.decode(space.n)
+
+
+def test_mask_blocks_going_below_one_worker():
+    obs = _obs(workers=(1, 4, 3))
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    assert not mask[_index(0, 1)]  # -1 on a single worker
+    assert not mask[_index(0, 3)]  # -5
+    assert mask[_index(1, 1)] and not mask[_index(1, 3)]  # 4 workers: -1 yes, -5 no
+    assert mask[0]  # the no-op is always allowed
+
+
+def test_mask_blocks_max_workers_and_full_cpu_budget_without_donors():
+    obs = _obs(workers=(4, 4), buffers=(4 * MiB,) * 2, busy=(1.0, 1.0), cpus=8, max_workers=4)
+    mask = ActionSpace(2).mask(obs, obs.allocation())
+    assert not mask[_index(0, 0)] and not mask[_index(1, 0)]
+    obs = _obs(workers=(1, 1), buffers=(4 * MiB,) * 2, busy=(1.0, 1.0), cpus=2)
+    mask = ActionSpace(2).mask(obs, obs.allocation())
+    assert not mask[_index(0, 0)]  # full machine and nobody can give a worker
+
+
+def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
+    obs = _obs(workers=(2, 2, 4), busy=(0.9, 1.0, 0.1), cpus=8)
+    space = ActionSpace(3)
+    assert space.mask(obs, obs.allocation())[_index(1, 0)]
+    new = space.apply(obs.allocation(), _index(1, 0), obs)
+    assert new.workers == (2, 3, 3)
+    assert sum(new.workers) == 8
+
+
+def test_mask_respects_memory_limit_in_the_worst_case():
+    # 3 workers use ~900 MiB beyond buffers (300 MiB each); limit leaves room for none more.
+    obs = _obs(
+        workers=(1, 1, 1), cpus=64, limit=1000 * MiB, used=900 * MiB + 6 * MiB, busy=(1, 1, 1)
+    )
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    for stage in range(3):
+        assert not mask[_index(stage, 0)], "a new 300 MiB worker would pass the limit"
+        assert mask[_index(stage, 4)], "a 2 MiB buffer step still fits"
+    roomy = _obs(workers=(1, 1, 1), cpus=64, limit=64 * GiB, used=906 * MiB, busy=(1, 1, 1))
+    assert ActionSpace(3).mask(roomy, roomy.allocation())[_index(0, 0)]
+
+
+def test_memory_model_learns_worker_cost_from_two_points():
+    model = MemoryModel()
+    buffered = int(3 * 4 * MiB * 0.5)
+    model.update(_obs(workers=(1, 1, 1), used=buffered + 1000 * MiB))
+    model.update(_obs(workers=(2, 2, 2), used=buffered + 1300 * MiB))
+    per_worker, fixed = model.split(_obs(workers=(2, 2, 2), used=buffered + 1300 * MiB))
+    assert per_worker == pytest.approx(100 * MiB, rel=1e-6)
+    assert fixed == pytest.approx(700 * MiB, rel=1e-6)
+
+
+def test_rescale_keeps_proportions_and_fits_the_new_budget():
+    alloc = Allocation((2, 4, 2), (4 * MiB,) * 3)
+    up = rescale(alloc, _obs(workers=(2, 4, 2), cpus=16), old_cpus=8)
+    assert up.workers == (4, 8, 4)
+    down = rescale(alloc, _obs(workers=(2, 4, 2), cpus=4, busy=(0.9, 1.0, 0.2)), old_cpus=8)
+    assert sum(down.workers) <= 4 and min(down.workers) >= 1
+
+
+# -- reward ---------------------------------------------------------------------------------
+
+
+def test_reward_formula_values():
+    assert memory_factor(0.5) == 1.0
+    assert memory_factor(0.8) == 1.0
+    assert memory_factor(0.9) == pytest.approx(0.5)  # smoothstep(0.5) = 0.5
+    assert memory_factor(1.0) == 0.0
+    assert memory_factor(1.2) == 0.0
+    half = _obs(throughput=50.0, limit=1000, used=900)
+    assert reward(half, 100.0) == pytest.approx(0.25)
+    assert reward(_obs(throughput=80.0, limit=1000, used=100), 100.0) == pytest.approx(0.8)
+    assert reward(_obs(oom=True), 100.0) == -1.0
+
+
+# -- the tuner ------------------------------------------------------------------------------
+
+
+def test_state_has_the_declared_dimension_and_is_finite():
+    enc = StateEncoder(3)
+    obs = _obs()
+    enc.update_references(obs)
+    x = enc.encode(obs, obs.allocation(), None)
+    assert x.shape == (enc.dim,) and torch.isfinite(x).all()
+
+
+@pytest.mark.parametrize("n", range(2, 9))
+def test_loads_shipped_weights_for_each_length(n):
+    assert weights_path(n).is_file()
+    tuner = InTuneTuner()
+    assert isinstance(tuner, Tuner)
+    obs = _obs(workers=(1,) * n, buffers=(4 * MiB,) * n, busy=(0.5,) * n, cpus=32, limit=64 * GiB)
+    first = tuner.reset(obs)
+    assert sum(first.workers) == 32  # the even split of InTune's start
+    alloc = tuner.step(_obs(workers=first.workers, buffers=first.buffer_bytes, busy=(0.5,) * n))
+    assert len(alloc.workers) == n and min(alloc.workers) >= 1
+    assert tuner.agent.n_actions == 1 + 6 * n
+
+
+def test_missing_weights_name_the_file(tmp_path):
+    tuner = InTuneTuner(tmp_path)
+    with pytest.raises(FileNotFoundError, match="intune_3stages.pt"):
+        tuner.reset(_obs())
+
+
+def test_state_dict_round_trip():
+    tuner = InTuneTuner()
+    obs = _obs()
+    tuner.reset(obs)
+    state = tuner.state_dict()
+    other = InTuneTuner()
+    other.load_state_dict(state)
+    x = torch.randn(4, tuner.encoder.dim)
+    assert torch.equal(tuner.agent.q_values(x), other.agent.q_values(x))
+    assert InTuneTuner(state).reset(obs) == tuner.reset(obs)
+
+
+def test_step_cost_is_measured():
+    """Not a speed assertion: records what one step costs (the loop budget is 20 ms/s)."""
+    tuner = InTuneTuner()
+    obs = _obs(workers=(3, 3, 2))
+    tuner.reset(obs)
+    t0 = time.perf_counter()
+    for _ in range(50):
+        alloc = tuner.step(_obs(workers=tuner._alloc.workers, buffers=tuner._alloc.buffer_bytes))
+    per_step_ms = (time.perf_counter() - t0) / 50 * 1e3
+    print(f"InTuneTuner.step: {per_step_ms:.3f} ms")
+    assert per_step_ms > 0 and len(alloc.workers) == 3
+
+
+def test_finetune_mode_updates_weights():
+    tuner = InTuneTuner(finetune=True, epsilon=0.5, learn_every=1, seed=1)
+    obs = _obs()
+    tuner.reset(obs)
+    before = {k: v.clone() for k, v in tuner.agent.q.state_dict().items()}
+    for i in range((tuner.config.warmup + 20) * tuner.learn_every):
+        a = tuner._alloc
+        tuner.step(_obs(workers=a.workers, buffers=a.buffer_bytes, throughput=100.0 + (i % 7)))
+    assert tuner.agent.updates > 0
+    after = tuner.agent.q.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
