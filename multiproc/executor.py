@@ -343,10 +343,7 @@ class Executor:
             pass  # pipe full (already woken) or closed
 
     def _send(self, h: pool.WorkerHandle, msg) -> None:
-        try:
-            h.conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError):
-            pass  # its death is seen through the sentinel / EOF
+        h.post(msg)
 
     def _shutdown_state(self):
         return (self._workers, self._segments, self._counters, self._wake_r, self._wake_w, self._cache)
@@ -356,13 +353,13 @@ class Executor:
         workers, segments, counters, wake_r, wake_w, cache = state
         for h in list(workers.values()):
             if h.alive():
-                try:
-                    h.conn.send(("exit",))
-                except Exception:
-                    pass
+                h.post(("exit",))
+            h.post(None)  # the sender thread ends after delivering "exit"
         deadline = time.monotonic() + 1.5
         for h in list(workers.values()):
             pool.stop_worker(h, max(0.0, deadline - time.monotonic()))
+            if h.sender is not None:
+                h.sender.join(max(0.0, deadline - time.monotonic()))
             try:
                 h.conn.close()
             except Exception:
@@ -442,6 +439,7 @@ class Executor:
         st = self._stages[h.stage]
         prev = h.state
         h.state = "dead" if died else "gone"
+        h.close_outbox(timeout_s=0.5)  # the peer is gone: a pending send fails at once
         try:
             h.conn.close()
         except Exception:

@@ -8,11 +8,15 @@ imports; forking a server that has already imported torch and this package costs
 
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
+import queue
 import signal
 import threading
 from dataclasses import dataclass, field
+from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
 from . import worker as _worker
 
@@ -31,6 +35,40 @@ def context():
             ctx.set_forkserver_preload(_PRELOAD)
             _ctx = ctx
         return _ctx
+
+
+class _NoMainPopen(popen_forkserver.Popen):
+    """Fork-server launch without re-importing the parent's ``__main__`` in the child.
+
+    multiprocessing makes every child import the parent's main script again, so a worker
+    costs whatever the script imports (seconds for a Lightning script) and a script without
+    an ``if __name__ == "__main__":`` guard runs again in every worker. Stage functions travel
+    by value (cloudpickle), so workers never need ``__main__``.
+    """
+
+    def _launch(self, process_obj):  # mirrors popen_forkserver.Popen._launch (3.10-3.13)
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        prep_data.pop("init_main_from_name", None)
+        prep_data.pop("init_main_from_path", None)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _WorkerProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _NoMainPopen(process_obj)
 
 
 @dataclass
@@ -54,6 +92,21 @@ class WorkerHandle:
     owes: set = field(default_factory=set)  # (segment, offset) handed to it, not yet released
     blocked: bool = False
     flushing: bool = False
+    outbox: object = None
+    sender: object = None
+
+    def post(self, msg) -> None:
+        """Queue a message for the worker. Never blocks: a worker busy sending to the router
+        (its pipe full) must not stall the router, or both would wait on each other."""
+        self.outbox.put(msg)
+
+    def close_outbox(self, timeout_s: float = 1.0) -> None:
+        """Stop the sender thread after what is queued has been sent (or the pipe broke)."""
+        if self.outbox is None:
+            return
+        self.outbox.put(None)
+        if self.sender is not None and self.sender is not threading.current_thread():
+            self.sender.join(timeout_s)
 
     @property
     def sentinel(self):
@@ -63,8 +116,27 @@ class WorkerHandle:
         return self.state in ("starting", "ready", "retiring")
 
 
+def _send_loop(conn, outbox: queue.SimpleQueue) -> None:
+    while True:
+        msg = outbox.get()
+        if msg is None:
+            return
+        try:
+            conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError, EOFError):
+            return  # the worker is gone; its sentinel or EOF tells the router
+
+
+def _start_sender(h: WorkerHandle) -> None:
+    h.outbox = queue.SimpleQueue()
+    h.sender = threading.Thread(
+        target=_send_loop, args=(h.conn, h.outbox), name=f"multiproc-send-{h.wid}", daemon=True
+    )
+    h.sender.start()
+
+
 def start_worker(h: WorkerHandle, args: tuple) -> None:
-    """Start the worker's process (or thread) with its private pipe."""
+    """Start the worker's process (or thread) with its private pipe and sender thread."""
     if h.thread:
         parent, child = mp.Pipe(duplex=True)
         t = threading.Thread(
@@ -72,16 +144,18 @@ def start_worker(h: WorkerHandle, args: tuple) -> None:
             name=f"multiproc-worker-{h.wid}", daemon=True,
         )
         h.conn, h.proc = parent, t
+        _start_sender(h)
         t.start()
         h.pid = os.getpid()
         return
     ctx = context()
     parent, child = ctx.Pipe(duplex=True)
-    p = ctx.Process(target=_worker.worker_main, args=(child, *args), daemon=True,
-                    name=f"multiproc-worker-{h.wid}")
+    p = _WorkerProcess(target=_worker.worker_main, args=(child, *args), daemon=True,
+                       name=f"multiproc-worker-{h.wid}")
     p.start()
     child.close()
     h.conn, h.proc, h.pid = parent, p, p.pid
+    _start_sender(h)
 
 
 def describe_exit(h: WorkerHandle) -> str:

@@ -584,6 +584,14 @@ class Loader:
             self._epoch = epoch + 1
         finally:
             self._clock.pause()
+            loop_error = None
+            if loop is not None:
+                # Before the executor goes: a tick must not resize a closed executor.
+                try:
+                    loop.stop(raise_error=complete)
+                except BaseException as e:
+                    loop_error = e
+                loop = None
             if not complete and not self.inline:
                 self._drop_executor()  # wakes a prefetch thread waiting on the executor
             if pre is not None:
@@ -597,8 +605,8 @@ class Loader:
                 stream.close()
             if watcher is not None:
                 watcher.stop()
-            if loop is not None:
-                loop.stop(raise_error=complete)
+            if loop_error is not None:
+                raise loop_error
 
     def _next(self, pre: Prefetcher | None, stream: Iterator[tuple]) -> Any:
         if pre is None:

@@ -51,3 +51,7 @@ def make_payload(seed):
         "nested": [("a", 1), {"b": torch.ones(3)}],
         "text": "héllo",
     }
+
+
+def two_mb(x):
+    return {"id": x, "payload": torch.full((512 * 1024,), float(x))}

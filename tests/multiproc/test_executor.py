@@ -427,3 +427,20 @@ def test_allocator_reuses_and_coalesces():
     for o in offs[1::2]:
         a.free(o)
     assert a.used == 0 and a.alloc(1 << 16) == 0
+
+
+def test_oversized_frames_between_stages_do_not_deadlock():
+    """Frames larger than a worker's whole budget travel inline through the router. Its sends
+    to a worker must never block: that worker may itself be blocked sending to the router."""
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=1),
+            StageSpec("big", "map", _fns.two_mb, workers=2, buffer_bytes=64 * 1024),
+            StageSpec("same", "map", _fns.identity, workers=2, buffer_bytes=64 * 1024),
+        ),
+        ordered=True,
+    )
+    with Executor(spec) as ex:
+        out = [x["id"] for x in ex.run([(0, 60)])]
+        assert out == list(range(60))
+        assert ex.snapshot().stage("same").spilled == 60
