@@ -105,10 +105,22 @@ def test_io_bound_stages_may_oversubscribe():
     # Without the I/O stage the same request is cut to the 4 CPUs.
     cpu_only = Observation((stages[1], stages[1]), 10.0, 4, 1 << 30, 0)
     assert sum(safe(want, cpu_only).workers) == 4
-    # The factor is capped at 2x.
+    # The factor is capped at 4x.
     many = Allocation((40, 2), (MiB, MiB))
-    assert oversubscribe_factor(obs, many) == 2.0
-    assert sum(safe(many, obs).workers) == 8
+    assert oversubscribe_factor(obs, many) == 4.0
+    assert sum(safe(many, obs).workers) == 16
+
+
+def test_a_worker_sleeping_on_io_is_charged_its_cpu_not_its_wall_time():
+    # A remote read: workers are busy (inside the stage function) all the time, but each
+    # uses 5 ms of CPU per item at 10 items/s per worker = 5% of a core (floored at 10%).
+    reader = StageStats("read", 2, items_per_s=20.0, busy=1.0, cpu_s_per_item=0.005, io_bound=True)
+    udf = StageStats("udf", 1, items_per_s=20.0, busy=1.0, cpu_s_per_item=0.04)
+    obs = Observation((reader, udf), 20.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    want = Allocation((3, 1), (MiB, MiB))
+    # Three readers free 3 x 0.9 cores: cap = 2 x (1 + 2.7 / 2) = 4.7 workers.
+    assert oversubscribe_factor(obs, want) == pytest.approx(2.35)
+    assert safe(want, obs) == want
 
 
 def test_safe_rejects_wrong_stage_count():

@@ -3,7 +3,8 @@
 Policy: a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with
 low time blocked on the pipeline's own channels, which means the worker waits on something
 outside the pipeline such as a disk or the network) does not use a full core per worker. Such a
-worker is charged only its measured busy fraction against the CPU budget, so the budget may hold
+worker is charged only the share of a core it measurably uses (CPU time per item x items/s per
+worker; its busy fraction when CPU time is not measured), so the budget may hold
 more workers than cores, up to ``MAX_OVERSUBSCRIBE`` times the CPU count. CPU-bound stages are
 charged one core per worker. The factor is passed to :func:`clamp` as ``oversubscribe``.
 """
@@ -19,7 +20,7 @@ IO_BLOCKED_MAX = 0.2
 # An I/O worker is charged at least this share of a core (a stalled device is not free).
 IO_MIN_CHARGE = 0.1
 # Never allow more than this many workers per core in total.
-MAX_OVERSUBSCRIBE = 2.0
+MAX_OVERSUBSCRIBE = 4.0
 
 
 def is_io_bound(stage: StageStats) -> bool:
@@ -32,11 +33,21 @@ def is_io_bound(stage: StageStats) -> bool:
     return stage.busy < IO_BUSY_MAX and blocked < IO_BLOCKED_MAX
 
 
+def _core_share(stage: StageStats) -> float:
+    """The share of a core one worker of ``stage`` uses."""
+    if stage.cpu_s_per_item > 0.0 and stage.items_per_s > 0.0 and stage.workers > 0:
+        return stage.cpu_s_per_item * stage.items_per_s / stage.workers
+    return stage.busy
+
+
 def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> float:
     """How far past ``obs.cpus`` the total worker count may go for ``alloc`` (>= 1).
 
-    Each worker of an I/O-bound stage frees ``1 - busy`` of a core (busy floored at
-    ``IO_MIN_CHARGE``); the factor is ``1 + freed / cpus``, capped at ``MAX_OVERSUBSCRIBE``.
+    Each worker of an I/O-bound stage frees ``1 - charge`` of a core, where ``charge`` is the
+    core share it uses (floored at ``IO_MIN_CHARGE``); the factor is ``1 + freed / cpus``,
+    capped at ``MAX_OVERSUBSCRIBE``. A worker sleeping on a remote read inside the stage
+    function counts as busy (wall time) but uses almost no CPU: the charge must come from CPU
+    time, not from busy time.
 
     Args:
         obs: the observation whose stage stats classify the stages.
@@ -48,7 +59,7 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     freed = 0.0
     for stage, w in zip(obs.stages, workers, strict=False):
         if is_io_bound(stage):
-            freed += w * (1.0 - max(IO_MIN_CHARGE, min(1.0, stage.busy)))
+            freed += w * (1.0 - max(IO_MIN_CHARGE, min(1.0, _core_share(stage))))
     return min(MAX_OVERSUBSCRIBE, 1.0 + freed / obs.cpus)
 
 
