@@ -1,0 +1,284 @@
+"""Does the simulator predict real pipelines? Fit it from one profiling run, then compare.
+
+For each recipe of :mod:`_real_fns` the script starts the pipeline once and:
+
+1. **Profiles** it at one allocation (``--profile-workers``, default one worker per stage):
+   after ``--settle`` seconds it takes two executor snapshots ``--profile`` seconds apart and
+   fits, per stage, ``cpu_s_per_item = d(cpu_ns) / d(items_in)`` and ``io_s_per_item`` =
+   (worker time not blocked on channels - CPU time) per item, plus bytes per output item.
+   Each worker's run-queue delay (``/proc/<pid>/schedstat``) over the same window separates
+   waiting from being descheduled: a stage whose CPU time is at least half its busy time less
+   that delay is CPU-bound and gets no I/O time. The CPU share the CPU-bound workers got while runnable
+   (other load on a shared machine) stretches every CPU cost by ``1 / share``. The main
+   process's own CPU time per delivered item (router thread, consumer) becomes a final
+   one-worker ``prefetch`` stage, because on two cores it competes with the stage workers.
+2. **Builds** a :class:`~torchtune_pipe.sim.model.Workload` from those costs and asks a
+   noiseless :class:`~torchtune_pipe.sim.model.SimPipeline` (``cpus`` = this process's CPU
+   affinity) for the steady-state throughput of each allocation in ``ALLOCATIONS``.
+3. **Measures** the same allocations on the live pipeline (``executor.resize``, then
+   ``--settle`` seconds to settle and ``--measure`` seconds counted at the consumer).
+
+Reported: simulated and measured throughput (pipeline outputs per second: batches for a
+batching pipeline), the absolute percentage error of each allocation, and the median absolute
+percentage error (MdAPE) per pipeline and overall.
+
+Run: ``.venv/bin/python benchmarks/sim_validate.py --out sim_validate.json``; ``--quick`` for
+a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+_HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(_HERE), str(_HERE.parent)]
+
+import _real_fns  # noqa: E402
+from _common import machine_info  # noqa: E402
+from tuners_real import table  # noqa: E402
+
+from multiproc import Snapshot  # noqa: E402
+from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload  # noqa: E402
+from torchtune_pipe.tuning.base import Allocation  # noqa: E402
+
+log = logging.getLogger("sim_validate")
+
+ALLOCATIONS: tuple[tuple[int, int, int], ...] = (
+    (1, 1, 1),
+    (2, 1, 1),
+    (1, 1, 2),
+    (3, 1, 1),
+    (1, 1, 3),
+    (2, 1, 2),
+)
+# Below this share of CPU in a stage's busy time the rest counts as I/O wait (as telemetry's
+# io_bound test does); at or above it the stage is CPU-bound.
+CPU_BOUND_SHARE = 0.5
+_KINDS = {"source": "source", "map": "map", "shuffle": "shuffle", "batch": "batch"}
+
+
+def run_delay_ns(snapshot: Snapshot) -> list[int]:
+    """Per stage, nanoseconds its live workers spent runnable but waiting for a CPU.
+
+    Read from ``/proc/<pid>/schedstat`` (second field); 0 where the kernel does not export it.
+    """
+    out = []
+    for st in snapshot.stages:
+        total = 0
+        for w in st.per_worker:
+            try:
+                with open(f"/proc/{w.pid}/schedstat", encoding="ascii") as f:
+                    total += int(f.read().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # a worker that already exited, or no schedstat
+        out.append(total)
+    return out
+
+
+def fit_stages(
+    recipe: _real_fns.Recipe,
+    kinds: Sequence[str],
+    prev: Snapshot,
+    cur: Snapshot,
+    delays: tuple[Sequence[int], Sequence[int]],
+    main_cpu_s: float,
+    ratios: Sequence[float],
+) -> tuple[list[StageModel], list[dict]]:
+    """Stage models from two snapshots of one profiling run, and the fitted numbers.
+
+    I/O time is busy time minus CPU time minus run-queue delay (``delays``: the
+    :func:`run_delay_ns` of each snapshot, read right after it).
+    """
+    delay0, delay1 = delays
+    models, fitted = [], []
+    got = wanted = 0.0  # CPU seconds computing stages got, and got plus their run-queue wait
+    for i, (p, c) in enumerate(zip(prev.stages, cur.stages, strict=True)):
+        items_in = max(1, c.items_in - p.items_in)
+        items_out = max(1, c.items_out - p.items_out)
+        busy_s = max(0, c.busy_ns - p.busy_ns) / 1e9 / items_in
+        cpu_s = max(0, c.cpu_ns - p.cpu_ns) / 1e9 / items_in
+        wait_s = max(0, delay1[i] - delay0[i]) / 1e9 / items_in
+        # A waiting stage keeps its wake-up delays (they lengthen every wait it makes); a
+        # computing stage's run-queue delay is CPU it did not get, charged below via share.
+        cpu_bound = cpu_s >= CPU_BOUND_SHARE * max(busy_s - wait_s, 1e-12)
+        # A waiting stage's wait is read from its workers' whole lives (less the time blocked
+        # on the channels), not only from busy time: a source waits before its first item too.
+        active_ns = c.worker_ns - p.worker_ns
+        active_ns -= (c.blocked_in_ns - p.blocked_in_ns) + (c.blocked_out_ns - p.blocked_out_ns)
+        io_s = 0.0 if cpu_bound else max(0.0, max(busy_s, active_ns / 1e9 / items_in) - cpu_s)
+        if cpu_bound:
+            got += cpu_s * items_in
+            wanted += (cpu_s + wait_s) * items_in
+        nbytes = max(1, (c.bytes_out - p.bytes_out) // items_out)
+        models.append(
+            StageModel(
+                name=c.name,
+                kind=kinds[i],
+                cpu_s_per_item=max(cpu_s, 1e-7),
+                io_s_per_item=io_s,
+                ratio=ratios[i],
+                bytes_per_item=int(nbytes),
+                cpu_cv=0.2,
+                max_workers=_real_fns.MAX_WORKERS,
+            )
+        )
+        fitted.append(
+            {
+                "stage": c.name,
+                "items_in": items_in,
+                "busy_ms": busy_s * 1e3,
+                "cpu_ms": cpu_s * 1e3,
+                "runqueue_ms": wait_s * 1e3,
+                "io_ms": io_s * 1e3,
+                "bytes_per_item": int(nbytes),
+            }
+        )
+    delivered = max(1, cur.delivered_items - prev.delivered_items)
+    main_s = main_cpu_s / delivered
+    models.append(StageModel("main", "prefetch", max(main_s, 1e-7), max_workers=1))
+    fitted.append({"stage": "main", "items_in": delivered, "cpu_ms": main_s * 1e3})
+    # Other load on the machine: a computing worker got only ``share`` of the time it was
+    # runnable, so every CPU cost is stretched by 1 / share (measured once, while profiling).
+    share = got / wanted if wanted > 0 else 1.0
+    models = [
+        dataclasses.replace(m, cpu_s_per_item=m.cpu_s_per_item / max(share, 0.05)) for m in models
+    ]
+    fitted.append({"stage": "cpu_share", "share": share})
+    return models, fitted
+
+
+def _set(ex: Any, workers: Sequence[int]) -> None:
+    for i, n in enumerate(workers):
+        if ex.workers(i) != n:
+            ex.resize(i, n)
+
+
+def _consume(it: Iterator[Any], seconds: float) -> int:
+    """Take items for ``seconds``; returns how many arrived."""
+    end, n = time.perf_counter() + seconds, 0
+    for _ in it:
+        n += 1
+        if time.perf_counter() >= end:
+            break
+    return n
+
+
+def validate(
+    recipe: _real_fns.Recipe,
+    allocations: Sequence[tuple[int, ...]],
+    profile_workers: Sequence[int],
+    settle_s: float,
+    profile_s: float,
+    measure_s: float,
+) -> dict:
+    """Profile, fit, simulate and measure one recipe."""
+    pipe = recipe.build(profile_workers)
+    kinds = [_KINDS[s.kind] for s in pipe.stages]
+    ratios = [float(s.size) if s.kind == "batch" else 1.0 for s in pipe.stages]
+    buffers = [s.buffer_bytes for s in pipe.stages]
+    cpus = len(os.sched_getaffinity(0))
+    measured = []
+    with pipe.loader(timeout_s=60.0) as loader:
+        it = iter(loader)
+        next(it)
+        ex = loader.tunable.executor
+        _consume(it, settle_s)
+        prev, c0 = ex.snapshot(per_worker=True), time.process_time()
+        d0 = run_delay_ns(prev)
+        _consume(it, profile_s)
+        cur, c1 = ex.snapshot(per_worker=True), time.process_time()
+        d1 = run_delay_ns(cur)
+        models, fitted = fit_stages(recipe, kinds, prev, cur, (d0, d1), c1 - c0, ratios)
+        for w in allocations:
+            _set(ex, w)
+            _consume(it, settle_s)
+            t0 = time.perf_counter()
+            n = _consume(it, measure_s)
+            measured.append(n / (time.perf_counter() - t0))
+    workload = Workload(recipe.name, tuple(models), worker_start_s=0.0)
+    sim = SimPipeline(workload, cpus=cpus, memory_limit_bytes=1 << 40, noise=0.0)
+    rows = []
+    for w, real in zip(allocations, measured, strict=True):
+        alloc = Allocation(tuple(w) + (1,), tuple(buffers) + (buffers[-1],))
+        predicted = sim.evaluate(alloc)
+        ape = abs(predicted - real) / real if real > 0 else None
+        rows.append({"workers": str(list(w)), "measured": real, "simulated": predicted, "ape": ape})
+    apes = [r["ape"] for r in rows if r["ape"] is not None]
+    return {
+        "cpus": cpus,
+        "profile_workers": list(profile_workers),
+        "fitted": fitted,
+        "rows": rows,
+        "mdape": statistics.median(apes) if apes else None,
+    }
+
+
+COLUMNS = (
+    ("workers", "workers", "s"),
+    ("measured", "measured/s", ".1f"),
+    ("simulated", "simulated/s", ".1f"),
+    ("ape", "abs % err", ".1%"),
+)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    """Entry point: validate every recipe, print the tables, write ``--out``."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--settle", type=float, default=1.0, help="seconds before each measurement")
+    p.add_argument("--profile", type=float, default=3.0, help="profiling window, s")
+    p.add_argument("--measure", type=float, default=2.5, help="measurement per allocation, s")
+    p.add_argument("--profile-workers", type=int, nargs="*", default=[1, 1, 1])
+    p.add_argument("--pipelines", nargs="*", help=f"subset of {list(_real_fns.recipes())}")
+    p.add_argument("--out", help="write the JSON result here")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (< 30 s)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    allocations = ALLOCATIONS
+    if args.quick:
+        args.settle, args.profile, args.measure = 0.3, 0.75, 0.5
+        args.pipelines = args.pipelines or ["remote_read"]
+        allocations = ALLOCATIONS[:2]
+    recipes = _real_fns.recipes(0.25 if args.quick else 1.0)
+    result: dict = {"machine": machine_info(), "pipelines": {}}
+    for name in args.pipelines or list(recipes):
+        res = validate(
+            recipes[name],
+            allocations,
+            args.profile_workers,
+            args.settle,
+            args.profile,
+            args.measure,
+        )
+        result["pipelines"][name] = res
+        fit = ", ".join(
+            f"{f['stage']}: cpu {f['cpu_ms']:.3f} io {f.get('io_ms', 0.0):.3f} ms"
+            for f in res["fitted"]
+            if "cpu_ms" in f
+        )
+        fit += f"; CPU share while runnable {res['fitted'][-1]['share']:.2f}"
+        print(f"\n== {name}  fitted per input item: {fit}")
+        print(table(res["rows"], COLUMNS))
+        print(f"MdAPE {res['mdape']:.1%}", flush=True)
+    apes = [r["ape"] for res in result["pipelines"].values() for r in res["rows"] if r["ape"]]
+    result["mdape"] = statistics.median(apes) if apes else None
+    result["load_avg_1m_end"] = os.getloadavg()[0]
+    if result["mdape"] is not None:
+        print(f"\noverall MdAPE {result['mdape']:.1%} over {len(apes)} allocations")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(f"wrote {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
