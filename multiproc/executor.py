@@ -147,7 +147,9 @@ class Executor:
         self._sizes: dict = {}  # (segment, offset) -> bytes
         self._pending_free: dict = {}  # wid -> offsets to send
         self._pending_count: collections.Counter = collections.Counter()  # wid -> frames queued
-        self._thread = threading.Thread(target=self._router, name=f"multiproc-router-{self._tag}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._router, name=f"multiproc-router-{self._tag}", daemon=True
+        )
         self._finalizer = weakref.finalize(self, Executor._finalize, self._shutdown_state())
         with self._lock:
             for st in self._stages:
@@ -167,7 +169,9 @@ class Executor:
         with self._lock:
             self._check_open()
             if self._run is not None and not self._run.finished:
-                raise ExecutorError("Executor.run: a run is already active; finish or close it first")
+                raise ExecutorError(
+                    "Executor.run: a run is already active; finish or close it first"
+                )
             self._run = _Run(units, epoch)
             for st in self._stages:
                 st.closed = st.done = st.flush_sent = False
@@ -224,33 +228,37 @@ class Executor:
         with self._lock:
             stages = []
             for st in self._stages:
-                rows = [stats.read_row(self._names[st.index], slot, self._counters.row(slot), now)
-                        for slot in sorted(st.slots)]
+                rows = [
+                    stats.read_row(self._names[st.index], slot, self._counters.row(slot), now)
+                    for slot in sorted(st.slots)
+                ]
                 if st.retired is not None:
                     rows.append(stats.read_row(self._names[st.index], -1, st.retired, now))
                 live = [h for h in self._workers.values() if h.stage == st.index and h.alive()]
                 used = sum(self._seg_refs[h.seg_name] for h in live)
                 queued = len(st.ready)
-                stages.append(stats.StageSnapshot(
-                    name=self._names[st.index],
-                    workers=sum(1 for h in live if h.state != "retiring"),
-                    items_in=sum(r.items_in for r in rows),
-                    items_out=sum(r.items_out for r in rows),
-                    busy_ns=sum(r.busy_ns for r in rows),
-                    blocked_in_ns=sum(r.blocked_in_ns for r in rows),
-                    blocked_out_ns=sum(r.blocked_out_ns for r in rows),
-                    worker_ns=sum(r.alive_ns for r in rows),
-                    cpu_ns=sum(r.cpu_ns for r in rows),
-                    bytes_out=sum(r.bytes_out for r in rows),
-                    errors=sum(r.errors for r in rows),
-                    spilled=sum(r.spilled for r in rows),
-                    restarts=st.restarts,
-                    buffer_budget_bytes=st.budget,
-                    buffer_used_bytes=self._seg_bytes[st.index],
-                    buffer_items=used,
-                    queued_frames=queued,
-                    per_worker=tuple(rows) if per_worker else (),
-                ))
+                stages.append(
+                    stats.StageSnapshot(
+                        name=self._names[st.index],
+                        workers=sum(1 for h in live if h.state != "retiring"),
+                        items_in=sum(r.items_in for r in rows),
+                        items_out=sum(r.items_out for r in rows),
+                        busy_ns=sum(r.busy_ns for r in rows),
+                        blocked_in_ns=sum(r.blocked_in_ns for r in rows),
+                        blocked_out_ns=sum(r.blocked_out_ns for r in rows),
+                        worker_ns=sum(r.alive_ns for r in rows),
+                        cpu_ns=sum(r.cpu_ns for r in rows),
+                        bytes_out=sum(r.bytes_out for r in rows),
+                        errors=sum(r.errors for r in rows),
+                        spilled=sum(r.spilled for r in rows),
+                        restarts=st.restarts,
+                        buffer_budget_bytes=st.budget,
+                        buffer_used_bytes=self._seg_bytes[st.index],
+                        buffer_items=used,
+                        queued_frames=queued,
+                        per_worker=tuple(rows) if per_worker else (),
+                    )
+                )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
 
     def close(self, timeout_s: float = 2.0) -> None:
@@ -346,7 +354,14 @@ class Executor:
         h.post(msg)
 
     def _shutdown_state(self):
-        return (self._workers, self._segments, self._counters, self._wake_r, self._wake_w, self._cache)
+        return (
+            self._workers,
+            self._segments,
+            self._counters,
+            self._wake_r,
+            self._wake_w,
+            self._cache,
+        )
 
     @staticmethod
     def _finalize(state) -> None:
@@ -385,7 +400,9 @@ class Executor:
         slot = self._free_slots.pop()
         seg_name = f"ttp_{self._tag}_w{wid}"
         size = s.max_buffer_bytes
-        fd = os.open(os.path.join(channel.SHM_DIR, seg_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.open(
+            os.path.join(channel.SHM_DIR, seg_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600
+        )
         try:
             os.ftruncate(fd, size)
         finally:
@@ -397,8 +414,17 @@ class Executor:
         self._workers[wid] = h
         st.slots.add(slot)
         n_alive = max(1, self._n_active(stage) + 1)
-        args = (self._stage_bytes[stage], wid, slot, index, f"ttp_{self._tag}_stats", _MAX_SLOTS,
-                seg_name, size, max(st.budget // n_alive, 64 * 1024))
+        args = (
+            self._stage_bytes[stage],
+            wid,
+            slot,
+            index,
+            f"ttp_{self._tag}_stats",
+            _MAX_SLOTS,
+            seg_name,
+            size,
+            max(st.budget // n_alive, 64 * 1024),
+        )
         h.start_ns = time.monotonic_ns()
         pool.start_worker(h, args)
         if self._run is not None:
@@ -406,11 +432,19 @@ class Executor:
         self._rebudget(stage)
 
     def _n_active(self, stage: int) -> int:
-        return sum(1 for h in self._workers.values() if h.stage == stage and h.state in ("starting", "ready"))
+        return sum(
+            1
+            for h in self._workers.values()
+            if h.stage == stage and h.state in ("starting", "ready")
+        )
 
     def _rebudget(self, stage: int) -> None:
         st = self._stages[stage]
-        active = [h for h in self._workers.values() if h.stage == stage and h.state in ("starting", "ready")]
+        active = [
+            h
+            for h in self._workers.values()
+            if h.stage == stage and h.state in ("starting", "ready")
+        ]
         if not active:
             return
         share = max(st.budget // len(active), 64 * 1024)
@@ -420,7 +454,11 @@ class Executor:
     def _resize(self, stage: int, n: int) -> None:
         st = self._stages[stage]
         st.target = n
-        active = [h for h in self._workers.values() if h.stage == stage and h.state in ("starting", "ready")]
+        active = [
+            h
+            for h in self._workers.values()
+            if h.stage == stage and h.state in ("starting", "ready")
+        ]
         for _ in range(n - len(active)):
             self._spawn(stage)
         if len(active) > n:
@@ -449,8 +487,14 @@ class Executor:
         run = self._run
         if died:
             st.restarts += 1
-            log.warning("stage %r worker %d (pid %d) %s; re-delivering %d frames",
-                        s.name, h.wid, h.pid, why, len(h.inflight) + len(h.held))
+            log.warning(
+                "stage %r worker %d (pid %d) %s; re-delivering %d frames",
+                s.name,
+                h.wid,
+                h.pid,
+                why,
+                len(h.inflight) + len(h.held),
+            )
         # Everything it held goes back to the front of its stage's queue, in sequence order.
         back = list(h.inflight.values()) + list(h.held.values())
         keep = set()
@@ -699,7 +743,9 @@ class Executor:
             if kind == "done":
                 f_in = h.inflight.pop(fid, None)
                 if f_in is None:
-                    raise ExecutorError(f"stage {s.name!r} worker {h.wid} finished unknown frame {fid}")
+                    raise ExecutorError(
+                        f"stage {s.name!r} worker {h.wid} finished unknown frame {fid}"
+                    )
                 self._frame_left(f_in)
                 if f_in.payload[0] == "shm":
                     h.owes.add((f_in.payload[1].segment, f_in.payload[1].offset))

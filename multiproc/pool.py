@@ -140,8 +140,11 @@ def start_worker(h: WorkerHandle, args: tuple) -> None:
     if h.thread:
         parent, child = mp.Pipe(duplex=True)
         t = threading.Thread(
-            target=_worker.worker_main, args=(child, *args), kwargs={"is_thread": True},
-            name=f"multiproc-worker-{h.wid}", daemon=True,
+            target=_worker.worker_main,
+            args=(child, *args),
+            kwargs={"is_thread": True},
+            name=f"multiproc-worker-{h.wid}",
+            daemon=True,
         )
         h.conn, h.proc = parent, t
         _start_sender(h)
@@ -150,8 +153,12 @@ def start_worker(h: WorkerHandle, args: tuple) -> None:
         return
     ctx = context()
     parent, child = ctx.Pipe(duplex=True)
-    p = _WorkerProcess(target=_worker.worker_main, args=(child, *args), daemon=True,
-                       name=f"multiproc-worker-{h.wid}")
+    p = _WorkerProcess(
+        target=_worker.worker_main,
+        args=(child, *args),
+        daemon=True,
+        name=f"multiproc-worker-{h.wid}",
+    )
     p.start()
     child.close()
     h.conn, h.proc, h.pid = parent, p, p.pid

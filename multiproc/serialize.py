@@ -26,7 +26,11 @@ INBAND_MAX_BYTES = 1024
 
 
 def _rebuild_tensor(buf, dtype: torch.dtype, shape, stride, offset: int, requires_grad: bool):
-    raw = torch.frombuffer(buf, dtype=torch.uint8) if len(memoryview(buf)) else torch.empty(0, dtype=torch.uint8)
+    raw = (
+        torch.frombuffer(buf, dtype=torch.uint8)
+        if len(memoryview(buf))
+        else torch.empty(0, dtype=torch.uint8)
+    )
     flat = raw.view(dtype) if raw.numel() else torch.empty(0, dtype=dtype)
     t = torch.as_strided(flat, shape, stride, offset)
     if requires_grad:
@@ -41,7 +45,14 @@ def _reduce_tensor(t: torch.Tensor):
     # Only the bytes the view can touch are sent: a small view of a huge tensor must not ship
     # the whole storage.
     if t.numel() == 0:
-        return _rebuild_tensor, (bytearray(), t.dtype, tuple(t.shape), tuple(t.stride()), 0, t.requires_grad)
+        return _rebuild_tensor, (
+            bytearray(),
+            t.dtype,
+            tuple(t.shape),
+            tuple(t.stride()),
+            0,
+            t.requires_grad,
+        )
     itemsize = t.element_size()
     span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
     if span * itemsize < nbytes // 2 or not t.is_contiguous():
@@ -64,8 +75,11 @@ def _reduce_tensor(t: torch.Tensor):
 
 def _tensor_is_plain(obj: torch.Tensor) -> bool:
     return (
-        type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter
-    ) and obj.device.type == "cpu" and obj.layout == torch.strided and not obj.is_quantized
+        (type(obj) is torch.Tensor or type(obj) is torch.nn.Parameter)
+        and obj.device.type == "cpu"
+        and obj.layout == torch.strided
+        and not obj.is_quantized
+    )
 
 
 class _Pickler(pickle.Pickler):

@@ -90,7 +90,9 @@ class StageSpec:
                 f"{self.min_workers} <= {self.workers} <= {self.max_workers}"
             )
         if not isinstance(self.buffer_bytes, int) or self.buffer_bytes < 64 * 1024:
-            raise SpecError(f"{where}: buffer_bytes must be an int >= 64 KiB, got {self.buffer_bytes!r}")
+            raise SpecError(
+                f"{where}: buffer_bytes must be an int >= 64 KiB, got {self.buffer_bytes!r}"
+            )
         if self.max_buffer_bytes is None:
             object.__setattr__(self, "max_buffer_bytes", max(self.buffer_bytes * 4, 256 * MiB))
         if self.max_buffer_bytes < self.buffer_bytes:
@@ -98,7 +100,9 @@ class StageSpec:
                 f"{where}: max_buffer_bytes ({self.max_buffer_bytes}) < buffer_bytes ({self.buffer_bytes})"
             )
         if self.worker_type not in ("process", "thread"):
-            raise SpecError(f"{where}: worker_type must be 'process' or 'thread', got {self.worker_type!r}")
+            raise SpecError(
+                f"{where}: worker_type must be 'process' or 'thread', got {self.worker_type!r}"
+            )
         if self.on_error not in ("raise", "skip"):
             raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
 
@@ -133,7 +137,9 @@ class ExecutorSpec:
         if not stages:
             raise SpecError("ExecutorSpec: stages is empty; the first stage must be a source")
         if stages[0].kind != "source":
-            raise SpecError(f"stage {stages[0].name!r}: the first stage must have kind 'source', got {stages[0].kind!r}")
+            raise SpecError(
+                f"stage {stages[0].name!r}: the first stage must have kind 'source', got {stages[0].kind!r}"
+            )
         names = set()
         for s in stages:
             if not isinstance(s, StageSpec):
@@ -152,7 +158,9 @@ class ExecutorSpec:
                         f"(got {s.max_workers}); set ordered=False or max_workers=1"
                     )
         if not isinstance(self.max_restarts, int) or self.max_restarts < 0:
-            raise SpecError(f"ExecutorSpec: max_restarts must be an int >= 0, got {self.max_restarts!r}")
+            raise SpecError(
+                f"ExecutorSpec: max_restarts must be an int >= 0, got {self.max_restarts!r}"
+            )
         if not isinstance(self.credits, int) or self.credits < 1:
             raise SpecError(f"ExecutorSpec: credits must be a positive int, got {self.credits!r}")
 

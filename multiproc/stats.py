@@ -16,7 +16,21 @@ import numpy as np
 from .channel import Segment
 
 # Counter columns.
-ITEMS_IN, ITEMS_OUT, FRAMES_IN, FRAMES_OUT, BUSY_NS, BLOCKED_IN_NS, BLOCKED_OUT_NS, BYTES_OUT, ERRORS, SPILLED, PID, STARTED_NS, CPU_NS = range(13)
+(
+    ITEMS_IN,
+    ITEMS_OUT,
+    FRAMES_IN,
+    FRAMES_OUT,
+    BUSY_NS,
+    BLOCKED_IN_NS,
+    BLOCKED_OUT_NS,
+    BYTES_OUT,
+    ERRORS,
+    SPILLED,
+    PID,
+    STARTED_NS,
+    CPU_NS,
+) = range(13)
 N_COUNTERS = 16
 
 
@@ -27,9 +41,9 @@ class CounterTable:
         size = n_slots * N_COUNTERS * 8
         self.segment = Segment(name, size, create=create)
         self.n_slots = n_slots
-        self.table = np.frombuffer(self.segment.mm, dtype=np.int64, count=n_slots * N_COUNTERS).reshape(
-            n_slots, N_COUNTERS
-        )
+        self.table = np.frombuffer(
+            self.segment.mm, dtype=np.int64, count=n_slots * N_COUNTERS
+        ).reshape(n_slots, N_COUNTERS)
         if create:
             self.table[:] = 0
 

@@ -20,7 +20,6 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any
 
 import cloudpickle
 
@@ -45,8 +44,19 @@ def _exc_payload(exc: BaseException) -> bytes | None:
 
 
 class _Worker:
-    def __init__(self, conn, stage_bytes: bytes, wid: int, slot: int, index: int, stats_name: str,
-                 n_slots: int, seg_name: str, seg_size: int, budget: int):
+    def __init__(
+        self,
+        conn,
+        stage_bytes: bytes,
+        wid: int,
+        slot: int,
+        index: int,
+        stats_name: str,
+        n_slots: int,
+        seg_name: str,
+        seg_size: int,
+        budget: int,
+    ):
         self.conn = conn
         self.stage = cloudpickle.loads(stage_bytes)
         self.wid = wid
@@ -158,7 +168,18 @@ class _Worker:
         if self.stage.on_error == "skip":
             return True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self.conn.send(("error", self.wid, frame_id, _exc_payload(exc), type(exc).__name__, str(exc), tb, where))
+        self.conn.send(
+            (
+                "error",
+                self.wid,
+                frame_id,
+                _exc_payload(exc),
+                type(exc).__name__,
+                str(exc),
+                tb,
+                where,
+            )
+        )
         return False
 
     # -- stage kinds -----------------------------------------------------------------------
@@ -230,7 +251,9 @@ class _Worker:
             self.row[stats.BYTES_OUT] += nbytes
             self.row[stats.FRAMES_OUT] += 1
             self.row[stats.ITEMS_OUT] += len(out)
-            self.conn.send(("done", self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees()))
+            self.conn.send(
+                ("done", self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees())
+            )
         finally:
             self.row[stats.BUSY_NS] += _ns() - t0
             self.row[stats.CPU_NS] += _cpu_ns() - c0
@@ -331,7 +354,18 @@ def worker_main(conn, *args, is_thread: bool = False) -> None:
     except BaseException as e:  # report anything else (e.g. init failed) before dying
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         try:
-            conn.send(("error", args[1] if len(args) > 1 else -1, None, _exc_payload(e), type(e).__name__, str(e), tb, "worker start"))
+            conn.send(
+                (
+                    "error",
+                    args[1] if len(args) > 1 else -1,
+                    None,
+                    _exc_payload(e),
+                    type(e).__name__,
+                    str(e),
+                    tb,
+                    "worker start",
+                )
+            )
         except Exception:
             print(tb, file=sys.stderr)
     finally:

@@ -19,8 +19,9 @@ from multiproc import (
     SpecError,
     StageSpec,
     WorkerDiedError,
+    channel,
+    serialize,
 )
-from multiproc import channel, serialize
 
 from . import _fns
 
@@ -211,7 +212,7 @@ def _roundtrip_equal(a, b):
             _roundtrip_equal(a[k], b[k])
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             _roundtrip_equal(x, y)
     else:
         assert a == b

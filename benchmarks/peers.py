@@ -1,0 +1,439 @@
+"""Side by side with peers: the same Criteo pipeline through every tool on this machine.
+
+Each contender runs in its own process (``benchmarks/_peers_fns.py``) over the same files,
+work units, parser, feature UDFs, batch size and collate. This process watches the
+contender's process tree: proportional memory (PSS, so shared pages count once), CPU time,
+and, in the ``rescale`` scenario, takes CPUs away and gives them back with
+``os.sched_setaffinity`` on every process of the tree (all CPUs -> 1 -> all).
+
+Scenarios: ``steady`` (parse + features), ``udf`` (plus ``ExtraCost``, CPU-bound),
+``latency`` (a remote-read latency per work unit), ``rescale`` (CPUs taken and given back
+mid-run) and ``memory`` (a consumer slower than the pipeline, buffers that want more than a
+tree memory cap; a watchdog kills a tree over the cap, as the kernel's OOM killer would).
+
+Usage::
+
+    python -m benchmarks.peers                 # default run, ~10 min on 2 cores
+    python -m benchmarks.peers --quick         # smoke run, under a minute
+    python -m benchmarks.peers --scenarios udf --duration 20 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks._common import machine_info, median, print_table, usable_cores, write_json
+
+REPO = Path(__file__).resolve().parent.parent
+SCENARIOS = ("steady", "udf", "latency", "rescale", "memory")
+TUNERS = ("unoptimized", "heuristic", "autotune", "plumber", "intune", "oracle")
+DEFAULT_SPDL_PATH = "/tmp/peers-venv/lib/python3.11/site-packages"
+TF_NOT_RUN = (
+    "not run: tensorflow-cpu 2.21.0 is on the package index, but a tf.data contender (a 1.6 GB "
+    "install in a separate env) is not built yet"
+)
+_SAMPLE_S = 0.25
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One tool configuration: ``tool`` (see ``_peers_fns.TOOLS``), workers, tuner."""
+
+    label: str
+    tool: str
+    workers: int = 0
+    tuner: str | None = None
+
+
+@dataclass
+class TreeWatch:
+    """What the watcher saw of one contender's process tree."""
+
+    peak_pss_bytes: int = 0
+    cpu_s: dict[int, float] = field(default_factory=dict)
+    cpu_at_first: dict[int, float] | None = None
+    t_first: float | None = None
+    t_last: float | None = None
+    killed: str | None = None
+    affinity_events: list[tuple[float, int]] = field(default_factory=list)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _set_affinity(procs: list[psutil.Process], cpus: list[int]) -> None:
+    for p in procs:
+        try:
+            os.sched_setaffinity(p.pid, cpus)
+        except (ProcessLookupError, PermissionError, OSError):
+            pass  # the process ended between listing and setting
+
+
+def _watch(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeWatch) -> None:
+    """Samples the tree every ``_SAMPLE_S`` until ``done``; applies the rescale plan and the
+    memory cap."""
+    all_cpus = sorted(os.sched_getaffinity(0))
+    first_marker = plan["first_marker"]
+    t_first = None
+    while not done.wait(_SAMPLE_S):
+        procs = _tree(proc.pid)
+        pss = 0
+        for p in procs:
+            try:
+                pss += p.memory_full_info().pss
+                t = p.cpu_times()
+                out.cpu_s[p.pid] = t.user + t.system
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        out.peak_pss_bytes = max(out.peak_pss_bytes, pss)
+        cap = plan.get("mem_cap_bytes")
+        if cap and pss > cap and out.killed is None:
+            out.killed = (
+                f"killed by the memory watchdog: tree PSS {pss >> 20} MiB > cap {cap >> 20}"
+            )
+            for p in reversed(procs):
+                try:
+                    p.kill()
+                except psutil.NoSuchProcess:
+                    pass
+        if t_first is None and os.path.exists(first_marker):
+            t_first = out.t_first = time.monotonic()
+            out.cpu_at_first = dict(out.cpu_s)
+        out.t_last = time.monotonic()
+        if plan.get("rescale") and t_first is not None and len(all_cpus) > 1:
+            since = time.monotonic() - t_first
+            stage = (
+                0
+                if since < plan["duration_s"] / 3
+                else (1 if since < plan["duration_s"] * 2 / 3 else 2)
+            )
+            want = 1 if stage == 1 else len(all_cpus)
+            if not out.affinity_events or out.affinity_events[-1][1] != want or stage == 1:
+                _set_affinity(procs, all_cpus[:want])  # new workers inherit it from the parent
+                if not out.affinity_events or out.affinity_events[-1][1] != want:
+                    out.affinity_events.append((round(since, 2), want))
+
+
+def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> dict:
+    """Runs one contender in a child process and returns its measurements."""
+    out_path = os.path.join(workdir, f"{c.label}-{time.monotonic_ns()}.json")
+    spec = dict(spec, tool=c.tool, workers=c.workers, tuner=c.tuner, out=out_path)
+    spec_path = out_path + ".spec"
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    plan = dict(plan, first_marker=out_path + ".first", duration_s=spec["duration_s"])
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks._peers_fns", spec_path],
+        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    watch, done = TreeWatch(), threading.Event()
+    watcher = threading.Thread(target=_watch, args=(proc, plan, done, watch), daemon=True)
+    watcher.start()
+    limit = spec["duration_s"] + plan.get("startup_limit_s", 90)
+    try:
+        _, err = proc.communicate(timeout=limit)
+    except subprocess.TimeoutExpired:
+        for p in reversed(_tree(proc.pid)):
+            p.kill()
+        _, err = proc.communicate()
+        watch.killed = watch.killed or f"no result within {limit:.0f} s (hung)"
+    wall = time.monotonic() - t0
+    done.set()
+    watcher.join()
+    _remove_segments([proc.pid, *watch.cpu_s])
+    result: dict[str, Any] = {"times": [], "rows": [], "error": None}
+    if os.path.exists(out_path):
+        with open(out_path) as f:
+            result = json.load(f)
+    crash = watch.killed or result["error"]
+    if crash is None and proc.returncode not in (0, None):
+        crash = f"exit status {proc.returncode}: {(err or '').strip().splitlines()[-1:]}"
+    m = summarize(result["times"], result["rows"], spec["duration_s"])
+    cores = usable_cores()
+    m.update(
+        label=c.label, tool=c.tool, workers=c.workers, tuner=c.tuner,
+        peak_pss_mib=watch.peak_pss_bytes / 2**20,
+        cpu_util=_cpu_util(watch, cores),
+        wall_s=wall,
+        load_avg_1m=os.getloadavg()[0],  # other work on the machine skews every number
+        crash=(crash or "").strip().splitlines()[-1] if crash else None,
+        affinity_events=watch.affinity_events,
+    )  # fmt: skip
+    return m
+
+
+def _remove_segments(pids: list[int]) -> None:
+    """Removes the shared-memory segments of a tree that was killed (named after the pid)."""
+    prefixes = tuple(f"ttp_{pid}_" for pid in pids)
+    try:
+        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
+    except FileNotFoundError:
+        return
+    for n in names:
+        try:
+            os.unlink(os.path.join("/dev/shm", n))
+        except FileNotFoundError:
+            pass
+
+
+def _cpu_util(w: TreeWatch, cores: int) -> float | None:
+    """Share of the usable CPUs the tree used during the timed window (after the first batch)."""
+    if w.cpu_at_first is None or w.t_last is None or w.t_last <= w.t_first:
+        return None
+    used = sum(v - w.cpu_at_first.get(pid, 0.0) for pid, v in w.cpu_s.items())
+    return used / (w.t_last - w.t_first) / cores
+
+
+def summarize(times: list[float], rows: list[int], duration_s: float) -> dict:
+    """Throughput of the timed window, 1 s throughput series, time to steady throughput."""
+    if len(times) < 2:
+        return {"samples_per_s": 0.0, "startup_s": times[0] if times else None,
+                "time_to_steady_s": None, "series": []}  # fmt: skip
+    t_first = times[0]
+    span = max(times[-1] - t_first, 1e-9)
+    rate = sum(rows[1:]) / span
+    n_bins = max(1, int(span))
+    bins = [0] * (n_bins + 1)
+    for t, r in zip(times, rows, strict=True):
+        bins[min(n_bins, int(t - t_first))] += r
+    series = [[round(t_first + i + 0.5, 2), b] for i, b in enumerate(bins[:n_bins])]
+    steady = median([b for _, b in series[len(series) // 2 :]])
+    reach = next((t for t, b in series if b >= 0.9 * steady), None)
+    return {"samples_per_s": rate, "startup_s": t_first, "time_to_steady_s": reach,
+            "series": series, "batches": len(times)}  # fmt: skip
+
+
+def contenders(scenario: str, cores: int, quick: bool, spdl: bool) -> list[Contender]:
+    """Who runs in ``scenario``: full worker sweeps for steady and udf, a short list otherwise."""
+    if quick:
+        return [Contender(f"dataloader-w{cores}", "dataloader", cores),
+                Contender(f"nodes-w{cores}", "nodes", cores),
+                Contender("torchtune_pipe-intune", "torchtune_pipe", tuner="intune")]  # fmt: skip
+    sweep = range(0, 2 * cores + 1) if scenario in ("steady", "udf") else (cores,)
+    out = [Contender(f"dataloader-w{w}", "dataloader", w) for w in sweep]
+    out += [Contender(f"nodes-w{w}", "nodes", w) for w in sweep]
+    if spdl:
+        spdl_sweep = (cores, 2 * cores) if scenario in ("steady", "udf") else (cores,)
+        out += [Contender(f"spdl-c{w}", "spdl", w) for w in spdl_sweep]
+    tuners = TUNERS if scenario in ("steady", "udf") else ("heuristic", "intune")
+    out += [Contender(f"torchtune_pipe-{t}", "torchtune_pipe", tuner=t) for t in tuners]
+    return out
+
+
+def scenario_spec(name: str, base: dict, args: argparse.Namespace) -> tuple[dict, dict]:
+    """(spec for the child, plan for the watcher) of one scenario."""
+    spec, plan = dict(base), {}
+    if name in ("udf", "rescale", "memory"):
+        spec["extra_cost_ns"] = args.extra_cost_ns
+    if name == "latency":
+        spec["latency_s"] = args.latency_s
+    if name == "rescale":
+        plan["rescale"] = True
+    if name == "memory":
+        spec.update(prefetch_factor=128, buffer_bytes=256 << 20, step_s=0.1,
+                    memory_limit_bytes=args.mem_cap_mib << 18)  # fmt: skip
+        plan["mem_cap_bytes"] = args.mem_cap_mib << 20
+    return spec, plan
+
+
+def ensure_data(data_dir: str, files: int, rows: int) -> list[str]:
+    """Synthetic Criteo files (``examples/dlrm/generate.py``), written once and reused."""
+    from examples.dlrm.generate import generate
+
+    os.makedirs(data_dir, exist_ok=True)
+    paths = []
+    for i in range(files):
+        p = os.path.join(data_dir, f"day_{i}_{rows}.txt")
+        if not os.path.exists(p):
+            generate(p + ".tmp", rows, seed=i)
+            os.replace(p + ".tmp", p)
+        paths.append(p)
+    return paths
+
+
+def spdl_env(path: str) -> dict | None:
+    """The child environment with SPDL importable, or None when it is not installed."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), path]))
+    ok = subprocess.run([sys.executable, "-c", "import spdl.pipeline"], env=env, cwd=REPO,
+                        capture_output=True).returncode == 0  # fmt: skip
+    return env if ok else None
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """``vs_intune``: each row's throughput over torchtune_pipe intune's in the same scenario."""
+    ref = next((r["samples_per_s"] for r in rows if r["label"] == "torchtune_pipe-intune"), 0)
+    for r in rows:
+        r["vs_intune"] = r["samples_per_s"] / ref if ref else None
+
+
+def headline(rows: list[dict], cores: int) -> dict:
+    """intune against DataLoader's common guess (workers = cores) and the best of each sweep."""
+
+    def best(tool: str) -> dict | None:
+        mine = [r for r in rows if r["tool"] == tool and not r["crash"]]
+        return max(mine, key=lambda r: r["samples_per_s"]) if mine else None
+
+    intune = next((r for r in rows if r["label"] == "torchtune_pipe-intune"), None)
+    guess = next((r for r in rows if r["label"] == f"dataloader-w{cores}"), None)
+    out: dict[str, Any] = {"intune": intune and intune["samples_per_s"]}
+    for key, r in (("dataloader_guess", guess), ("dataloader_best", best("dataloader")),
+                   ("nodes_best", best("nodes")), ("spdl_best", best("spdl"))):  # fmt: skip
+        if r is not None:
+            out[key] = {"label": r["label"], "samples_per_s": r["samples_per_s"],
+                        "intune_ratio": (intune["samples_per_s"] / r["samples_per_s"])
+                        if intune and r["samples_per_s"] else None}  # fmt: skip
+    return out
+
+
+def plots(results: dict, png_dir: str) -> list[str]:
+    """Bar chart of throughput per scenario and throughput over time under rescaling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(png_dir, exist_ok=True)
+    written = []
+    for name in ("steady", "udf"):
+        rows = results["scenarios"].get(name)
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(9, 4))
+        ax.bar([r["label"] for r in rows], [r["samples_per_s"] for r in rows])
+        ax.set_ylabel("samples/s")
+        ax.set_title(f"{name}: throughput (median of repeats)")
+        ax.tick_params(axis="x", rotation=70, labelsize=7)
+        fig.tight_layout()
+        written.append(os.path.join(png_dir, f"peers_{name}.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    rows = results["scenarios"].get("rescale")
+    if rows:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        for r in rows:
+            if r["series"]:
+                ax.plot([t - r["startup_s"] for t, _ in r["series"]],
+                        [b for _, b in r["series"]], label=r["label"])  # fmt: skip
+        d = results["config"]["duration_s"]
+        ax.axvspan(d / 3, 2 * d / 3, color="grey", alpha=0.2, label="1 CPU")
+        ax.set_xlabel("s since first batch")
+        ax.set_ylabel("samples/s")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        written.append(os.path.join(png_dir, "peers_rescale.png"))
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def markdown(results: dict) -> str:
+    """The results as Markdown tables, one per scenario (for BENCHMARKS.md)."""
+    from benchmarks._common import fmt
+
+    cols = ["label", "samples_per_s", "vs_intune", "peak_pss_mib", "cpu_util", "startup_s",
+            "time_to_steady_s", "crash"]  # fmt: skip
+    out = []
+    for name, rows in results["scenarios"].items():
+        out += [f"\n**{name}**\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        for r in rows:
+            cells = [fmt(r.get(c)) if c != "samples_per_s" else f"{r[c]:,.0f}" for c in cols]
+            out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+COLUMNS = ["label", "samples_per_s", "vs_intune", "peak_pss_mib", "cpu_util", "startup_s",
+           "time_to_steady_s", "crash"]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the benchmark; prints one table per scenario; writes JSON (and PNGs)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smoke run: few contenders, 3 s each")
+    ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS)
+    ap.add_argument("--duration", type=float, help="seconds per contender after its first batch")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--extra-cost-ns", type=int, default=20_000, help="ExtraCost per row (udf)")
+    ap.add_argument("--latency-s", type=float, default=0.02, help="read latency per unit")
+    ap.add_argument("--mem-cap-mib", type=int, default=1024, help="tree PSS cap (memory)")
+    ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "ttp_peers_data"))
+    ap.add_argument("--spdl-path", default=DEFAULT_SPDL_PATH, help="site-packages with spdl")
+    ap.add_argument("--out", default=str(REPO / "benchmarks/results/peers.json"))
+    ap.add_argument("--png-dir", default=str(REPO / "benchmarks/results"))
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--contenders", nargs="+", help="run only these labels (e.g. nodes-w2)")
+    ap.add_argument("--markdown", help="also write the tables as Markdown to this file")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    scenarios = args.scenarios or (("steady",) if quick else SCENARIOS)
+    duration = args.duration or (2.0 if quick else 6.0)
+    files, rows = (1, 20_000) if quick else (4, 100_000)
+    paths = ensure_data(args.data_dir, files, rows)
+    cores = usable_cores()
+    env = spdl_env(args.spdl_path)
+    spdl_ok = env is not None
+    env = env or dict(os.environ, PYTHONPATH=str(REPO))
+    base = {"paths": paths, "chunk_rows": 128, "chunk_bytes": 1 << 20, "batch_size": 512,
+            "duration_s": duration}  # fmt: skip
+    results: dict[str, Any] = {
+        "machine": machine_info(),
+        "config": dict(
+            base,
+            quick=quick,
+            repeats=args.repeats,
+            extra_cost_ns=args.extra_cost_ns,
+            latency_s=args.latency_s,
+            mem_cap_mib=args.mem_cap_mib,
+        ),  # fmt: skip
+        "not_run": {"tf.data": TF_NOT_RUN},
+        "scenarios": {},
+    }
+    if not spdl_ok:
+        results["not_run"]["spdl"] = f"not run: spdl is not importable from {args.spdl_path}"
+    with tempfile.TemporaryDirectory(prefix="ttp_peers_") as workdir:
+        for name in scenarios:
+            spec, plan = scenario_spec(name, base, args)
+            rows_out = []
+            for c in contenders(name, cores, quick, spdl_ok):
+                if args.contenders and c.label not in args.contenders:
+                    continue
+                runs = [run_one(c, spec, plan, env, workdir) for _ in range(args.repeats)]
+                best = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+                best["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]
+                rows_out.append(best)
+            add_ratios(rows_out)
+            results["scenarios"][name] = rows_out
+            results.setdefault("headlines", {})[name] = headline(rows_out, cores)
+            print_table(rows_out, COLUMNS, title=f"\n== {name} ({cores} cores, {duration:g} s)")
+            print(json.dumps(results["headlines"][name]))
+    for tool, why in results["not_run"].items():
+        print(f"{tool}: {why}")
+    write_json(args.out, results)
+    if not args.no_plots:
+        results["plots"] = plots(results, args.png_dir)
+        write_json(args.out, results)
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(results))
+    print(f"wrote {args.out}")
+    return results
+
+
+if __name__ == "__main__":
+    main()
