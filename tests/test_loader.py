@@ -260,3 +260,35 @@ def test_progress_display_runs_beside_the_epoch_and_stops_with_it():
     with pipe.loader(ordered=True, progress=True) as loader:
         assert list(loader) == list(range(1, 31))
     assert not [t for t in threading.enumerate() if t.name == "ttp-watch"]
+
+
+def test_stopping_at_len_completes_the_epoch_and_keeps_the_workers():
+    """Lightning stops after len(loader) batches without asking for the end of the stream."""
+    pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one).batch(4)
+    with pipe.loader(ordered=True) as loader:
+        it = iter(loader)
+        first = _take(it, len(loader))
+        executor = loader._executor
+        it.close()
+        assert loader.epoch == 1 and loader._executor is executor
+        second = list(loader)
+        assert loader._executor is executor
+    assert sorted(_flat(first)) == sorted(_flat(second)) == list(range(1, 31))
+
+
+class _Movable:
+    """Stands for batch types that pin and move themselves (TorchRec's Batch)."""
+
+    def __init__(self, pinned=False, device=None):
+        self.pinned, self.device = pinned, device
+
+    def pin_memory(self):
+        return _Movable(True, self.device)
+
+    def to(self, device, non_blocking=False):
+        return _Movable(self.pinned, device)
+
+
+def test_transfer_uses_an_objects_own_pin_memory_and_to():
+    out = transfer({"b": _Movable()}, pin_memory=True, device="cpu")
+    assert out["b"].pinned and out["b"].device == "cpu"

@@ -61,6 +61,11 @@ def transfer(
         if pin_memory:
             obj = obj.pin_memory()
         return obj.to(device, non_blocking=non_blocking) if device is not None else obj
+    if callable(getattr(obj, "pin_memory", None)) and callable(getattr(obj, "to", None)):
+        # Batch-like objects that move themselves (TorchRec's Batch, Pipelineable).
+        if pin_memory:
+            obj = obj.pin_memory()
+        return obj.to(device=device, non_blocking=non_blocking) if device is not None else obj
     if isinstance(obj, Mapping):
         items = {k: transfer(v, pin_memory, device, non_blocking) for k, v in obj.items()}
         try:
@@ -566,6 +571,7 @@ class Loader:
         loop = self._start_tuning()
         watcher = self._start_watch()
         complete = False
+        closed_by_consumer = False
         try:
             while True:
                 self._clock.asked()
@@ -582,8 +588,19 @@ class Loader:
             complete = True
             progress.finished = True
             self._epoch = epoch + 1
+        except GeneratorExit:
+            closed_by_consumer = True
+            raise
         finally:
             self._clock.pause()
+            if closed_by_consumer and not self.inline and self._took_everything(progress):
+                # Consumers that stop at len() (Lightning) never ask for the end of the stream:
+                # read what is left (end-of-unit markers) so the epoch counts as complete and
+                # the workers are kept for the next one.
+                complete = self._drain_tail(pre, stream, progress)
+                if complete:
+                    progress.finished = True
+                    self._epoch = epoch + 1
             loop_error = None
             if loop is not None:
                 # Before the executor goes: a tick must not resize a closed executor.
@@ -607,6 +624,25 @@ class Loader:
                 watcher.stop()
             if loop_error is not None:
                 raise loop_error
+
+    def _took_everything(self, progress: _Progress) -> bool:
+        try:
+            return progress.delivered >= len(self)
+        except TypeError:
+            return False
+
+    def _drain_tail(
+        self, pre: Prefetcher | None, stream: Iterator[tuple], progress: _Progress
+    ) -> bool:
+        """Consume end-of-unit markers after the last item; False if another item comes."""
+        while True:
+            t = self._next(pre, stream)
+            if t is _END:
+                return True
+            u, k, _ = t
+            if not (u >= 0 and k < 0):
+                return False
+            progress.end(u, -1 - k)
 
     def _next(self, pre: Prefetcher | None, stream: Iterator[tuple]) -> Any:
         if pre is None:
