@@ -48,6 +48,11 @@ _MAX_SLOTS = 1024
 _exec_ids = itertools.count()
 
 
+def _modules_of(fn: Any) -> list[str]:
+    mods = [getattr(fn, "__module__", None), getattr(type(fn), "__module__", None)]
+    return [m for m in mods if m and m != "builtins"]
+
+
 @dataclass
 class _Frame:
     id: int
@@ -117,6 +122,11 @@ class Executor:
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
         self.spec = spec
         self._stage_bytes = [check_picklable(s) for s in spec.stages]
+        # The modules that define the stage functions: the fork server imports them once
+        # instead of every new worker importing them (what a resize costs).
+        self._preload = tuple(
+            dict.fromkeys(m for s in spec.stages for m in _modules_of(s.fn) if m != "__main__")
+        )
         self._names = [s.name for s in spec.stages]
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
         self._lock = threading.Lock()
@@ -426,7 +436,7 @@ class Executor:
             max(st.budget // n_alive, 64 * 1024),
         )
         h.start_ns = time.monotonic_ns()
-        pool.start_worker(h, args)
+        pool.start_worker(h, args, self._preload)
         if self._run is not None:
             self._send(h, ("epoch", self._run.epoch))  # stateful stages seed by epoch
         self._rebudget(stage)

@@ -25,14 +25,20 @@ _ctx_lock = threading.Lock()
 _ctx = None
 
 
-def context():
-    """The fork-server context shared by all executors of this process."""
+def context(preload: tuple[str, ...] = ()):
+    """The fork-server context shared by all executors of this process.
+
+    Args:
+        preload: more modules the server imports before forking workers (e.g. the modules
+            that define the stage functions, such as ``torchrec``), so that no new worker pays
+            for importing them. Only the first call before the server starts has an effect.
+    """
     global _ctx
     with _ctx_lock:
         if _ctx is None:
             ctx = mp.get_context("forkserver")
-            # Only effective before the server starts; harmless afterwards.
-            ctx.set_forkserver_preload(_PRELOAD)
+            modules = list(dict.fromkeys(_PRELOAD + [m for m in preload if m != "__main__"]))
+            ctx.set_forkserver_preload(modules)
             _ctx = ctx
         return _ctx
 
@@ -135,7 +141,7 @@ def _start_sender(h: WorkerHandle) -> None:
     h.sender.start()
 
 
-def start_worker(h: WorkerHandle, args: tuple) -> None:
+def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) -> None:
     """Start the worker's process (or thread) with its private pipe and sender thread."""
     if h.thread:
         parent, child = mp.Pipe(duplex=True)
@@ -151,7 +157,7 @@ def start_worker(h: WorkerHandle, args: tuple) -> None:
         t.start()
         h.pid = os.getpid()
         return
-    ctx = context()
+    ctx = context(preload)
     parent, child = ctx.Pipe(duplex=True)
     p = _WorkerProcess(
         target=_worker.worker_main,
