@@ -175,9 +175,19 @@ class ActionSpace:
                     fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
                     mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
             up = _buffer_step(b, True)
-            mask[base + 4] = not over_memory and worst + (up - b) <= limit
+            # More room only helps a buffer that fills: growing an idle one reserves memory
+            # (the budget other stages and the model could use) for nothing.
+            mask[base + 4] = (
+                not over_memory
+                and worst + (up - b) <= limit
+                and st.buffer_fill >= BUFFER_GROW_MIN_FILL
+            )
             mask[base + 5] = b > MiB
         return mask
+
+
+# A buffer may grow only when at least this share of it is in use.
+BUFFER_GROW_MIN_FILL = 0.5
 
 
 def cpu_cap(obs: Observation, alloc: Allocation) -> int:
