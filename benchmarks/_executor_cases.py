@@ -4,9 +4,7 @@ peer loader), runs it, and returns rates and CPU accounting. Stage functions liv
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import multiprocessing.spawn as mp_spawn
 import threading
 import time
 import warnings
@@ -274,26 +272,6 @@ def _wait_started(ex: Executor, count: int, timeout_s: float = 20.0) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(f"start latency: {count} workers not started in {timeout_s} s")
         time.sleep(0.0005)
-
-
-@contextlib.contextmanager
-def skip_main_reimport():
-    """While active, new worker processes do not re-import this process's ``__main__``
-    (multiprocessing's spawn/forkserver preparation does by default). Shows what worker
-    start costs without it; stage functions pickle by value, so workers do not need it."""
-    orig = mp_spawn.get_preparation_data
-
-    def prep(name):
-        data = orig(name)
-        data.pop("init_main_from_name", None)
-        data.pop("init_main_from_path", None)
-        return data
-
-    mp_spawn.get_preparation_data = prep
-    try:
-        yield
-    finally:
-        mp_spawn.get_preparation_data = orig
 
 
 def executor_start_latency(n_start: int, loaded: bool) -> dict:

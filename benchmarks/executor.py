@@ -19,7 +19,6 @@ medians are reported. Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import os
 import sys
@@ -45,7 +44,6 @@ from ._executor_cases import (
     parallel_mapper_tiny,
     producer_only_bandwidth,
     queue_bandwidth,
-    skip_main_reimport,
 )
 
 SECTIONS = ("bandwidth", "tiny_items", "cpu_efficiency", "start_latency")
@@ -260,14 +258,9 @@ def bench_cpu(cfg: BenchConfig) -> dict:
 def bench_start_latency(cfg: BenchConfig) -> dict:
     """(d): p50/p95 of worker start latency after ``resize``, idle and under load."""
     rows, detail = [], {}
-    modes = {
-        "idle": (False, False),
-        "loaded": (True, False),
-        "idle, no __main__ re-import": (False, True),
-    }
-    for name, (loaded, skip_main) in modes.items():
-        with skip_main_reimport() if skip_main else contextlib.nullcontext():
-            runs = [executor_start_latency(cfg.start_workers, loaded) for _ in range(cfg.repeats)]
+    modes = {"idle": False, "loaded": True}
+    for name, loaded in modes.items():
+        runs = [executor_start_latency(cfg.start_workers, loaded) for _ in range(cfg.repeats)]
         p50 = median([percentile(r["latencies_ms"], 50) for r in runs])
         p95 = median([percentile(r["latencies_ms"], 95) for r in runs])
         obs50 = median([percentile(r["resize_to_ready_ms"], 50) for r in runs])
@@ -291,10 +284,7 @@ def bench_start_latency(cfg: BenchConfig) -> dict:
         unit="ms",
         rows=rows,
         workers_started=cfg.start_workers,
-        note=(
-            "each new worker re-imports this process's __main__ module (multiprocessing's "
-            "forkserver preparation); the last row shows the latency without that"
-        ),
+        note="workers are forked by a fork server that has torch and the stage modules imported",
         **detail,
     )
 
