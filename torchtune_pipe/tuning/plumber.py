@@ -181,7 +181,7 @@ class PlumberTuner:
             if new is not None:
                 self.plan, self._cpus = new, obs.cpus
                 self.solves += 1
-                log.info("plumber: theta=%s workers=%s", new.theta, new.workers)
+                log.debug("plumber: theta=%s workers=%s", new.theta, new.workers)
         if self.plan is None:
             return safe(self._profile, obs)
         buffers = list(self._profile.buffer_bytes)
