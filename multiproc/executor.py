@@ -477,8 +477,6 @@ class Executor:
             for h in victims:
                 h.state = "retiring"
                 self._send(h, ("retire",))
-                if self.spec.stages[stage].kind == "source":
-                    pass
             self._rebudget(stage)
 
     def _on_gone(self, h: pool.WorkerHandle, died: bool, why: str = "") -> None:

@@ -17,7 +17,6 @@ import io
 import pickle
 from typing import Any
 
-import numpy as np
 import torch
 
 # Buffers smaller than this stay inside the header: copying a few hundred bytes in-band is
@@ -130,4 +129,4 @@ def copy_into(dst: memoryview, buffers: list[pickle.PickleBuffer]) -> None:
         pos += n
 
 
-__all__ = ["dumps", "loads", "copy_into", "buffer_nbytes", "INBAND_MAX_BYTES", "np"]
+__all__ = ["dumps", "loads", "copy_into", "buffer_nbytes", "INBAND_MAX_BYTES"]

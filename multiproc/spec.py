@@ -18,19 +18,22 @@ KINDS = ("source", "map", "flat_map", "batch_map", "stateful")
 
 
 class Reducer(Protocol):
-    """State of a stateful stage worker (batching, shuffling): items in, items out.
+    """State of a stateful stage worker (batching, shuffling): tagged items in, items out.
 
-    ``push`` takes one item and returns the items ready to go downstream (often none);
-    ``flush`` returns everything still held at the end of the stream; ``drain`` returns the
-    items held (unprocessed) so another worker can take them over when this one retires.
-    Batching returns the held items themselves; shuffling returns its buffer.
+    ``push(tag, item)`` takes one item and returns ``[(tags, out), ...]``: the outputs ready to
+    go downstream (often none), each with the tags of the inputs folded into it (the executor
+    uses them to know which inputs are fully consumed, and so what to deliver again if the
+    worker dies). ``flush()`` returns the same shape at the end of the stream (an ``out`` of
+    ``multiproc.reducers.DROPPED`` consumes items without output); ``drain()`` returns
+    ``[(tag, item), ...]`` still held, so another worker can take them over when this one
+    retires. See ``multiproc.reducers`` for ``Batcher`` and ``Shuffler``.
     """
 
-    def push(self, item: Any) -> list[Any]: ...
+    def push(self, tag: Any, item: Any) -> list[tuple[list, Any]]: ...
 
-    def flush(self) -> list[Any]: ...
+    def flush(self) -> list[tuple[list, Any]]: ...
 
-    def drain(self) -> list[Any]: ...
+    def drain(self) -> list[tuple[Any, Any]]: ...
 
 
 @dataclass(frozen=True)

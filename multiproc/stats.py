@@ -7,8 +7,6 @@ tuner read them at any time without a lock and without stopping anything.
 
 from __future__ import annotations
 
-import os
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -136,10 +134,3 @@ def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats
         alive_ns=max(0, now_ns - int(r[STARTED_NS])) if r[STARTED_NS] else 0,
         cpu_ns=int(r[CPU_NS]),
     )
-
-
-def table_name(tag: str) -> str:
-    return f"ttp_{os.getpid()}_{tag}_stats"
-
-
-now_ns = time.monotonic_ns
