@@ -73,6 +73,35 @@ class Segment:
             pass
 
 
+def sweep_stale_segments(prefix: str = "ttp_") -> list[str]:
+    """Remove segments left by executors whose process no longer exists.
+
+    Segments are named ``ttp_<pid>_...`` after the process that created them; an executor
+    cleans up after itself on every exit path except being killed outright (SIGKILL, OOM
+    kill), which leaves its arenas in /dev/shm. Returns the names removed.
+    """
+    removed = []
+    try:
+        names = os.listdir(SHM_DIR)
+    except FileNotFoundError:
+        return removed
+    for name in names:
+        parts = name.split("_")
+        if not name.startswith(prefix) or len(parts) < 3 or not parts[1].isdigit():
+            continue
+        pid = int(parts[1])
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal): leave it
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        unlink_segment(name)
+        removed.append(name)
+    return removed
+
+
 def unlink_segment(name: str) -> None:
     try:
         os.unlink(os.path.join(SHM_DIR, name))

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 _MAX_SLOTS = 1024
 _exec_ids = itertools.count()
+_swept = threading.Event()  # stale segments are swept once per process
 
 
 def _modules_of(fn: Any) -> list[str]:
@@ -122,6 +123,11 @@ class Executor:
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
         self.spec = spec
         self._stage_bytes = [check_picklable(s) for s in spec.stages]
+        if not _swept.is_set():
+            _swept.set()
+            stale = channel.sweep_stale_segments()
+            if stale:
+                log.info("removed %d shared-memory segments of dead processes", len(stale))
         # The modules that define the stage functions: the fork server imports them once
         # instead of every new worker importing them (what a resize costs).
         self._preload = tuple(

@@ -445,3 +445,24 @@ def test_oversized_frames_between_stages_do_not_deadlock():
         out = [x["id"] for x in ex.run([(0, 60)])]
         assert out == list(range(60))
         assert ex.snapshot().stage("same").spilled == 60
+
+
+def test_segments_of_dead_processes_are_swept(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    stale = f"ttp_{proc.pid}_0_dead_w0"
+    with open(os.path.join(channel.SHM_DIR, stale), "wb") as f:
+        f.write(b"x")
+    mine = f"ttp_{os.getpid()}_sweeptest_w0"
+    with open(os.path.join(channel.SHM_DIR, mine), "wb") as f:
+        f.write(b"x")
+    try:
+        removed = channel.sweep_stale_segments()
+        assert stale in removed and mine not in removed
+        assert not os.path.exists(os.path.join(channel.SHM_DIR, stale))
+    finally:
+        os.unlink(os.path.join(channel.SHM_DIR, mine))
