@@ -12,6 +12,8 @@ from torch.utils.data import BatchSampler, Dataset, IterableDataset, Sampler, ge
 import torchtune_pipe
 from torchtune_pipe import DataLoader
 
+from ._compare import assert_same
+
 
 class Squares(Dataset):
     def __init__(self, n=23, kind="tensor"):
@@ -68,21 +70,6 @@ class Flaky(Dataset):
         return i
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _same(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _same(x, y)
-    else:
-        assert a == b
-
-
 def _compare(dataset, workers=0, **kw):
     seed = kw.pop("seed", None)
     kw_t, kw_o = dict(kw), dict(kw)
@@ -96,7 +83,7 @@ def _compare(dataset, workers=0, **kw):
         assert len(loader) == len(expected) or isinstance(dataset, IterableDataset)
     assert len(got) == len(expected)
     for a, b in zip(expected, got, strict=True):
-        _same(a, b)
+        assert_same(a, b)
     return got
 
 
@@ -116,7 +103,7 @@ def test_global_rng_shuffle_matches_when_seeded_alike():
     torch.manual_seed(5)
     got = list(DataLoader(Squares(), batch_size=4, shuffle=True))
     for a, b in zip(expected, got, strict=True):
-        _same(a, b)
+        assert_same(a, b)
 
 
 def test_custom_sampler_batch_sampler_and_no_batching():
@@ -169,7 +156,7 @@ def test_resume_mid_epoch_under_other_worker_counts():
         loader.load_state_dict(state)
         rest = list(loader)
     for a, b in zip(full, head + rest, strict=True):
-        _same(a, b)
+        assert_same(a, b)
 
 
 @pytest.mark.parametrize(

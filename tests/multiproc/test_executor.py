@@ -23,6 +23,7 @@ from multiproc import (
     serialize,
 )
 
+from .._compare import assert_same
 from . import _fns
 
 N_IDS = 100_000
@@ -199,25 +200,6 @@ def test_shuffle_is_a_permutation_and_differs_by_epoch():
     assert e0 != list(range(1000)) and e0 != e1
 
 
-def _roundtrip_equal(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
-    elif isinstance(a, np.ndarray):
-        np.testing.assert_array_equal(a, b)
-        assert a.dtype == b.dtype
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            _roundtrip_equal(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            _roundtrip_equal(x, y)
-    else:
-        assert a == b
-
-
 def test_serialize_roundtrip_every_supported_type():
     obj = _fns.make_payload(0)
     obj["td"] = TensorDict(
@@ -234,7 +216,7 @@ def test_serialize_roundtrip_every_supported_type():
     out = serialize.loads(header, views)
     td = out.pop("td")
     assert (td == obj.pop("td")).all()
-    _roundtrip_equal(obj, out)
+    assert_same(obj, out)
     # Zero copy: the rebuilt tensor lives in the arena.
     base = np.frombuffer(arena, dtype=np.uint8).ctypes.data
     assert base <= out["f32"].data_ptr() < base + len(arena)
@@ -251,7 +233,7 @@ def test_payloads_through_processes():
     with Executor(spec) as ex:
         outs = list(ex.run([(0, 6)]))
     for seed, out in enumerate(outs):
-        _roundtrip_equal(_fns.make_payload(seed), out)
+        assert_same(_fns.make_payload(seed), out)
 
 
 def test_small_budget_backpressure_and_set_budget():
