@@ -40,7 +40,7 @@ demo: $(STAMP)
 	$(PY) -m torchtune_pipe.cli demo
 
 bench: $(STAMP)
-	$(PY) benchmarks/executor.py
+	$(PY) -m benchmarks.executor
 
 simulate: $(STAMP)
 	$(PY) -m torchtune_pipe.cli simulate --out out/simulate

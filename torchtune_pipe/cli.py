@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # subcommand -> (module, function, help)
@@ -55,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args, rest = parser.parse_known_args(argv[:1])
     module, func, _ = _COMMANDS[args.command]
+    if not module.startswith("torchtune_pipe") and os.getcwd() not in sys.path:
+        # examples/ and benchmarks/ live in the repository, not in the installed package.
+        sys.path.insert(0, os.getcwd())
     try:
         mod = importlib.import_module(module)
     except ImportError as e:
