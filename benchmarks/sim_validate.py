@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import os
 import statistics
@@ -44,7 +43,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
 import _real_fns  # noqa: E402
-from _common import machine_info  # noqa: E402
+from _common import machine_info, write_json  # noqa: E402
 from tuners_real import table  # noqa: E402
 
 from multiproc import Snapshot  # noqa: E402
@@ -275,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if result["mdape"] is not None:
         print(f"\noverall MdAPE {result['mdape']:.1%} over {len(apes)} allocations")
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
         print(f"wrote {args.out}")
     return result
 

@@ -41,7 +41,7 @@ _HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 
 import _real_fns  # noqa: E402
-from _common import machine_info  # noqa: E402
+from _common import machine_info, write_json  # noqa: E402
 
 from torchtune_pipe.tuning.base import MiB  # noqa: E402
 
@@ -309,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     result = bench(args)
     if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
+        write_json(args.out, result)
         print(f"\nwrote {args.out}")
     return result
 
