@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 SHM = "/dev/shm"
 
@@ -76,3 +77,12 @@ def no_leaks():
             pass
     assert not left, f"test left child processes behind: {left}"
     assert not new_shm, f"test left shared-memory segments behind: {sorted(new_shm)}"
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny nets: extra intra-op threads only add contention on a busy 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from torchtune_pipe.sim.model import SimPipeline
 from torchtune_pipe.sim.pretrain import (
@@ -30,15 +29,6 @@ def test_training_episodes_never_use_heldout_seeds():
     assert any(len(ep.cpus) > 1 for ep in train), "some episodes must rescale"
     held = [sample_episode(4, rng, 50, heldout=True) for _ in range(20)]
     assert all(ep.seed >= HELDOUT_SEED for ep in held)
-
-
-@pytest.fixture
-def one_thread():
-    """Tiny nets: extra intra-op threads only add contention on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_short_training_run_improves_a_bad_allocation(one_thread):

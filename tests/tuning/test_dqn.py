@@ -54,15 +54,6 @@ def test_learn_requires_training_enabled():
         agent.learn()
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny nets: extra intra-op threads only add contention on a busy 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("backend", ["torch", "torchrl"])
 def test_learns_a_contextual_bandit(backend, one_thread):
     """Reward 1 for the action named by the state's arg-max: greedy accuracy must be high."""
