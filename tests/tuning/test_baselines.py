@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 
 from torchtune_pipe.tuning import (
@@ -20,7 +22,7 @@ from torchtune_pipe.tuning import (
 
 def obs_of(workers=(1, 1, 1), cpus=10.0, memory=1 << 30, **stage_kw):
     stages = tuple(
-        StageStats(name=f"s{i}", workers=w, items_per_s=100.0, busy=0.9, **stage_kw)
+        StageStats(name=f"s{i}", workers=w, items_per_s=100.0, busy=1.0, **stage_kw)
         for i, w in enumerate(workers)
     )
     return Observation(
@@ -118,9 +120,27 @@ def test_a_worker_sleeping_on_io_is_charged_its_cpu_not_its_wall_time():
     udf = StageStats("udf", 1, items_per_s=20.0, busy=1.0, cpu_s_per_item=0.04)
     obs = Observation((reader, udf), 20.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
     want = Allocation((3, 1), (MiB, MiB))
-    # Three readers free 3 x 0.9 cores: cap = 2 x (1 + 2.7 / 2) = 4.7 workers.
-    assert oversubscribe_factor(obs, want) == pytest.approx(2.35)
+    # Three readers free 3 x 0.9 cores and the UDF worker, at 0.04 s x 20 items/s = 0.8 of a
+    # core, frees 0.2: cap = 2 x (1 + 2.9 / 2) = 4.9 workers.
+    assert oversubscribe_factor(obs, want) == pytest.approx(2.45)
     assert safe(want, obs) == want
+
+
+def test_cpu_bound_workers_are_charged_their_share_down_to_half_a_core():
+    # Two UDF workers blocked on the consumer half the time use half a core each: four of
+    # them fit on two cores. Busier ones, or ones never measured, are charged a full core.
+    half = StageStats("udf", 2, items_per_s=10.0, busy=0.5, blocked_out=0.5)
+    obs = Observation((half,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.0)
+    idle = dataclasses.replace(half, busy=0.1, blocked_out=0.9)
+    obs = Observation((idle,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.0)
+    busy = dataclasses.replace(half, busy=1.0, blocked_out=0.0)
+    obs = Observation((busy,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    assert sum(safe(Allocation((4,), (MiB,)), obs).workers) == 2
+    unmeasured = StageStats("udf", 2)
+    obs = Observation((unmeasured,), 0.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(1.0)
 
 
 def test_safe_rejects_wrong_stage_count():

@@ -60,7 +60,8 @@ def _index(stage: int, k: int) -> int:
 
 def test_action_space_decodes_every_action():
     space = ActionSpace(3)
-    assert space.n == 1 + 6 * 3
+    assert space.n == 2 + 6 * 3
+    assert space.decode(space.plan_index).plan and space.decode(space.plan_index).stage is None
     assert space.decode(0).stage is None
     assert space.decode(_index(1, 2)).workers == 5
     assert space.decode(_index(2, 4)).buffer == 1
@@ -88,7 +89,9 @@ def test_mask_blocks_max_workers_and_full_cpu_budget_without_donors():
 
 
 def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
-    obs = _obs(workers=(2, 2, 4), busy=(0.9, 1.0, 0.1), cpus=8)
+    # Stage 2 is the idlest (4 workers x 10 % idle); every stage is busy enough to be charged
+    # close to a core, so the machine is full.
+    obs = _obs(workers=(2, 2, 4), busy=(1.0, 1.0, 0.9), cpus=8)
     space = ActionSpace(3)
     assert space.mask(obs, obs.allocation())[_index(1, 0)]
     new = space.apply(obs.allocation(), _index(1, 0), obs)
@@ -163,7 +166,7 @@ def test_loads_shipped_weights_for_each_length(n):
     assert sum(first.workers) == 32  # the even split of InTune's start
     alloc = tuner.step(_obs(workers=first.workers, buffers=first.buffer_bytes, busy=(0.5,) * n))
     assert len(alloc.workers) == n and min(alloc.workers) >= 1
-    assert tuner.agent.n_actions == 1 + 6 * n
+    assert tuner.agent.n_actions == 2 + 6 * n
 
 
 def test_missing_weights_name_the_file(tmp_path):

@@ -30,7 +30,7 @@ from torchtune_pipe.tuning.base import Allocation, MiB, Observation, Tuner
 from torchtune_pipe.tuning.dqn import DQNAgent, DQNConfig
 from torchtune_pipe.tuning.intune import ActionSpace, InTuneTuner, StateEncoder, weights_path
 from torchtune_pipe.tuning.oracle import oracle_search
-from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
+from torchtune_pipe.tuning.safety import CPU_MIN_CHARGE, MAX_OVERSUBSCRIBE
 
 logger = logging.getLogger(__name__)
 
@@ -85,13 +85,13 @@ def sample_episode(
 def oracle_value(sim: SimPipeline, cpus: float) -> float:
     """Best static throughput on ``cpus`` CPUs (coordinate search on the simulator).
 
-    Pipelines with I/O stages may run more workers than cores (the safety policy allows up to
-    ``MAX_OVERSUBSCRIBE`` per core), so the oracle searches that larger space too: a yardstick
-    that tuners could beat would measure nothing.
+    The safety policy lets tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
+    core with I/O stages, ``1 / CPU_MIN_CHARGE`` without), so the oracle searches those totals
+    too: a yardstick that tuners could beat would measure nothing.
     """
     n = sim.n_stages
     io = any(s.io_s_per_item > 0 for s in sim.workload.stages)
-    factors = (1, 2, MAX_OVERSUBSCRIBE) if io else (1,)
+    factors = (1, 2, MAX_OVERSUBSCRIBE) if io else (1, 1 / CPU_MIN_CHARGE)
     # One search per worker total: a search started far past the memory limit sees only
     # zeros around it and cannot climb.
     return max(
@@ -308,11 +308,14 @@ def evaluate_agent(
             for b in baselines:
                 theirs, _, _ = _time_average(make_tuner(b), ep)
                 vs[b].append(mine / max(theirs, 1e-12))
+            # Judged under the episode's own memory limit: the oracle of a roomier machine
+            # may hold more workers than this episode can afford.
+            rescaled = SimPipeline(wl, list(ep.cpus), ep.memory_limit_bytes, seed=seed)
             for t, x in sched[1:]:
-                target = 0.9 * oracle_value(probe, x)
+                target = 0.9 * oracle_value(rescaled, x)
                 k = steps
                 for j in range(steps):
-                    if probe.evaluate(allocs[int(t) + j], cpus=x) >= target:
+                    if rescaled.evaluate(allocs[int(t) + j], cpus=x) >= target:
                         k = j
                         break
                 recovery.append(k)

@@ -5,8 +5,12 @@ masks the actions that would break a hard limit, and takes the masked arg-max of
 (:mod:`torchtune_pipe.tuning.dqn`). One action changes one stage by a little, so the pipeline
 never jumps to an untested allocation.
 
-**Actions** (``1 + 6 * n_stages``): no-op, then per stage ``+1, -1, +5, -5`` workers,
-buffer up, buffer down. Buffers move in geometric steps of 50 % rounded to whole MiB (at
+**Actions** (``2 + 6 * n_stages``): no-op, then per stage ``+1, -1, +5, -5`` workers,
+buffer up, buffer down, and last "plan": set every stage's workers to the planner's balanced
+allocation computed from the latest measurement (:mod:`~torchtune_pipe.tuning.planner`). The
+plan crosses a rescaled machine in one step; the small moves correct what the fluid model
+gets wrong, and the agent learns which to trust when (the state carries the planner's
+predicted gain). Buffers move in geometric steps of 50 % rounded to whole MiB (at
 least 1 MiB): item sizes span kilobytes to hundreds of megabytes, so a fixed MiB step is
 either too fine for one workload or too coarse for another.
 
@@ -17,326 +21,104 @@ buffer full, every new worker costing the memory a worker costs now). The CPU bu
 only their busy share of a core, so such stages may hold more workers than there are cores
 (up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total).
 
+**Planning.** When the planner promises more than ``PLAN_MIN_GAIN`` over the measured
+throughput, the plan action is taken without asking the network (``plan_gain``): after a
+rescale or from a bad start the pipeline is balanced within a step or two, and repeated plans
+converge like a fixed-point iteration as measurements sharpen. The network decides everything
+else: buffers, the small moves around the plan, and when to plan for smaller gains.
+
 **Undo.** A worker move after which throughput falls by more than ``REVERT_DROP`` is undone
 at the next step and masked for ``TABU_STEPS`` steps: the Q network proposes, the measurement
 has the last word. The agent sees the undo as the move's outcome, so it learns from it too.
+Moves that each cost less than that can still add up: the tuner also returns to the best
+allocation measured in the last ``GUARD_WINDOW`` steps when the current one is worse by more
+than ``GUARD_DROP``.
 
 **Reward.** ``r = (throughput / reference) * m(u)`` with ``u = memory_used / memory_limit``
 and ``m(u) = 1`` for ``u <= 0.8``, ``m(u) = 1 - s((u - 0.8) / 0.2)`` above, where
 ``s(x) = 3x^2 - 2x^3`` (smoothstep) so ``m`` falls smoothly to 0 at the limit; an OOM gives
 ``-1`` and ends the episode. Any action but the no-op costs ``CHANGE_COST`` (0.005), so the
-agent settles instead of shuffling buffers that make no difference. ``reference`` is the best throughput reachable with the current
-CPUs: offline the simulator's oracle, online the best throughput seen since the CPU count last
+agent settles instead of shuffling buffers that make no difference. ``reference`` is the best
+throughput reachable with the current CPUs: offline the simulator's oracle, online the best throughput seen since the CPU count last
 changed.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from .base import Allocation, MiB, Observation
+from .base import Allocation, Observation
 from .baselines import HeuristicTuner
 from .dqn import DQNAgent, DQNConfig
-from .safety import is_io_bound, oversubscribe_factor, safe
+from .intune_space import (
+    ACTIONS_PER_STAGE,
+    BUFFER_GROW_MIN_FILL,
+    MEMORY_SAFE_SHARE,
+    WORKER_DELTAS,
+    Action,
+    ActionSpace,
+    MemoryModel,
+    cpu_cap,
+    fit_memory,
+    rescale,
+)
+from .intune_state import (
+    GLOBAL_FEATURES,
+    MEMORY_KNEE,
+    STAGE_FEATURES,
+    StateEncoder,
+    memory_factor,
+    reward,
+)
+from .planner import plan
+from .safety import safe
+
+__all__ = [
+    "ACTIONS_PER_STAGE",
+    "BUFFER_GROW_MIN_FILL",
+    "CHANGE_COST",
+    "GLOBAL_FEATURES",
+    "MEMORY_KNEE",
+    "MEMORY_SAFE_SHARE",
+    "STAGE_FEATURES",
+    "WORKER_DELTAS",
+    "Action",
+    "ActionSpace",
+    "InTuneTuner",
+    "MemoryModel",
+    "StateEncoder",
+    "cpu_cap",
+    "memory_factor",
+    "rescale",
+    "reward",
+    "weights_path",
+]
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
-WORKER_DELTAS = (1, -1, 5, -5)
-ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
-MEMORY_KNEE = 0.8
-# Worst-case memory an action may reach, as a share of the limit (headroom for noise).
-MEMORY_SAFE_SHARE = 0.95
 # Reward charged for any action but the no-op: a change costs a worker start or a resize.
 CHANGE_COST = 0.005
 # A worker move after which throughput fell by more than this share is undone (measurement
 # noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
 REVERT_DROP = 0.06
 TABU_STEPS = 10
-STAGE_FEATURES = 11
-GLOBAL_FEATURES = 13
+# Back to the best allocation measured in the last GUARD_WINDOW steps when the current one is
+# worse by more than GUARD_DROP (means of at least two intervals each).
+GUARD_WINDOW = 20
+GUARD_DROP = 0.05
+# The plan is taken without asking the network when it promises this much more throughput.
+PLAN_MIN_GAIN = 0.05
 
 
 def weights_path(n_stages: int, directory: Path = WEIGHTS_DIR) -> Path:
     """Where the shipped weights for an ``n_stages`` pipeline live."""
     return Path(directory) / f"intune_{n_stages}stages.pt"
-
-
-def memory_factor(used_fraction: float, knee: float = MEMORY_KNEE) -> float:
-    """1 up to ``knee`` of the memory limit, then a smoothstep down to 0 at the limit."""
-    if used_fraction <= knee:
-        return 1.0
-    x = min(1.0, (used_fraction - knee) / (1.0 - knee))
-    return 1.0 - (3 * x * x - 2 * x * x * x)
-
-
-def reward(obs: Observation, reference_throughput: float, knee: float = MEMORY_KNEE) -> float:
-    """Normalised throughput scaled down to 0 as memory use nears the limit (module docstring).
-
-    >>> # half the reference throughput at 90 % memory: 0.5 * (1 - smoothstep(0.5)) = 0.25
-    """
-    if obs.oom:
-        return -1.0
-    used = obs.memory_used_bytes / max(1, obs.memory_limit_bytes)
-    return obs.throughput / max(reference_throughput, 1e-12) * memory_factor(used, knee)
-
-
-@dataclass(frozen=True)
-class Action:
-    """One decoded action: ``stage`` None is the no-op."""
-
-    stage: int | None
-    workers: int = 0
-    buffer: int = 0
-
-
-def _buffer_step(b: int, up: bool) -> int:
-    if up:
-        return max(MiB, round(b * 1.5 / MiB) * MiB, b + MiB)
-    return max(MiB, min(b - MiB, round(b / 1.5 / MiB) * MiB))
-
-
-class ActionSpace:
-    """The discrete actions of an ``n_stages`` pipeline, their masks and their effect."""
-
-    def __init__(self, n_stages: int) -> None:
-        if n_stages < 1:
-            raise ValueError(f"ActionSpace: n_stages must be >= 1, got {n_stages}")
-        self.n_stages = n_stages
-        self.n = 1 + ACTIONS_PER_STAGE * n_stages
-
-    def decode(self, index: int) -> Action:
-        """The action with number ``index`` (0 is the no-op)."""
-        if not 0 <= index < self.n:
-            raise ValueError(f"ActionSpace.decode: index must be in [0, {self.n}), got {index}")
-        if index == 0:
-            return Action(None)
-        stage, k = divmod(index - 1, ACTIONS_PER_STAGE)
-        if k < len(WORKER_DELTAS):
-            return Action(stage, workers=WORKER_DELTAS[k])
-        return Action(stage, buffer=1 if k == len(WORKER_DELTAS) else -1)
-
-    def apply(self, alloc: Allocation, index: int, obs: Observation | None = None) -> Allocation:
-        """The allocation after taking action ``index``.
-
-        With ``obs``, a worker increase that does not fit in the CPU budget takes the missing
-        workers from the other stages with the most idle workers (``workers * (1 - busy)``),
-        one at a time: growing a stage on a full machine is a move, not an overdraft.
-        """
-        act = self.decode(index)
-        if act.stage is None:
-            return alloc
-        workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
-        workers[act.stage] += act.workers
-        if act.buffer:
-            buffers[act.stage] = _buffer_step(buffers[act.stage], act.buffer > 0)
-        if obs is not None and act.workers > 0:
-            need = sum(workers) - cpu_cap(obs, Allocation(tuple(workers), tuple(buffers)))
-            for _ in range(max(0, need)):
-                donors = [
-                    j
-                    for j in range(self.n_stages)
-                    if j != act.stage and workers[j] > max(1, obs.stages[j].min_workers)
-                ]
-                if not donors:
-                    break
-                j = max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
-                workers[j] -= 1
-        return Allocation(tuple(workers), tuple(buffers))
-
-    def mask(
-        self, obs: Observation, alloc: Allocation, memory: MemoryModel | None = None
-    ) -> torch.Tensor:
-        """Bool mask of the actions that keep ``alloc`` within every hard limit."""
-        mask = torch.zeros(self.n, dtype=torch.bool)
-        mask[0] = True
-        total_w = sum(alloc.workers)
-        limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE
-        per_worker, fixed = (memory or MemoryModel()).split(obs)
-        worst = sum(alloc.buffer_bytes) + fixed + per_worker * total_w
-        over_memory = worst > limit
-        for i, st in enumerate(obs.stages):
-            base = 1 + ACTIONS_PER_STAGE * i
-            w, b = alloc.workers[i], alloc.buffer_bytes[i]
-            for k, dw in enumerate(WORKER_DELTAS):
-                if dw < 0:
-                    mask[base + k] = w + dw >= max(1, st.min_workers)
-                elif not over_memory and w + dw <= st.max_workers:
-                    new = self.apply(alloc, base + k, obs)
-                    grown = sum(new.workers) - total_w
-                    fits_mem = worst + per_worker * grown <= limit
-                    fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
-                    mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
-            up = _buffer_step(b, True)
-            # More room only helps a buffer that fills: growing an idle one reserves memory
-            # (the budget other stages and the model could use) for nothing.
-            mask[base + 4] = (
-                not over_memory
-                and worst + (up - b) <= limit
-                and st.buffer_fill >= BUFFER_GROW_MIN_FILL
-            )
-            mask[base + 5] = b > MiB
-        return mask
-
-
-# A buffer may grow only when at least this share of it is in use.
-BUFFER_GROW_MIN_FILL = 0.5
-
-
-def cpu_cap(obs: Observation, alloc: Allocation) -> int:
-    """Workers ``alloc`` may run in total: cores times the I/O oversubscription factor."""
-    return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 1e-9))
-
-
-def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
-    """Carry an allocation over to a new CPU count: scale every stage, then trim to the cap.
-
-    Keeping the learned proportions means a resized machine starts near its new optimum; the
-    agent then corrects the rest one action at a time. Trimming removes workers from the
-    stages with the most idle workers first.
-    """
-    f = obs.cpus / max(old_cpus, 1e-9)
-    workers = [
-        min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
-        for w, st in zip(alloc.workers, obs.stages, strict=True)
-    ]
-    while sum(workers) > cpu_cap(obs, Allocation(tuple(workers), alloc.buffer_bytes)):
-        donors = [j for j, st in enumerate(obs.stages) if workers[j] > max(1, st.min_workers)]
-        if not donors:
-            break
-        j = max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
-        workers[j] -= 1
-    return Allocation(tuple(workers), alloc.buffer_bytes)
-
-
-class MemoryModel:
-    """Memory outside the buffers, split into a per-worker cost and a fixed part.
-
-    Fitted from two observations with different worker counts (a worker's RSS is the slope).
-    Until then everything outside the buffers is charged to the workers, which overestimates
-    what a new worker costs when a stage holds resident state: the safe side for OOM checks.
-    """
-
-    def __init__(self) -> None:
-        self._last: tuple[int, float] | None = None
-        self.slope: float | None = None
-
-    @staticmethod
-    def _other(obs: Observation) -> float:
-        buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
-        return max(0.0, obs.memory_used_bytes - buffered)
-
-    def update(self, obs: Observation) -> None:
-        """Refine the per-worker cost from a new observation."""
-        if obs.oom:
-            return
-        w, other = sum(obs.workers), self._other(obs)
-        if self._last is not None and self._last[0] != w:
-            slope = (other - self._last[1]) / (w - self._last[0])
-            self.slope = _clip(slope, 0.0, other / max(1, w))
-        self._last = (w, other)
-
-    def split(self, obs: Observation) -> tuple[float, float]:
-        """(bytes per worker, fixed bytes) for ``obs``."""
-        w, other = max(1, sum(obs.workers)), self._other(obs)
-        per_worker = other / w if self.slope is None else self.slope
-        return per_worker, max(0.0, other - per_worker * w)
-
-
-def _clip(x: float, lo: float, hi: float) -> float:
-    return lo if x < lo else hi if x > hi else x
-
-
-class StateEncoder:
-    """Turns observations into scale-free state vectors for one pipeline length.
-
-    Per stage: workers and CPU actually used as fractions of ``cpus``, busy, blocked-in and
-    blocked-out fractions, buffer bytes as a fraction of the memory limit, buffer fill, an
-    I/O-bound flag, an at-max-workers flag and the last action's worker and buffer change
-    on that stage. Global: throughput relative to the best and to the first throughput since
-    the CPU count last changed, its change since the last step, free CPUs and free memory as
-    fractions, buffer budget share, consumer step time times throughput (~1 when the model is
-    the bottleneck), latency relative to the first latency, log2 of the CPU count, steps since
-    the last rescale, DRAM bandwidth, CPU clock and a last-action-was-no-op flag.
-    """
-
-    def __init__(self, n_stages: int) -> None:
-        self.n_stages = n_stages
-        self.dim = STAGE_FEATURES * n_stages + GLOBAL_FEATURES
-        self.reset()
-
-    def reset(self) -> None:
-        """Forget the running references (start of a new pipeline)."""
-        self.cpus = 0.0
-        self.best = 0.0
-        self.first = 0.0
-        self.first_latency = 0.0
-        self.prev = 0.0
-        self.since_rescale = 0
-
-    def update_references(self, obs: Observation) -> bool:
-        """Track the current CPU regime; returns True when the CPU count just changed."""
-        rescaled = abs(obs.cpus - self.cpus) > 1e-6
-        if rescaled:
-            self.cpus, self.best, self.first, self.first_latency = obs.cpus, 0.0, 0.0, 0.0
-            self.since_rescale = 0
-        else:
-            self.since_rescale += 1
-        if self.first <= 0.0 and obs.throughput > 0:
-            self.first = obs.throughput
-            self.first_latency = obs.latency_s
-        self.best = max(self.best, obs.throughput)
-        return rescaled
-
-    def encode(self, obs: Observation, alloc: Allocation, last: Action | None) -> torch.Tensor:
-        """The state vector for ``obs`` with ``alloc`` in force (call after references)."""
-        cpus = max(obs.cpus, 1.0)
-        mem = max(1, obs.memory_limit_bytes)
-        x = obs.throughput
-        feats: list[float] = []
-        for i, st in enumerate(obs.stages):
-            w = alloc.workers[i]
-            moved = last is not None and last.stage == i
-            feats += [
-                w / cpus,
-                w * st.busy / cpus,
-                st.busy,
-                st.blocked_in,
-                st.blocked_out,
-                alloc.buffer_bytes[i] / mem,
-                st.buffer_fill,
-                1.0 if is_io_bound(st) else 0.0,
-                1.0 if w >= st.max_workers else 0.0,
-                (last.workers / 5.0) if moved else 0.0,
-                float(last.buffer) if moved else 0.0,
-            ]
-        best = max(self.best, 1e-12)
-        cap = cpus * oversubscribe_factor(obs, alloc)
-        lat = obs.latency_s / self.first_latency if self.first_latency > 0 else 1.0
-        feats += [
-            x / best,
-            _clip(math.log(max(x, 1e-12) / self.first), -3, 3) / 3 if self.first > 0 else 0.0,
-            _clip((x - self.prev) / best, -1, 1),
-            _clip((cap - sum(alloc.workers)) / cpus, -1, 1),
-            _clip(1.0 - obs.memory_used_bytes / mem, 0, 1),
-            _clip(sum(alloc.buffer_bytes) / mem, 0, 1),
-            _clip(obs.consumer_step_s * x, 0, 2),
-            _clip(lat, 0, 5) / 5,
-            math.log2(cpus) / 7,
-            min(self.since_rescale, 30) / 30,
-            _clip(obs.dram_gbps / 100, 0, 2),
-            _clip(obs.cpu_ghz / 4, 0, 2),
-            1.0 if last is None or last.stage is None else 0.0,
-        ]
-        self.prev = x
-        return torch.tensor(feats, dtype=torch.float32)
 
 
 class InTuneTuner:
@@ -355,6 +137,8 @@ class InTuneTuner:
         learn_every: steps per gradient update while learning. Fine-tuning updates every 5th
             step: with torch's default intra-op threads a tiny update can cost tens of ms of
             CPU on a busy machine, and the tuning loop must stay under 2 % of a core.
+        plan_gain: take the planner's allocation without asking the network when it promises
+            this share more throughput than measured (None: the network alone decides).
         seed: seeds exploration and replay sampling.
 
     Example:
@@ -374,11 +158,13 @@ class InTuneTuner:
         config: DQNConfig | None = None,
         reference: Callable[[Observation], float] | None = None,
         learn_every: int = 5,
+        plan_gain: float | None = PLAN_MIN_GAIN,
         seed: int = 0,
     ) -> None:
         if learn_every < 1:
             raise ValueError(f"InTuneTuner: learn_every must be >= 1, got {learn_every}")
         self.learn_every = learn_every
+        self.plan_gain = plan_gain
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
@@ -419,11 +205,12 @@ class InTuneTuner:
         self.memory.update(obs)
         self._last, self._prev = None, None
         self._before, self._tabu = None, {}
+        self._seen: dict[tuple[int, ...], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
         if start is None:
             start = HeuristicTuner().reset(obs)
-        self._alloc = safe(_fit_memory(start, obs, self.memory, 0.9), obs)
+        self._alloc = safe(fit_memory(start, obs, self.memory, 0.9), obs)
         return self._alloc
 
     def step(self, obs: Observation) -> Allocation:
@@ -440,15 +227,20 @@ class InTuneTuner:
         current = self._alloc
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
-            current = _fit_memory(current, obs, self.memory)
+            current = fit_memory(current, obs, self.memory)
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
             # The last worker move cost throughput: undo it and keep it off for a while.
             current = self._before[0]
-            self._tabu[self._prev[2]] = TABU_STEPS
+            if self._prev is not None:
+                self._tabu[self._prev[2]] = TABU_STEPS
+        else:
+            current = self._guard(obs, current)
         self._before = None
         current = safe(current, obs)
-        state = self.encoder.encode(obs, current, self._last)
-        mask = self.actions.mask(obs, current, self.memory)
+        per_worker, fixed = self.memory.split(obs)
+        planned = plan(obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed)
+        state = self.encoder.encode(obs, current, self._last, planned)
+        mask = self.actions.mask(obs, current, self.memory, planned)
         for index, left in list(self._tabu.items()):
             mask[index] = False
             if left <= 1:
@@ -469,13 +261,43 @@ class InTuneTuner:
                 self.agent.learn()
         eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
         index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
+        if (
+            self.plan_gain is not None
+            and mask[self.actions.plan_index]
+            and planned.throughput > (1 + self.plan_gain) * planned.current
+        ):
+            index = self.actions.plan_index
         self.steps += 1
         self._prev = (state, mask, index)
         self._last = self.actions.decode(index)
-        self._alloc = safe(self.actions.apply(current, index, obs), obs)
+        self._alloc = safe(self.actions.apply(current, index, obs, planned), obs)
         if self._alloc.workers != current.workers:
             self._before = (current, obs.throughput)
         return self._alloc
+
+    def _guard(self, obs: Observation, current: Allocation) -> Allocation:
+        """Go back to the best recently measured allocation when this one is clearly worse.
+
+        Every interval is booked against the workers that ran it; means over the last
+        ``GUARD_WINDOW`` steps since the CPU count last changed are compared. Small moves can
+        drift a pipeline down by less than ``REVERT_DROP`` each; this catches the sum.
+        """
+        if self.encoder.since_rescale == 0:
+            self._seen = {}
+        now = self.steps
+        seen = self._seen.setdefault(obs.workers, [])
+        seen.append((now, obs.throughput))
+        for key in list(self._seen):
+            self._seen[key] = [(k, x) for k, x in self._seen[key] if now - k < GUARD_WINDOW]
+            if not self._seen[key]:
+                del self._seen[key]
+        means = {k: sum(x for _, x in v) / len(v) for k, v in self._seen.items() if len(v) >= 2}
+        if not means or obs.workers not in means:
+            return current
+        best = max(means, key=means.__getitem__)
+        if means[obs.workers] < (1 - GUARD_DROP) * means[best] and best != current.workers:
+            return current.replace(workers=best)
+        return current
 
     # -- weights --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -519,21 +341,3 @@ class InTuneTuner:
         if self.finetune:
             agent.enable_training(seed=self.seed, config=self.config)
         return agent
-
-
-def _fit_memory(
-    alloc: Allocation, obs: Observation, memory: MemoryModel | None = None, share: float = 1.0
-) -> Allocation:
-    """Shrink buffers, then the largest stages, until the worst case fits in memory."""
-    per_worker, fixed = (memory or MemoryModel()).split(obs)
-    limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE * share
-    workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
-    while sum(buffers) + fixed + per_worker * sum(workers) > limit:
-        if sum(buffers) > len(buffers) * MiB:
-            buffers = [max(MiB, b // 2) for b in buffers]
-        elif sum(workers) > len(workers):
-            i = max(range(len(workers)), key=workers.__getitem__)
-            workers[i] -= 1
-        else:
-            break
-    return Allocation(tuple(workers), tuple(buffers))

@@ -1,12 +1,20 @@
 """The oversubscription policy that every tuner and the tuning loop apply through :func:`clamp`.
 
-Policy: a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with
-low time blocked on the pipeline's own channels, which means the worker waits on something
-outside the pipeline such as a disk or the network) does not use a full core per worker. Such a
-worker is charged only the share of a core it measurably uses (CPU time per item x items/s per
-worker; its busy fraction when CPU time is not measured), so the budget may hold
-more workers than cores, up to ``MAX_OVERSUBSCRIBE`` times the CPU count. CPU-bound stages are
-charged one core per worker. The factor is passed to :func:`clamp` as ``oversubscribe``.
+Policy: the CPU budget counts the cores workers use, not the workers. Each worker is charged
+the share of a core it measurably uses (CPU time per item x items/s per worker; its busy
+fraction when CPU time is not measured), floored by the kind of stage:
+
+* a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with low
+  time blocked on the pipeline's own channels: the worker waits on something outside the
+  pipeline such as a disk or the network) is charged at least ``IO_MIN_CHARGE``;
+* any other stage is charged at least ``CPU_MIN_CHARGE`` (a full core before anything was
+  measured): a CPU-bound worker that spends half its time blocked on its neighbours frees
+  half a core, so at most two such workers share a core. Workers past one per core absorb the variance of heavy-tailed items (a free worker
+  picks up the next item while another is stuck on a long one) and cost little: Linux
+  time-slices them.
+
+The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count. The factor is passed to
+:func:`clamp` as ``oversubscribe``.
 """
 
 from __future__ import annotations
@@ -19,6 +27,8 @@ IO_BUSY_MAX = 0.5
 IO_BLOCKED_MAX = 0.2
 # An I/O worker is charged at least this share of a core (a stalled device is not free).
 IO_MIN_CHARGE = 0.1
+# A worker of any other stage is charged at least this share of a core.
+CPU_MIN_CHARGE = 0.5
 # Never allow more than this many workers per core in total.
 MAX_OVERSUBSCRIBE = 4.0
 
@@ -43,9 +53,9 @@ def _core_share(stage: StageStats) -> float:
 def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> float:
     """How far past ``obs.cpus`` the total worker count may go for ``alloc`` (>= 1).
 
-    Each worker of an I/O-bound stage frees ``1 - charge`` of a core, where ``charge`` is the
-    core share it uses (floored at ``IO_MIN_CHARGE``); the factor is ``1 + freed / cpus``,
-    capped at ``MAX_OVERSUBSCRIBE``. A worker sleeping on a remote read inside the stage
+    Each worker frees ``1 - charge`` of a core, where ``charge`` is the core share it uses
+    (floored at ``IO_MIN_CHARGE`` for I/O-bound stages, ``CPU_MIN_CHARGE`` for the others);
+    the factor is ``1 + freed / cpus``, capped at ``MAX_OVERSUBSCRIBE``. A worker sleeping on a remote read inside the stage
     function counts as busy (wall time) but uses almost no CPU: the charge must come from CPU
     time, not from busy time.
 
@@ -59,7 +69,12 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     freed = 0.0
     for stage, w in zip(obs.stages, workers, strict=False):
         if is_io_bound(stage):
-            freed += w * (1.0 - max(IO_MIN_CHARGE, min(1.0, _core_share(stage))))
+            charge = max(IO_MIN_CHARGE, min(1.0, _core_share(stage)))
+        elif stage.items_per_s > 0.0:
+            charge = max(CPU_MIN_CHARGE, min(1.0, _core_share(stage)))
+        else:
+            charge = 1.0  # nothing measured yet: a full core
+        freed += w * (1.0 - charge)
     return min(MAX_OVERSUBSCRIBE, 1.0 + freed / obs.cpus)
 
 

@@ -1,0 +1,232 @@
+"""What the InTune agent can do: its actions, their masks, and how allocations carry over.
+
+See :mod:`torchtune_pipe.tuning.intune` for the action set and the masking rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import Allocation, MiB, Observation
+from .planner import Plan
+from .safety import oversubscribe_factor
+
+WORKER_DELTAS = (1, -1, 5, -5)
+ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
+# Worst-case memory an action may reach, as a share of the limit (headroom for noise).
+MEMORY_SAFE_SHARE = 0.95
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decoded action: ``stage`` None is the no-op."""
+
+    stage: int | None
+    workers: int = 0
+    buffer: int = 0
+    plan: bool = False
+
+
+def _buffer_step(b: int, up: bool) -> int:
+    if up:
+        return max(MiB, round(b * 1.5 / MiB) * MiB, b + MiB)
+    return max(MiB, min(b - MiB, round(b / 1.5 / MiB) * MiB))
+
+
+class ActionSpace:
+    """The discrete actions of an ``n_stages`` pipeline, their masks and their effect."""
+
+    def __init__(self, n_stages: int) -> None:
+        if n_stages < 1:
+            raise ValueError(f"ActionSpace: n_stages must be >= 1, got {n_stages}")
+        self.n_stages = n_stages
+        self.n = 2 + ACTIONS_PER_STAGE * n_stages
+        self.plan_index = self.n - 1
+
+    def decode(self, index: int) -> Action:
+        """The action with number ``index`` (0 is the no-op)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"ActionSpace.decode: index must be in [0, {self.n}), got {index}")
+        if index == 0:
+            return Action(None)
+        if index == self.plan_index:
+            return Action(None, plan=True)
+        stage, k = divmod(index - 1, ACTIONS_PER_STAGE)
+        if k < len(WORKER_DELTAS):
+            return Action(stage, workers=WORKER_DELTAS[k])
+        return Action(stage, buffer=1 if k == len(WORKER_DELTAS) else -1)
+
+    def apply(
+        self,
+        alloc: Allocation,
+        index: int,
+        obs: Observation | None = None,
+        planned: Plan | None = None,
+    ) -> Allocation:
+        """The allocation after taking action ``index``.
+
+        The plan action takes the workers of ``planned`` (no change without one). With ``obs``, a worker increase that does not fit in the CPU budget takes the missing
+        workers from the other stages with the most idle workers (``workers * (1 - busy)``),
+        one at a time: growing a stage on a full machine is a move, not an overdraft.
+        """
+        act = self.decode(index)
+        if act.plan:
+            return (
+                alloc
+                if planned is None
+                else planned.allocation.replace(buffer_bytes=alloc.buffer_bytes)
+            )
+        if act.stage is None:
+            return alloc
+        workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
+        workers[act.stage] += act.workers
+        if act.buffer:
+            buffers[act.stage] = _buffer_step(buffers[act.stage], act.buffer > 0)
+        if obs is not None and act.workers > 0:
+            need = sum(workers) - cpu_cap(obs, Allocation(tuple(workers), tuple(buffers)))
+            for _ in range(max(0, need)):
+                donors = [
+                    j
+                    for j in range(self.n_stages)
+                    if j != act.stage and workers[j] > max(1, obs.stages[j].min_workers)
+                ]
+                if not donors:
+                    break
+                j = max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
+                workers[j] -= 1
+        return Allocation(tuple(workers), tuple(buffers))
+
+    def mask(
+        self,
+        obs: Observation,
+        alloc: Allocation,
+        memory: MemoryModel | None = None,
+        planned: Plan | None = None,
+    ) -> torch.Tensor:
+        """Bool mask of the actions that keep ``alloc`` within every hard limit.
+
+        The plan action is open when ``planned`` changes the workers (the planner already
+        kept the plan within the CPU and memory budgets).
+        """
+        mask = torch.zeros(self.n, dtype=torch.bool)
+        mask[0] = True
+        mask[self.plan_index] = planned is not None and planned.allocation.workers != alloc.workers
+        total_w = sum(alloc.workers)
+        limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE
+        per_worker, fixed = (memory or MemoryModel()).split(obs)
+        worst = sum(alloc.buffer_bytes) + fixed + per_worker * total_w
+        over_memory = worst > limit
+        for i, st in enumerate(obs.stages):
+            base = 1 + ACTIONS_PER_STAGE * i
+            w, b = alloc.workers[i], alloc.buffer_bytes[i]
+            for k, dw in enumerate(WORKER_DELTAS):
+                if dw < 0:
+                    mask[base + k] = w + dw >= max(1, st.min_workers)
+                elif not over_memory and w + dw <= st.max_workers:
+                    new = self.apply(alloc, base + k, obs)
+                    grown = sum(new.workers) - total_w
+                    fits_mem = worst + per_worker * grown <= limit
+                    fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
+                    mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
+            up = _buffer_step(b, True)
+            # More room only helps a buffer that fills: growing an idle one reserves memory
+            # (the budget other stages and the model could use) for nothing.
+            mask[base + 4] = (
+                not over_memory
+                and worst + (up - b) <= limit
+                and st.buffer_fill >= BUFFER_GROW_MIN_FILL
+            )
+            mask[base + 5] = b > MiB
+        return mask
+
+
+# A buffer may grow only when at least this share of it is in use.
+BUFFER_GROW_MIN_FILL = 0.5
+
+
+def cpu_cap(obs: Observation, alloc: Allocation) -> int:
+    """Workers ``alloc`` may run in total: cores times the I/O oversubscription factor."""
+    return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 1e-9))
+
+
+def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
+    """Carry an allocation over to a new CPU count: scale every stage, then trim to the cap.
+
+    Keeping the learned proportions means a resized machine starts near its new optimum; the
+    agent then corrects the rest one action at a time. Trimming removes workers from the
+    stages with the most idle workers first.
+    """
+    f = obs.cpus / max(old_cpus, 1e-9)
+    workers = [
+        min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
+        for w, st in zip(alloc.workers, obs.stages, strict=True)
+    ]
+    while sum(workers) > cpu_cap(obs, Allocation(tuple(workers), alloc.buffer_bytes)):
+        donors = [j for j, st in enumerate(obs.stages) if workers[j] > max(1, st.min_workers)]
+        if not donors:
+            break
+        j = max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
+        workers[j] -= 1
+    return Allocation(tuple(workers), alloc.buffer_bytes)
+
+
+class MemoryModel:
+    """Memory outside the buffers, split into a per-worker cost and a fixed part.
+
+    Fitted from two observations with different worker counts (a worker's RSS is the slope).
+    Until then everything outside the buffers is charged to the workers, which overestimates
+    what a new worker costs when a stage holds resident state: the safe side for OOM checks.
+    """
+
+    def __init__(self) -> None:
+        self._last: tuple[int, float] | None = None
+        self.slope: float | None = None
+
+    @staticmethod
+    def _other(obs: Observation) -> float:
+        buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
+        return max(0.0, obs.memory_used_bytes - buffered)
+
+    def update(self, obs: Observation) -> None:
+        """Refine the per-worker cost from a new observation."""
+        if obs.oom:
+            return
+        w, other = sum(obs.workers), self._other(obs)
+        if self._last is not None and self._last[0] != w:
+            slope = (other - self._last[1]) / (w - self._last[0])
+            self.slope = clip(slope, 0.0, other / max(1, w))
+        self._last = (w, other)
+
+    def split(self, obs: Observation) -> tuple[float, float]:
+        """(bytes per worker, fixed bytes) for ``obs``."""
+        w, other = max(1, sum(obs.workers)), self._other(obs)
+        per_worker = other / w if self.slope is None else self.slope
+        return per_worker, max(0.0, other - per_worker * w)
+
+
+def distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    return float(sum(abs(x - y) for x, y in zip(a, b, strict=True)))
+
+
+def clip(x: float, lo: float, hi: float) -> float:
+    return lo if x < lo else hi if x > hi else x
+
+
+def fit_memory(
+    alloc: Allocation, obs: Observation, memory: MemoryModel | None = None, share: float = 1.0
+) -> Allocation:
+    """Shrink buffers, then the largest stages, until the worst case fits in memory."""
+    per_worker, fixed = (memory or MemoryModel()).split(obs)
+    limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE * share
+    workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
+    while sum(buffers) + fixed + per_worker * sum(workers) > limit:
+        if sum(buffers) > len(buffers) * MiB:
+            buffers = [max(MiB, b // 2) for b in buffers]
+        elif sum(workers) > len(workers):
+            i = max(range(len(workers)), key=workers.__getitem__)
+            workers[i] -= 1
+        else:
+            break
+    return Allocation(tuple(workers), tuple(buffers))

@@ -1,0 +1,136 @@
+"""What the InTune agent sees and earns: the state encoding and the reward.
+
+See :mod:`torchtune_pipe.tuning.intune` for the reward formula.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .base import Allocation, Observation
+from .intune_space import Action, clip, distance
+from .planner import Plan
+from .safety import is_io_bound, oversubscribe_factor
+
+MEMORY_KNEE = 0.8
+STAGE_FEATURES = 11
+GLOBAL_FEATURES = 16
+
+
+def memory_factor(used_fraction: float, knee: float = MEMORY_KNEE) -> float:
+    """1 up to ``knee`` of the memory limit, then a smoothstep down to 0 at the limit."""
+    if used_fraction <= knee:
+        return 1.0
+    x = min(1.0, (used_fraction - knee) / (1.0 - knee))
+    return 1.0 - (3 * x * x - 2 * x * x * x)
+
+
+def reward(obs: Observation, reference_throughput: float, knee: float = MEMORY_KNEE) -> float:
+    """Normalised throughput scaled down to 0 as memory use nears the limit (module docstring).
+
+    >>> # half the reference throughput at 90 % memory: 0.5 * (1 - smoothstep(0.5)) = 0.25
+    """
+    if obs.oom:
+        return -1.0
+    used = obs.memory_used_bytes / max(1, obs.memory_limit_bytes)
+    return obs.throughput / max(reference_throughput, 1e-12) * memory_factor(used, knee)
+
+
+class StateEncoder:
+    """Turns observations into scale-free state vectors for one pipeline length.
+
+    Per stage: workers and CPU actually used as fractions of ``cpus``, busy, blocked-in and
+    blocked-out fractions, buffer bytes as a fraction of the memory limit, buffer fill, an
+    I/O-bound flag, an at-max-workers flag and the last action's worker and buffer change
+    on that stage. Global: throughput relative to the best and to the first throughput since
+    the CPU count last changed, its change since the last step, free CPUs and free memory as
+    fractions, buffer budget share, consumer step time times throughput (~1 when the model is
+    the bottleneck), latency relative to the first latency, log2 of the CPU count, steps since
+    the last rescale, DRAM bandwidth, CPU clock and a last-action-was-no-op flag.
+    """
+
+    def __init__(self, n_stages: int) -> None:
+        self.n_stages = n_stages
+        self.dim = STAGE_FEATURES * n_stages + GLOBAL_FEATURES
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the running references (start of a new pipeline)."""
+        self.cpus = 0.0
+        self.best = 0.0
+        self.first = 0.0
+        self.first_latency = 0.0
+        self.prev = 0.0
+        self.since_rescale = 0
+
+    def update_references(self, obs: Observation) -> bool:
+        """Track the current CPU regime; returns True when the CPU count just changed."""
+        rescaled = abs(obs.cpus - self.cpus) > 1e-6
+        if rescaled:
+            self.cpus, self.best, self.first, self.first_latency = obs.cpus, 0.0, 0.0, 0.0
+            self.since_rescale = 0
+        else:
+            self.since_rescale += 1
+        if self.first <= 0.0 and obs.throughput > 0:
+            self.first = obs.throughput
+            self.first_latency = obs.latency_s
+        self.best = max(self.best, obs.throughput)
+        return rescaled
+
+    def encode(
+        self,
+        obs: Observation,
+        alloc: Allocation,
+        last: Action | None,
+        planned: Plan | None = None,
+    ) -> torch.Tensor:
+        """The state vector for ``obs`` with ``alloc`` in force (call after references)."""
+        cpus = max(obs.cpus, 1.0)
+        mem = max(1, obs.memory_limit_bytes)
+        x = obs.throughput
+        feats: list[float] = []
+        for i, st in enumerate(obs.stages):
+            w = alloc.workers[i]
+            moved = last is not None and last.stage == i
+            feats += [
+                w / cpus,
+                w * st.busy / cpus,
+                st.busy,
+                st.blocked_in,
+                st.blocked_out,
+                alloc.buffer_bytes[i] / mem,
+                st.buffer_fill,
+                1.0 if is_io_bound(st) else 0.0,
+                1.0 if w >= st.max_workers else 0.0,
+                (last.workers / 5.0) if moved else 0.0,
+                float(last.buffer) if moved else 0.0,
+            ]
+        best = max(self.best, 1e-12)
+        cap = cpus * oversubscribe_factor(obs, alloc)
+        lat = obs.latency_s / self.first_latency if self.first_latency > 0 else 1.0
+        feats += [
+            x / best,
+            clip(math.log(max(x, 1e-12) / self.first), -3, 3) / 3 if self.first > 0 else 0.0,
+            clip((x - self.prev) / best, -1, 1),
+            clip((cap - sum(alloc.workers)) / cpus, -1, 1),
+            clip(1.0 - obs.memory_used_bytes / mem, 0, 1),
+            clip(sum(alloc.buffer_bytes) / mem, 0, 1),
+            clip(obs.consumer_step_s * x, 0, 2),
+            clip(lat, 0, 5) / 5,
+            math.log2(cpus) / 7,
+            min(self.since_rescale, 30) / 30,
+            clip(obs.dram_gbps / 100, 0, 2),
+            clip(obs.cpu_ghz / 4, 0, 2),
+            1.0 if last is None or (last.stage is None and not last.plan) else 0.0,
+            1.0 if last is not None and last.plan else 0.0,
+            clip(math.log(max(planned.throughput, 1e-12) / max(x, 1e-12)), -1, 1)
+            if planned is not None
+            else 0.0,
+            clip(distance(planned.allocation.workers, alloc.workers) / cpus, 0, 2)
+            if planned is not None
+            else 0.0,
+        ]
+        self.prev = x
+        return torch.tensor(feats, dtype=torch.float32)

@@ -1,0 +1,124 @@
+"""A one-shot worker plan from measured stage rates: where the InTune agent can jump.
+
+A DQN that moves one stage by one or five workers per step needs tens of steps to cross a
+128-CPU machine after a rescale. The planner inverts the pipeline's fluid model from one
+observation instead, so the agent can take the whole move in one action ("plan") and keep its
+incremental actions for what the model gets wrong. The agent decides when to plan; the
+measurement decides whether the plan stays (a plan that costs throughput is undone like any
+other worker move).
+
+From one interval with ``X`` items/s delivered, per stage ``i``:
+
+* ``g_i = cpu_s_per_item_i * items_per_s_i / X``: CPU seconds per delivered item;
+* ``a_i = workers_i * busy_i / X``: worker (wall) seconds per delivered item;
+* ``phi``: the CPU rate a runnable worker got, the median of ``g_i / a_i`` over CPU-bound
+  stages (1 when there are none, at most 1); a contended machine stretches CPU time by
+  ``1 / phi`` and the plan must not mistake that for work;
+* ``u_i = g_i + max(0, a_i - g_i / phi)``: worker seconds per item on an uncontended machine
+  (CPU plus waiting on I/O).
+
+For a target rate ``T`` stage ``i`` needs ``n_i = ceil(headroom * T * u_i)`` workers (the
+headroom absorbs noise and heavy-tailed items), each charged ``max(floor_i, g_i / (headroom
+u_i))`` of a core (the safety policy's floors, :mod:`~torchtune_pipe.tuning.safety`). The plan
+is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
+``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
+than the consumer takes items.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .base import Allocation, Observation
+from .safety import CPU_MIN_CHARGE, IO_MIN_CHARGE, MAX_OVERSUBSCRIBE, is_io_bound
+
+# Workers planned per unit of measured need: room for noise and heavy-tailed items.
+HEADROOM = 1.2
+# Share of the memory limit the planned workers and buffers may fill in the worst case.
+MEMORY_SHARE = 0.9
+_BISECT_STEPS = 40
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A planned allocation, the delivered rate the fluid model expects from it, and the rate
+    the same model (same headroom) gives the allocation the plan was made under."""
+
+    allocation: Allocation
+    throughput: float
+    current: float = 0.0
+
+
+def plan(
+    obs: Observation,
+    alloc: Allocation,
+    *,
+    per_worker_bytes: float = 0.0,
+    fixed_bytes: float = 0.0,
+    headroom: float = HEADROOM,
+) -> Plan | None:
+    """The worker counts that balance the stages of ``obs`` at the highest feasible rate.
+
+    Args:
+        obs: one measured interval (every stage must have emitted items).
+        alloc: the allocation in force; its buffers are kept.
+        per_worker_bytes: memory one more worker costs (see ``intune.MemoryModel``).
+        fixed_bytes: memory outside buffers and workers.
+        headroom: workers per unit of measured need (>= 1).
+
+    Returns:
+        The plan, or None when the interval measured nothing to plan from.
+    """
+    if headroom < 1.0:
+        raise ValueError(f"plan(): headroom must be >= 1, got {headroom}")
+    x = obs.stages[-1].items_per_s if obs.stages else 0.0
+    if x <= 0 or obs.cpus <= 0 or any(s.items_per_s <= 0 for s in obs.stages):
+        return None
+    n = len(obs.stages)
+    io = [is_io_bound(s) for s in obs.stages]
+    g = [max(0.0, s.cpu_s_per_item) * s.items_per_s / x for s in obs.stages]
+    a = [w * s.busy / x for w, s in zip(obs.workers, obs.stages, strict=True)]
+    rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
+    phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
+    u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] / phi)) for i in range(n)]
+    charge = [
+        max(IO_MIN_CHARGE if io[i] else CPU_MIN_CHARGE, min(1.0, g[i] / (headroom * u[i])))
+        for i in range(n)
+    ]
+    lo = [max(1, s.min_workers) for s in obs.stages]
+    hi = [max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
+    cpus = obs.cpus
+    memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
+
+    def workers(t: float) -> list[int]:
+        return [min(hi[i], max(lo[i], math.ceil(headroom * t * u[i] - 1e-9))) for i in range(n)]
+
+    def feasible(t: float) -> bool:
+        w = workers(t)
+        return (
+            t * sum(g) <= cpus
+            and sum(w[i] * charge[i] for i in range(n)) <= cpus + 1e-9
+            and sum(w) <= MAX_OVERSUBSCRIBE * cpus
+            and sum(w) * per_worker_bytes <= memory_left
+        )
+
+    top = cpus / max(sum(g), 1e-12)
+    top = min(top, min(hi[i] / (headroom * u[i]) for i in range(n)))
+    if obs.consumer_step_s > 0:
+        top = min(top, 1.0 / obs.consumer_step_s)
+    low, high = 0.0, top
+    if feasible(high):
+        low = high
+    else:
+        for _ in range(_BISECT_STEPS):
+            mid = (low + high) / 2
+            low, high = (mid, high) if feasible(mid) else (low, mid)
+    if low <= 0.0:
+        return None
+    # The rate the chosen workers support, and no worker beyond what that rate needs (rounding
+    # at the bisection's edge can leave one stage a worker ahead of the others).
+    w = workers(low)
+    rate = min(low, min(w[i] / (headroom * u[i]) for i in range(n)))
+    now = min(top, min(obs.workers[i] / (headroom * u[i]) for i in range(n)))
+    return Plan(Allocation(tuple(workers(rate)), alloc.buffer_bytes), rate, now)
