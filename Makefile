@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv install bench simulate pretrain lint format clean
+.PHONY: demo test venv install bench simulate pretrain lint format clean peers-tf-env
 
 venv: $(STAMP)
 
@@ -47,6 +47,18 @@ simulate: $(STAMP)
 
 pretrain: $(STAMP)
 	$(PY) -m torchtune_pipe.cli pretrain
+
+# TensorFlow for the tf.data contenders of benchmarks/peers.py, in its own environment (never
+# in .venv). torch, psutil and cloudpickle let its tfdata-pyfunc variant import examples/dlrm.
+TF_VENV ?= /tmp/tf-venv
+TF_BASE_PYTHON ?= python3.11
+
+peers-tf-env: $(TF_VENV)/.installed
+
+$(TF_VENV)/.installed:
+	test -x $(TF_VENV)/bin/python || $(TF_BASE_PYTHON) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install -q tensorflow-cpu==2.21.0 torch==2.13.0 psutil cloudpickle
+	touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -15,11 +15,11 @@ import json
 import os
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from benchmarks import _consume
 from examples.dlrm.criteo import CriteoChunk, CriteoSource, ExtraCost
 from examples.dlrm.pipeline import DLRMPipelineConfig, Features, build_pipeline, collate_batch
 
@@ -214,39 +214,8 @@ def warm_imports(tool: str) -> None:
 
 
 def consume(spec: dict, clock: Callable[[], float] = time.perf_counter) -> dict:
-    """Iterates the tool for ``spec["duration_s"]`` after its first batch; returns batch
-    times (from the start of building the loader), rows per batch and any error.
-
-    ``spec["step_s"]`` emulates the training step: the consumer burns that much CPU-free time
-    per batch (a wait on the clock, as a GPU step leaves the host CPU idle).
-    """
-    t0 = clock()
-    times: list[float] = []
-    rows: list[int] = []
-    error = None
-    stop = None
-    step_s = spec.get("step_s", 0.0)
-    try:
-        epoch_iter, stop = build(spec)
-        epoch = 0
-        deadline = float("inf")  # the timed window starts at the first batch
-        while clock() < deadline:
-            for batch in epoch_iter(epoch):
-                now = clock()
-                if not times:
-                    deadline = now + spec["duration_s"]
-                    if "out" in spec:  # tells the watching parent that the timed window began
-                        open(spec["out"] + ".first", "w").close()
-                times.append(now - t0)
-                rows.append(int(batch.labels.shape[0]))
-                if step_s:
-                    time.sleep(step_s)  # stands for an accelerator step; not a wait for data
-                if clock() >= deadline:
-                    break
-            epoch += 1
-    except Exception:  # reported in the result: a crash is a benchmark outcome
-        error = traceback.format_exc(limit=4)
-    return {"times": times, "rows": rows, "error": error, "stop": stop}
+    """:func:`benchmarks._consume.consume` over :func:`build`, rows from ``Batch.labels``."""
+    return _consume.consume(spec, build, lambda batch: int(batch.labels.shape[0]), clock)
 
 
 def main(argv: list[str]) -> int:

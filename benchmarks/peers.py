@@ -1,10 +1,13 @@
 """Side by side with peers: the same Criteo pipeline through every tool on this machine.
 
 Each contender runs in its own process (``benchmarks/_peers_fns.py``) over the same files,
-work units, parser, feature UDFs, batch size and collate. This process watches the
+work units, parser, feature UDFs, batch size and collate. tf.data runs in TensorFlow's own
+environment (``--tf-python``, built by ``make peers-tf-env``) on ``benchmarks/_peers_tf.py``,
+over the same files and work units: ``tfdata-ops`` in TensorFlow ops, ``tfdata-pyfunc`` the
+peers' Python work through ``tf.py_function``, both with AUTOTUNE. This process watches the
 contender's process tree: proportional memory (PSS, so shared pages count once), CPU time,
 and, in the ``rescale`` scenario, takes CPUs away and gives them back with
-``os.sched_setaffinity`` on every process of the tree (all CPUs -> 1 -> all).
+``os.sched_setaffinity`` on every thread of the tree (all CPUs -> 1 -> all).
 
 Scenarios: ``steady`` (parse + features), ``udf`` (plus ``ExtraCost``, CPU-bound),
 ``latency`` (a remote-read latency per work unit), ``rescale`` (CPUs taken and given back
@@ -40,21 +43,22 @@ REPO = Path(__file__).resolve().parent.parent
 SCENARIOS = ("steady", "udf", "latency", "rescale", "memory")
 TUNERS = ("unoptimized", "heuristic", "autotune", "plumber", "intune", "oracle")
 DEFAULT_SPDL_PATH = "/tmp/peers-venv/lib/python3.11/site-packages"
-TF_NOT_RUN = (
-    "not run: tensorflow-cpu 2.21.0 is on the package index, but a tf.data contender (a 1.6 GB "
-    "install in a separate env) is not built yet"
-)
+DEFAULT_TF_PYTHON = "/tmp/tf-venv/bin/python"
+TF_TOOLS = ("tfdata-ops", "tfdata-pyfunc")
+TF_SCRIPT = REPO / "benchmarks" / "_peers_tf.py"
 _SAMPLE_S = 0.25
 
 
 @dataclass(frozen=True)
 class Contender:
-    """One tool configuration: ``tool`` (see ``_peers_fns.TOOLS``), workers, tuner."""
+    """One tool configuration: ``tool`` (see ``_peers_fns.TOOLS`` and ``TF_TOOLS``), workers,
+    tuner, and ``python``: the interpreter of a tf.data contender (None: this one)."""
 
     label: str
     tool: str
     workers: int = 0
     tuner: str | None = None
+    python: str | None = None
 
 
 @dataclass
@@ -79,11 +83,18 @@ def _tree(pid: int) -> list[psutil.Process]:
 
 
 def _set_affinity(procs: list[psutil.Process], cpus: list[int]) -> None:
+    # Per thread: sched_setaffinity(pid) moves only a process's main thread, and thread pools
+    # (tf.data, SPDL, torch) are started before the CPUs are taken away.
     for p in procs:
         try:
-            os.sched_setaffinity(p.pid, cpus)
-        except (ProcessLookupError, PermissionError, OSError):
-            pass  # the process ended between listing and setting
+            tids = [t.id for t in p.threads()]
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:
+                pass  # the thread ended between listing and setting
 
 
 def _watch(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeWatch) -> None:
@@ -131,18 +142,34 @@ def _watch(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeW
                     out.affinity_events.append((round(since, 2), want))
 
 
+def child_spec(c: Contender, spec: dict, out_path: str) -> dict:
+    """The spec one contender's process reads."""
+    return dict(spec, tool=c.tool, workers=c.workers, tuner=c.tuner, out=out_path)
+
+
+def child_command(c: Contender, spec_path: str, env: dict) -> tuple[list[str], dict]:
+    """``(argv, environment)`` of one contender's process.
+
+    A tf.data contender runs its own interpreter on ``_peers_tf.py`` with only the repository
+    on its path: ``env`` may name SPDL's site-packages, whose numpy is not TensorFlow's.
+    """
+    if c.python is not None:
+        return [c.python, str(TF_SCRIPT), spec_path], dict(env, PYTHONPATH=str(REPO))
+    return [sys.executable, "-m", "benchmarks._peers_fns", spec_path], env
+
+
 def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> dict:
     """Runs one contender in a child process and returns its measurements."""
     out_path = os.path.join(workdir, f"{c.label}-{time.monotonic_ns()}.json")
-    spec = dict(spec, tool=c.tool, workers=c.workers, tuner=c.tuner, out=out_path)
+    spec = child_spec(c, spec, out_path)
     spec_path = out_path + ".spec"
     with open(spec_path, "w") as f:
         json.dump(spec, f)
     plan = dict(plan, first_marker=out_path + ".first", duration_s=spec["duration_s"])
+    argv, env = child_command(c, spec_path, env)
     t0 = time.monotonic()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks._peers_fns", spec_path],
-        cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     watch, done = TreeWatch(), threading.Event()
     watcher = threading.Thread(target=_watch, args=(proc, plan, done, watch), daemon=True)
@@ -221,11 +248,19 @@ def summarize(times: list[float], rows: list[int], duration_s: float) -> dict:
             "series": series, "batches": len(times)}  # fmt: skip
 
 
-def contenders(scenario: str, cores: int, quick: bool, spdl: bool) -> list[Contender]:
-    """Who runs in ``scenario``: full worker sweeps for steady and udf, a short list otherwise."""
+def contenders(
+    scenario: str, cores: int, quick: bool, spdl: bool, tf_python: str | None = None
+) -> list[Contender]:
+    """Who runs in ``scenario``: full worker sweeps for steady and udf, a short list otherwise.
+
+    ``tf_python``: an interpreter that imports TensorFlow; the tf.data contenders (AUTOTUNE
+    sizes them, so there is nothing to sweep) run in every scenario when it is given.
+    """
+    tf = [Contender(t, t, python=tf_python) for t in TF_TOOLS] if tf_python else []
     if quick:
         return [Contender(f"dataloader-w{cores}", "dataloader", cores),
                 Contender(f"nodes-w{cores}", "nodes", cores),
+                *tf,
                 Contender("torchtune_pipe-intune", "torchtune_pipe", tuner="intune")]  # fmt: skip
     sweep = range(0, 2 * cores + 1) if scenario in ("steady", "udf") else (cores,)
     out = [Contender(f"dataloader-w{w}", "dataloader", w) for w in sweep]
@@ -233,6 +268,7 @@ def contenders(scenario: str, cores: int, quick: bool, spdl: bool) -> list[Conte
     if spdl:
         spdl_sweep = (cores, 2 * cores) if scenario in ("steady", "udf") else (cores,)
         out += [Contender(f"spdl-c{w}", "spdl", w) for w in spdl_sweep]
+    out += tf
     tuners = TUNERS if scenario in ("steady", "udf") else ("heuristic", "intune")
     out += [Contender(f"torchtune_pipe-{t}", "torchtune_pipe", tuner=t) for t in tuners]
     return out
@@ -252,6 +288,20 @@ def scenario_spec(name: str, base: dict, args: argparse.Namespace) -> tuple[dict
                     memory_limit_bytes=args.mem_cap_mib << 18)  # fmt: skip
         plan["mem_cap_bytes"] = args.mem_cap_mib << 20
     return spec, plan
+
+
+def base_spec(paths: list[str], duration_s: float) -> dict:
+    """What every contender of every scenario reads (``scenario_spec`` adds to it)."""
+    from examples.dlrm.criteo import DEFAULT_TABLE_SIZES
+
+    return {
+        "paths": paths,
+        "chunk_rows": 128,
+        "chunk_bytes": 1 << 20,
+        "batch_size": 512,
+        "duration_s": duration_s,
+        "table_sizes": list(DEFAULT_TABLE_SIZES),  # Features()'s; tfdata-ops hashes into them
+    }
 
 
 def ensure_data(data_dir: str, files: int, rows: int) -> list[str]:
@@ -277,6 +327,20 @@ def spdl_env(path: str) -> dict | None:
     return env if ok else None
 
 
+def tf_unavailable(python: str) -> str | None:
+    """Why ``python`` cannot run the tf.data contenders, or None when it imports TensorFlow."""
+    if not os.access(python, os.X_OK):
+        return f"not run: {python} does not exist (make peers-tf-env builds it; see --tf-python)"
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run([python, "-c", "import tensorflow"], env=env, cwd=REPO,
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode == 0:
+        return None
+    last = (done.stderr.strip().splitlines() or ["no error output"])[-1]
+    return f"not run: {python} cannot import tensorflow ({last})"
+
+
 def add_ratios(rows: list[dict]) -> None:
     """``vs_intune``: each row's throughput over torchtune_pipe intune's in the same scenario."""
     ref = next((r["samples_per_s"] for r in rows if r["label"] == "torchtune_pipe-intune"), 0)
@@ -285,7 +349,8 @@ def add_ratios(rows: list[dict]) -> None:
 
 
 def headline(rows: list[dict], cores: int) -> dict:
-    """intune against DataLoader's common guess (workers = cores) and the best of each sweep."""
+    """intune against DataLoader's common guess (workers = cores), the best of each sweep and
+    tf.data with AUTOTUNE (its two variants)."""
 
     def best(tool: str) -> dict | None:
         mine = [r for r in rows if r["tool"] == tool and not r["crash"]]
@@ -295,7 +360,9 @@ def headline(rows: list[dict], cores: int) -> dict:
     guess = next((r for r in rows if r["label"] == f"dataloader-w{cores}"), None)
     out: dict[str, Any] = {"intune": intune and intune["samples_per_s"]}
     for key, r in (("dataloader_guess", guess), ("dataloader_best", best("dataloader")),
-                   ("nodes_best", best("nodes")), ("spdl_best", best("spdl"))):  # fmt: skip
+                   ("nodes_best", best("nodes")), ("spdl_best", best("spdl")),
+                   ("tfdata_ops", best("tfdata-ops")),
+                   ("tfdata_pyfunc", best("tfdata-pyfunc"))):  # fmt: skip
         if r is not None:
             out[key] = {"label": r["label"], "samples_per_s": r["samples_per_s"],
                         "intune_ratio": (intune["samples_per_s"] / r["samples_per_s"])
@@ -356,6 +423,11 @@ def markdown(results: dict) -> str:
         for r in rows:
             cells = [fmt(r.get(c)) if c != "samples_per_s" else f"{r[c]:,.0f}" for c in cols]
             out.append("| " + " | ".join(cells) + " |")
+    if results.get("not_run"):
+        out += [
+            "\n**not run**\n",
+            *(f"- {tool}: {why}" for tool, why in results["not_run"].items()),
+        ]
     return "\n".join(out) + "\n"
 
 
@@ -375,6 +447,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--mem-cap-mib", type=int, default=1024, help="tree PSS cap (memory)")
     ap.add_argument("--data-dir", default=os.path.join(tempfile.gettempdir(), "ttp_peers_data"))
     ap.add_argument("--spdl-path", default=DEFAULT_SPDL_PATH, help="site-packages with spdl")
+    ap.add_argument("--tf-python", default=DEFAULT_TF_PYTHON,
+                    help="python of an environment with TensorFlow (make peers-tf-env)")  # fmt: skip
     ap.add_argument("--out", default=str(REPO / "benchmarks/results/peers.json"))
     ap.add_argument("--png-dir", default=str(REPO / "benchmarks/results"))
     ap.add_argument("--no-plots", action="store_true")
@@ -390,8 +464,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = spdl_env(args.spdl_path)
     spdl_ok = env is not None
     env = env or dict(os.environ, PYTHONPATH=str(REPO))
-    base = {"paths": paths, "chunk_rows": 128, "chunk_bytes": 1 << 20, "batch_size": 512,
-            "duration_s": duration}  # fmt: skip
+    base = base_spec(paths, duration)
     results: dict[str, Any] = {
         "machine": machine_info(),
         "config": dict(
@@ -402,16 +475,23 @@ def main(argv: list[str] | None = None) -> dict:
             latency_s=args.latency_s,
             mem_cap_mib=args.mem_cap_mib,
         ),  # fmt: skip
-        "not_run": {"tf.data": TF_NOT_RUN},
+        "not_run": {},
         "scenarios": {},
     }
     if not spdl_ok:
         results["not_run"]["spdl"] = f"not run: spdl is not importable from {args.spdl_path}"
+    if args.contenders and not set(args.contenders) & set(TF_TOOLS):
+        why_not_tf = "not run: not among --contenders"
+    else:
+        why_not_tf = tf_unavailable(args.tf_python)  # checked once: importing TF takes seconds
+    tf_python = None if why_not_tf else args.tf_python
+    if why_not_tf:
+        results["not_run"]["tf.data"] = why_not_tf
     with tempfile.TemporaryDirectory(prefix="ttp_peers_") as workdir:
         for name in scenarios:
             spec, plan = scenario_spec(name, base, args)
             rows_out = []
-            for c in contenders(name, cores, quick, spdl_ok):
+            for c in contenders(name, cores, quick, spdl_ok, tf_python):
                 if args.contenders and c.label not in args.contenders:
                     continue
                 runs = [run_one(c, spec, plan, env, workdir) for _ in range(args.repeats)]

@@ -1,0 +1,57 @@
+"""The timed consumer loop every contender of ``benchmarks/peers.py`` runs in its own process.
+
+Dependency-free, so TensorFlow's environment (``_peers_tf.py``) runs the same loop as the
+torch tools (``_peers_fns.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+Build = Callable[[dict], tuple[Callable[[int], Iterator[Any]], Callable[[], None] | None]]
+
+
+def consume(
+    spec: dict,
+    build: Build,
+    rows_of: Callable[[Any], int],
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict:
+    """Iterates ``build(spec)`` for ``spec["duration_s"]`` after its first batch, epoch after
+    epoch; returns batch times (from the start of building), rows per batch (``rows_of``), any
+    error and the tool's ``stop``.
+
+    ``spec["step_s"]`` emulates the training step: the consumer burns that much CPU-free time
+    per batch (a wait on the clock, as a GPU step leaves the host CPU idle). When ``spec`` has
+    ``out``, the file ``out + ".first"`` tells the watching parent that the timed window began.
+    """
+    t0 = clock()
+    times: list[float] = []
+    rows: list[int] = []
+    error = None
+    stop = None
+    step_s = spec.get("step_s", 0.0)
+    try:
+        epoch_iter, stop = build(spec)
+        epoch = 0
+        deadline = float("inf")  # the timed window starts at the first batch
+        while clock() < deadline:
+            for batch in epoch_iter(epoch):
+                now = clock()
+                if not times:
+                    deadline = now + spec["duration_s"]
+                    if "out" in spec:
+                        open(spec["out"] + ".first", "w").close()
+                times.append(now - t0)
+                rows.append(rows_of(batch))
+                if step_s:
+                    time.sleep(step_s)  # stands for an accelerator step; not a wait for data
+                if clock() >= deadline:
+                    break
+            epoch += 1
+    except Exception:  # reported in the result: a crash is a benchmark outcome
+        error = traceback.format_exc(limit=4)
+    return {"times": times, "rows": rows, "error": error, "stop": stop}
