@@ -63,6 +63,43 @@ class _Frame:
     producer: int  # wid, or -1 when made by the router
     skip: frozenset = frozenset()
     consumed: set = field(default_factory=set)
+    inline: int = 0  # bytes carried in the control message (0 for shared memory)
+
+
+class _Queue(collections.deque):
+    """A queue of frames that knows how many inline bytes it holds.
+
+    Small frames travel in the control message, outside the arena whose budget blocks a
+    producer; the router stops giving a stage new work while the queue after it holds its
+    budget in such bytes. Frames parked in a reorder buffer are not in any queue, so a stage
+    is never held back waiting for frames only it can produce.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inline = 0
+
+    def append(self, f: _Frame) -> None:
+        self.inline += f.inline
+        super().append(f)
+
+    def appendleft(self, f: _Frame) -> None:
+        self.inline += f.inline
+        super().appendleft(f)
+
+    def popleft(self) -> _Frame:
+        f = super().popleft()
+        self.inline -= f.inline
+        return f
+
+
+def _inline_size(payload: Any) -> int:
+    """Bytes a small inline payload ``("inline", header, [buffers])`` carries (0 for frames
+    in shared memory and for frames that spilled inline: the spill protocol paces those)."""
+    if payload[0] != "inline":
+        return 0
+    size = len(payload[1]) + sum(len(b) for b in payload[2])
+    return size if size <= channel.INLINE_MAX_BYTES else 0
 
 
 @dataclass
@@ -86,7 +123,7 @@ class _StageState:
     index: int
     target: int
     budget: int
-    ready: collections.deque = field(default_factory=collections.deque)
+    ready: _Queue = field(default_factory=_Queue)
     order: _Order = field(default_factory=_Order)
     restarts: int = 0
     closed: bool = False  # no more input will arrive
@@ -106,7 +143,7 @@ class _Run:
         self.units_done = 0
         self.unit_frames: dict = {}  # (domain, pos) -> frames in that unit, once known
         self.epoch = epoch
-        self.sink: collections.deque = collections.deque()
+        self.sink: _Queue = _Queue()
         self.sink_order = _Order()
         self.finished = False
 
@@ -601,7 +638,7 @@ class Executor:
         pf.clear()
 
     def _new_frame(self, seq, payload, n, producer: int, stage: int) -> _Frame:
-        f = _Frame(next(self._frame_ids), seq, payload, n, producer)
+        f = _Frame(next(self._frame_ids), seq, payload, n, producer, inline=_inline_size(payload))
         if payload[0] == "shm":
             ref = payload[1]
             self._seg_refs[ref.segment] += 1
@@ -668,6 +705,9 @@ class Executor:
             ready = [h for h in self._workers.values() if h.stage == i and h.state == "ready"]
             if not ready:
                 continue
+            after = self._stages[i + 1].ready if i + 1 < len(self._stages) else run.sink
+            if after.inline >= st.budget:
+                continue  # see _Queue
             if s.kind == "source":
                 while run.units:
                     h = min(ready, key=lambda h: len(h.inflight))

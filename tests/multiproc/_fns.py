@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import numpy as np
 import torch
@@ -55,3 +56,9 @@ def make_payload(seed):
 
 def two_mb(x):
     return {"id": x, "payload": torch.full((512 * 1024,), float(x))}
+
+
+def slow_identity(x):
+    """A stage slower than its source: 1 ms per item."""
+    time.sleep(0.001)
+    return x

@@ -20,11 +20,11 @@ def test_plan_balances_measured_rates_within_the_charged_cpu_budget():
     obs, alloc = _read_udf()
     p = plan(obs, alloc)
     # Per item: read 0.2 worker-s (0.01 CPU), udf 0.1 worker-s (0.1 CPU). At rate T with 1.2x
-    # headroom: ceil(0.24 T) readers charged 0.1 core each, ceil(0.12 T) UDF workers charged
-    # 0.1 / 0.12 = 0.83 core each, within 4 cores: T = 25 gives (6, 3) = 3.1 cores; any
-    # faster needs a fourth UDF worker (4.03 cores).
-    assert p.allocation.workers == (6, 3)
-    assert p.throughput == pytest.approx(25.0, rel=1e-6)
+    # headroom: ceil(0.24 T) readers, each charged max(0.1, its CPU at T) = 0.1 core, and
+    # ceil(0.12 T) UDF workers burning 0.1 T cores in all. 0.1 ceil(0.24 T) + 0.1 T <= 4
+    # holds up to T = 32: (8, 4) uses exactly the 4 cores.
+    assert p.allocation.workers == (8, 4)
+    assert p.throughput == pytest.approx(32.0, rel=1e-6)
     assert p.allocation.buffer_bytes == alloc.buffer_bytes
 
 
@@ -50,9 +50,10 @@ def test_contention_is_not_mistaken_for_waiting():
     )
     obs = Observation(stages, 10.0, 4.0, 1 << 40, 0)
     p = plan(obs, Allocation((4, 4), (MiB, MiB)))
-    # ceil(1.2 x 0.2 T) workers per stage at 0.83 core each within 4 cores: T = 8.33, (2, 2).
-    assert p.allocation.workers == (2, 2)
-    assert p.throughput == pytest.approx(25 / 3, rel=1e-6)
+    # 0.4 CPU-s per item in all on 4 cores: T = 10, with ceil(1.2 x 0.2 x 10) = 3 workers per
+    # stage (not the 5 that 0.4 s of wall time per item would ask for).
+    assert p.allocation.workers == (3, 3)
+    assert p.throughput == pytest.approx(10.0, rel=1e-6)
 
 
 def test_nothing_measured_gives_no_plan():
@@ -67,7 +68,19 @@ def test_plan_action_is_open_only_when_the_plan_moves_workers():
     space = ActionSpace(2)
     p = plan(obs, alloc)
     assert space.mask(obs, alloc, planned=p)[space.plan_index]
-    assert space.apply(alloc, space.plan_index, obs, p) == Allocation((6, 3), alloc.buffer_bytes)
+    assert space.apply(alloc, space.plan_index, obs, p) == Allocation((8, 4), alloc.buffer_bytes)
     assert not space.mask(obs, alloc)[space.plan_index]  # no plan
     # Already at the plan: nothing to jump to.
     assert not space.mask(obs, p.allocation, planned=p)[space.plan_index]
+
+
+def test_more_stages_than_cores_still_get_a_plan():
+    # Five CPU-bound stages on 2 cores, each worker got 0.4 of a core: one worker per stage is
+    # charged 5 x 0.5 = 2.5 cores, which the plan must accept as its floor, not give up on.
+    stages = tuple(
+        StageStats(f"s{i}", 1, items_per_s=400.0, busy=1.0, cpu_s_per_item=1e-3) for i in range(5)
+    )
+    obs = Observation(stages, 400.0, 2.0, 1 << 40, 0)
+    p = plan(obs, Allocation((1,) * 5, (MiB,) * 5))
+    assert p is not None and p.allocation.workers == (1,) * 5
+    assert p.throughput == pytest.approx(400.0)

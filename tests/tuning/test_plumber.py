@@ -2,6 +2,7 @@ import pytest
 
 from torchtune_pipe.tuning import MiB, Observation, PlumberTuner, StageStats, run_episode, solve_lp
 from torchtune_pipe.tuning.plumber import plan, stage_rates, workers_from_theta
+from torchtune_pipe.tuning.safety import oversubscribe_factor
 from torchtune_pipe.tuning.testing import LinearTunable
 
 
@@ -88,8 +89,10 @@ def test_adaptive_resolves_on_cpu_change():
     assert pipe.allocation.workers == (4, 8, 2)
     # Fewer CPUs: the held plan is clamped by the safety rules, then re-solved.
     pipe.cpus = 3.5
-    pipe.apply(tuner.step(pipe.observe()))
-    assert sum(pipe.allocation.workers) <= 3 and tuner.solves == 3
+    obs = pipe.observe()
+    pipe.apply(tuner.step(obs))
+    assert tuner.solves == 3
+    assert sum(pipe.allocation.workers) <= int(3.5 * oversubscribe_factor(obs) + 0.5) < 14
 
 
 def test_io_bound_stage_gets_the_workers_its_wall_rate_needs():

@@ -30,7 +30,7 @@ from torchtune_pipe.tuning.base import Allocation, MiB, Observation, Tuner
 from torchtune_pipe.tuning.dqn import DQNAgent, DQNConfig
 from torchtune_pipe.tuning.intune import ActionSpace, InTuneTuner, StateEncoder, weights_path
 from torchtune_pipe.tuning.oracle import oracle_search
-from torchtune_pipe.tuning.safety import CPU_MIN_CHARGE, MAX_OVERSUBSCRIBE
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +86,11 @@ def oracle_value(sim: SimPipeline, cpus: float) -> float:
     """Best static throughput on ``cpus`` CPUs (coordinate search on the simulator).
 
     The safety policy lets tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
-    core with I/O stages, ``1 / CPU_MIN_CHARGE`` without), so the oracle searches those totals
-    too: a yardstick that tuners could beat would measure nothing.
+    core when stages wait on I/O or on their input), so the oracle searches those totals too:
+    a yardstick that tuners could beat would measure nothing.
     """
     n = sim.n_stages
-    io = any(s.io_s_per_item > 0 for s in sim.workload.stages)
-    factors = (1, 2, MAX_OVERSUBSCRIBE) if io else (1, 1 / CPU_MIN_CHARGE)
+    factors = (1, 2, MAX_OVERSUBSCRIBE)
     # One search per worker total: a search started far past the memory limit sees only
     # zeros around it and cannot climb.
     return max(

@@ -142,7 +142,7 @@ def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allo
     lo = limits.min_workers or (1,) * n
     hi = limits.max_workers or (1 << 16,) * n
     workers = [max(max(1, lo[i]), min(hi[i], alloc.workers[i])) for i in range(n)]
-    cap = max(sum(max(1, x) for x in lo), int(limits.cpus * oversubscribe + 1e-9))
+    cap = max(sum(max(1, x) for x in lo), int(limits.cpus * oversubscribe + 0.5))
     while sum(workers) > cap:
         i = max(range(n), key=lambda j: (workers[j] - max(1, lo[j]), workers[j]))
         if workers[i] <= max(1, lo[i]):

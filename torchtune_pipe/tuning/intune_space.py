@@ -148,7 +148,7 @@ BUFFER_GROW_MIN_FILL = 0.5
 
 def cpu_cap(obs: Observation, alloc: Allocation) -> int:
     """Workers ``alloc`` may run in total: cores times the I/O oversubscription factor."""
-    return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 1e-9))
+    return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 0.5))
 
 
 def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:

@@ -18,8 +18,9 @@ From one interval with ``X`` items/s delivered, per stage ``i``:
   (CPU plus waiting on I/O).
 
 For a target rate ``T`` stage ``i`` needs ``n_i = ceil(headroom * T * u_i)`` workers (the
-headroom absorbs noise and heavy-tailed items), each charged ``max(floor_i, g_i / (headroom
-u_i))`` of a core (the safety policy's floors, :mod:`~torchtune_pipe.tuning.safety`). The plan
+headroom absorbs noise and heavy-tailed items), each charged the CPU it would use,
+``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
+:mod:`~torchtune_pipe.tuning.safety`). The plan
 is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
 than the consumer takes items.
@@ -31,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from .base import Allocation, Observation
-from .safety import CPU_MIN_CHARGE, IO_MIN_CHARGE, MAX_OVERSUBSCRIBE, is_io_bound
+from .safety import CPU_MIN_CHARGE, IO_MIN_CHARGE, MAX_OVERSUBSCRIBE, is_io_bound, is_starved
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
 HEADROOM = 1.2
@@ -82,13 +83,20 @@ def plan(
     rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
     phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
     u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] / phi)) for i in range(n)]
-    charge = [
-        max(IO_MIN_CHARGE if io[i] else CPU_MIN_CHARGE, min(1.0, g[i] / (headroom * u[i])))
-        for i in range(n)
+    floor = [
+        IO_MIN_CHARGE if io[i] or is_starved(s) else CPU_MIN_CHARGE
+        for i, s in enumerate(obs.stages)
     ]
     lo = [max(1, s.min_workers) for s in obs.stages]
     hi = [max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
-    cpus = obs.cpus
+
+    def charged(t: float, w: list[int]) -> float:
+        # Each worker is charged the CPU it would use at rate t, at least its stage's floor.
+        return sum(w[i] * max(floor[i], min(1.0, t * g[i] / w[i])) for i in range(n))
+
+    # The fewest workers every stage must run are always allowed: on a machine with fewer
+    # cores than stages they alone may pass the budget.
+    cpus = max(obs.cpus, charged(0.0, lo))
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
 
     def workers(t: float) -> list[int]:
@@ -97,13 +105,13 @@ def plan(
     def feasible(t: float) -> bool:
         w = workers(t)
         return (
-            t * sum(g) <= cpus
-            and sum(w[i] * charge[i] for i in range(n)) <= cpus + 1e-9
-            and sum(w) <= MAX_OVERSUBSCRIBE * cpus
+            t * sum(g) <= obs.cpus
+            and charged(t, w) <= cpus + 1e-9
+            and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
             and sum(w) * per_worker_bytes <= memory_left
         )
 
-    top = cpus / max(sum(g), 1e-12)
+    top = obs.cpus / max(sum(g), 1e-12)
     top = min(top, min(hi[i] / (headroom * u[i]) for i in range(n)))
     if obs.consumer_step_s > 0:
         top = min(top, 1.0 / obs.consumer_step_s)

@@ -7,13 +7,16 @@ fraction when CPU time is not measured), floored by the kind of stage:
 * a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with low
   time blocked on the pipeline's own channels: the worker waits on something outside the
   pipeline such as a disk or the network) is charged at least ``IO_MIN_CHARGE``;
+* a stage whose workers wait for input most of the time (starved by a slower upstream) is
+  charged at least ``IO_MIN_CHARGE`` too: waiting uses no core;
 * any other stage is charged at least ``CPU_MIN_CHARGE`` (a full core before anything was
   measured): a CPU-bound worker that spends half its time blocked on its neighbours frees
   half a core, so at most two such workers share a core. Workers past one per core absorb the variance of heavy-tailed items (a free worker
   picks up the next item while another is stuck on a long one) and cost little: Linux
   time-slices them.
 
-The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count. The factor is passed to
+The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count; the worker cap is
+``cpus * factor`` rounded to the nearest worker (the charges are estimates). The factor is passed to
 :func:`clamp` as ``oversubscribe``.
 """
 
@@ -27,8 +30,10 @@ IO_BUSY_MAX = 0.5
 IO_BLOCKED_MAX = 0.2
 # An I/O worker is charged at least this share of a core (a stalled device is not free).
 IO_MIN_CHARGE = 0.1
-# A worker of any other stage is charged at least this share of a core.
+# A worker of any other stage is charged at least this share of a core...
 CPU_MIN_CHARGE = 0.5
+# ...unless it waits for input at least this share of the time (then IO_MIN_CHARGE).
+STARVED_MIN_BLOCKED_IN = 0.5
 # Never allow more than this many workers per core in total.
 MAX_OVERSUBSCRIBE = 4.0
 
@@ -68,14 +73,21 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     workers = (alloc or obs.allocation()).workers
     freed = 0.0
     for stage, w in zip(obs.stages, workers, strict=False):
-        if is_io_bound(stage):
-            charge = max(IO_MIN_CHARGE, min(1.0, _core_share(stage)))
-        elif stage.items_per_s > 0.0:
-            charge = max(CPU_MIN_CHARGE, min(1.0, _core_share(stage)))
-        else:
-            charge = 1.0  # nothing measured yet: a full core
-        freed += w * (1.0 - charge)
+        freed += w * (1.0 - charge(stage))
     return min(MAX_OVERSUBSCRIBE, 1.0 + freed / obs.cpus)
+
+
+def charge(stage: StageStats) -> float:
+    """The share of a core one worker of ``stage`` is charged (module docstring)."""
+    if stage.items_per_s <= 0.0 and not stage.io_bound:
+        return 1.0  # nothing measured yet: a full core
+    floor = IO_MIN_CHARGE if is_io_bound(stage) or is_starved(stage) else CPU_MIN_CHARGE
+    return max(floor, min(1.0, _core_share(stage)))
+
+
+def is_starved(stage: StageStats) -> bool:
+    """True when the stage's workers mostly wait for input: they use no core meanwhile."""
+    return stage.items_per_s > 0.0 and stage.blocked_in >= STARVED_MIN_BLOCKED_IN
 
 
 def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
