@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -97,6 +98,16 @@ def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
     new = space.apply(obs.allocation(), _index(1, 0), obs)
     assert new.workers == (2, 3, 3)
     assert sum(new.workers) == 8
+
+
+def test_buffers_do_not_grow_while_the_model_is_the_bottleneck():
+    obs = _obs()  # buffers half full
+    assert ActionSpace(3).mask(obs, obs.allocation())[_index(0, 4)]
+    # The consumer takes 9.5 ms per item at 100 items/s: busy 95 % of the time.
+    waiting = dataclasses.replace(obs, consumer_step_s=0.0095)
+    mask = ActionSpace(3).mask(waiting, waiting.allocation())
+    assert not any(mask[_index(i, 4)] for i in range(3))
+    assert mask[_index(0, 5)]  # shrinking is still allowed
 
 
 def test_mask_respects_memory_limit_in_the_worst_case():

@@ -118,6 +118,9 @@ class ActionSpace:
         per_worker, fixed = (memory or MemoryModel()).split(obs)
         worst = sum(alloc.buffer_bytes) + fixed + per_worker * total_w
         over_memory = worst > limit
+        # When the consumer (the model) is the bottleneck every buffer fills, and a larger
+        # one only holds more waiting items: no buffer may grow then.
+        consumer_bound = obs.consumer_step_s * obs.throughput >= CONSUMER_BOUND
         for i, st in enumerate(obs.stages):
             base = 1 + ACTIONS_PER_STAGE * i
             w, b = alloc.workers[i], alloc.buffer_bytes[i]
@@ -135,6 +138,7 @@ class ActionSpace:
             # (the budget other stages and the model could use) for nothing.
             mask[base + 4] = (
                 not over_memory
+                and not consumer_bound
                 and worst + (up - b) <= limit
                 and st.buffer_fill >= BUFFER_GROW_MIN_FILL
             )
@@ -142,6 +146,8 @@ class ActionSpace:
         return mask
 
 
+# The consumer is the bottleneck when it is busy at least this share of the time.
+CONSUMER_BOUND = 0.9
 # A buffer may grow only when at least this share of it is in use.
 BUFFER_GROW_MIN_FILL = 0.5
 
