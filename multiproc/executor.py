@@ -361,6 +361,8 @@ class Executor:
                 if run.sink:
                     frame = run.sink.popleft()
                     self._frame_left(frame)
+                    if frame.inline and run.sink.inline + frame.inline >= self._stages[-1].budget:
+                        self._wake()  # the last stage may be waiting for room here (_Queue)
                     return frame.payload
                 if run.finished:
                     return None

@@ -287,6 +287,23 @@ def test_small_frames_are_held_back_by_the_budget_too():
     assert max(queued) < 1_500, queued
 
 
+def test_a_paused_consumer_resumes_a_stage_held_back_by_small_frames():
+    """The last stage waits for room in the consumer's queue; taking items must wake it."""
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=64 << 10),
+            StageSpec("last", "map", _fns.identity, buffer_bytes=64 << 10),
+        ),
+    )
+    units = [(i, i + 1000) for i in range(0, 40_000, 1000)]
+    with Executor(spec) as ex:
+        it = ex.run(units)
+        first = next(it)
+        time.sleep(1.0)  # both stages fill their budgets and stop getting work
+        got = [first, *it]
+    assert sorted(got) == list(range(40_000))
+
+
 def test_consumer_may_keep_every_item():
     """Holding every batch (list(loader)) must not deadlock a small arena: frames spill."""
     spec = ExecutorSpec(
