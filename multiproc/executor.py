@@ -178,6 +178,9 @@ class Executor:
         self._sink_frees: collections.deque = collections.deque()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_w, False)
+        # Guards the write end: a finalizer may wake a closed executor from any thread, and a
+        # write to a closed descriptor number could land in whatever file reused it.
+        self._wake_guard: list = [threading.Lock(), True]  # lock, open
         self._counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
         self._free_slots = list(range(_MAX_SLOTS - 1, -1, -1))
         self._wids = itertools.count()
@@ -400,10 +403,14 @@ class Executor:
         self._wake()
 
     def _wake(self) -> None:
-        try:
-            os.write(self._wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass  # pipe full (already woken) or closed
+        lock, _ = self._wake_guard
+        with lock:
+            if not self._wake_guard[1]:
+                return  # closed
+            try:
+                os.write(self._wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # pipe full: already woken
 
     def _send(self, h: pool.WorkerHandle, msg) -> None:
         h.post(msg)
@@ -415,12 +422,13 @@ class Executor:
             self._counters,
             self._wake_r,
             self._wake_w,
+            self._wake_guard,
             self._cache,
         )
 
     @staticmethod
     def _finalize(state) -> None:
-        workers, segments, counters, wake_r, wake_w, cache = state
+        workers, segments, counters, wake_r, wake_w, wake_guard, cache = state
         for h in list(workers.values()):
             if h.alive():
                 h.post(("exit",))
@@ -439,11 +447,13 @@ class Executor:
         segments.clear()
         cache.clear()
         counters.close(unlink=True)
-        for fd in (wake_r, wake_w):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
+        with wake_guard[0]:
+            wake_guard[1] = False
+            for fd in (wake_r, wake_w):
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
 
     # ---------------------------------------------------------------- worker lifecycle
     def _spawn(self, stage: int) -> None:
