@@ -67,9 +67,10 @@ class ActionSpace:
     ) -> Allocation:
         """The allocation after taking action ``index``.
 
-        The plan action takes the workers of ``planned`` (no change without one). With ``obs``, a worker increase that does not fit in the CPU budget takes the missing
-        workers from the other stages with the most idle workers (``workers * (1 - busy)``),
-        one at a time: growing a stage on a full machine is a move, not an overdraft.
+        The plan action takes the workers of ``planned`` (no change without one). With
+        ``obs``, a worker increase that does not fit in the CPU budget takes the missing workers
+        from the other stages with the most idle workers (:func:`idlest_donor`), one at a time:
+        growing a stage on a full machine is a move, not an overdraft.
         """
         act = self.decode(index)
         if act.plan:
@@ -87,14 +88,9 @@ class ActionSpace:
         if obs is not None and act.workers > 0:
             need = sum(workers) - cpu_cap(obs, Allocation(tuple(workers), tuple(buffers)))
             for _ in range(max(0, need)):
-                donors = [
-                    j
-                    for j in range(self.n_stages)
-                    if j != act.stage and workers[j] > max(1, obs.stages[j].min_workers)
-                ]
-                if not donors:
+                j = idlest_donor(workers, obs, keep=act.stage)
+                if j is None:
                     break
-                j = max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
                 workers[j] -= 1
         return Allocation(tuple(workers), tuple(buffers))
 
@@ -157,6 +153,17 @@ def cpu_cap(obs: Observation, alloc: Allocation) -> int:
     return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 0.5))
 
 
+def idlest_donor(workers: list[int], obs: Observation, keep: int | None = None) -> int | None:
+    """The stage that can best give up a worker: the most idle workers (``workers * (1 -
+    busy)``) among stages above their minimum, ``keep`` excepted; None when none can."""
+    donors = [
+        j for j, st in enumerate(obs.stages) if j != keep and workers[j] > max(1, st.min_workers)
+    ]
+    if not donors:
+        return None
+    return max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
+
+
 def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
     """Carry an allocation over to a new CPU count: scale every stage, then trim to the cap.
 
@@ -170,10 +177,9 @@ def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
         for w, st in zip(alloc.workers, obs.stages, strict=True)
     ]
     while sum(workers) > cpu_cap(obs, Allocation(tuple(workers), alloc.buffer_bytes)):
-        donors = [j for j, st in enumerate(obs.stages) if workers[j] > max(1, st.min_workers)]
-        if not donors:
+        j = idlest_donor(workers, obs)
+        if j is None:
             break
-        j = max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
         workers[j] -= 1
     return Allocation(tuple(workers), alloc.buffer_bytes)
 

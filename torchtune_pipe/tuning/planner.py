@@ -32,7 +32,7 @@ import math
 from dataclasses import dataclass
 
 from .base import Allocation, Observation
-from .safety import CPU_MIN_CHARGE, IO_MIN_CHARGE, MAX_OVERSUBSCRIBE, is_io_bound, is_starved
+from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
 HEADROOM = 1.2
@@ -83,10 +83,7 @@ def plan(
     rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
     phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
     u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] / phi)) for i in range(n)]
-    floor = [
-        IO_MIN_CHARGE if io[i] or is_starved(s) else CPU_MIN_CHARGE
-        for i, s in enumerate(obs.stages)
-    ]
+    floor = [charge_floor(s) for s in obs.stages]
     lo = [max(1, s.min_workers) for s in obs.stages]
     hi = [max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
 

@@ -81,8 +81,12 @@ def charge(stage: StageStats) -> float:
     """The share of a core one worker of ``stage`` is charged (module docstring)."""
     if stage.items_per_s <= 0.0 and not stage.io_bound:
         return 1.0  # nothing measured yet: a full core
-    floor = IO_MIN_CHARGE if is_io_bound(stage) or is_starved(stage) else CPU_MIN_CHARGE
-    return max(floor, min(1.0, _core_share(stage)))
+    return max(charge_floor(stage), min(1.0, _core_share(stage)))
+
+
+def charge_floor(stage: StageStats) -> float:
+    """The least share of a core a measured worker of ``stage`` is charged."""
+    return IO_MIN_CHARGE if is_io_bound(stage) or is_starved(stage) else CPU_MIN_CHARGE
 
 
 def is_starved(stage: StageStats) -> bool:
