@@ -33,7 +33,7 @@ from typing import Any
 
 from multiproc import Executor
 
-from . import telemetry
+from . import _ranks, telemetry
 from .errors import LoaderTimeoutError, StateError
 from .pipeline import Pipeline, Work, run_inline
 from .tuning.base import Allocation, Limits, Observation, clamp
@@ -347,6 +347,12 @@ class Loader:
         interleave: deliver round-robin across units (torch's order for iterable datasets
             read by one worker per shard); needs a pipeline without shuffle or batch stages.
         max_restarts: worker deaths tolerated per stage.
+        even_ranks: under ``torch.distributed``, end every rank's epoch at the step where the
+            first rank runs out of items (one integer all-reduced per item), so DDP never waits
+            on a rank that left the epoch; the other ranks drop what they have left, count it
+            in :attr:`last_epoch_dropped` and log it. None: on when the source is sharded
+            (``world_size``) for the process group's world size; ``len()`` is then the
+            shortest rank's length where the source can tell it.
 
     Example:
         >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
@@ -369,6 +375,7 @@ class Loader:
         length: int | None = None,
         interleave: bool = False,
         max_restarts: int = 16,
+        even_ranks: bool | None = None,
     ):
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
@@ -391,6 +398,8 @@ class Loader:
         self.timeout_s = timeout_s
         self.interleave = interleave
         self.max_restarts = max_restarts
+        self.even_ranks = even_ranks
+        self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
         self._epoch = epoch
         self._pending: Mapping | None = None
@@ -420,10 +429,17 @@ class Loader:
     def __len__(self) -> int:
         if self._length is not None:
             return self._length
+        source = self.pipeline.source
         try:
-            n = len(self.pipeline.source)
+            n = len(source)
         except TypeError:
             raise TypeError("Loader: the source does not know its length; pass length=") from None
+        if hasattr(source, "rank_lengths") and _ranks.active(self.even_ranks, source):
+            return min(self._items_out(k) for k in source.rank_lengths())
+        return self._items_out(n)
+
+    def _items_out(self, n: int) -> int:
+        """Items delivered for ``n`` source items (batch stages regroup them)."""
         for st in self.pipeline.stages:
             if st.kind == "batch":
                 n = n // st.size if st.drop_last else math.ceil(n / st.size)
@@ -558,6 +574,7 @@ class Loader:
         return epoch, progress, works
 
     def _iterate(self) -> Iterator[Any]:
+        sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
         epoch, progress, works = self._plan()
         self._progress = progress
         if self.inline:
@@ -567,6 +584,7 @@ class Loader:
         if self.interleave:
             starts = {w.pos: _skip_prefix(set(w.skip)) for w in works}
             stream = _interleave(stream, starts, progress.last_unit)
+        self.last_epoch_dropped = 0
         pre = self._prefetcher(stream)
         loop = self._start_tuning()
         watcher = self._start_watch()
@@ -576,12 +594,18 @@ class Loader:
             while True:
                 self._clock.asked()
                 t = self._next(pre, stream)
+                if t is not _END and t[0] >= 0 and t[1] < 0:
+                    progress.end(t[0], -1 - t[1])
+                    continue
+                if sync is not None and not sync.all_have(t is not _END):
+                    if t is not _END:  # another rank ran out: drop what is left here
+                        self.last_epoch_dropped = 1
+                        self._drain_tail(pre, stream, progress, drop_items=True)
+                        self._report_dropped(sync, epoch)
+                    break
                 if t is _END:
                     break
                 u, k, x = t
-                if u >= 0 and k < 0:
-                    progress.end(u, -1 - k)
-                    continue
                 progress.took(u, k)
                 self._clock.took()
                 yield x
@@ -597,7 +621,9 @@ class Loader:
                 # Consumers that stop at len() (Lightning) never ask for the end of the stream:
                 # read what is left (end-of-unit markers) so the epoch counts as complete and
                 # the workers are kept for the next one.
-                complete = self._drain_tail(pre, stream, progress)
+                complete = self._drain_tail(pre, stream, progress, drop_items=sync is not None)
+                if sync is not None and self.last_epoch_dropped:
+                    self._report_dropped(sync, epoch)
                 if complete:
                     progress.finished = True
                     self._epoch = epoch + 1
@@ -632,17 +658,32 @@ class Loader:
             return False
 
     def _drain_tail(
-        self, pre: Prefetcher | None, stream: Iterator[tuple], progress: _Progress
+        self,
+        pre: Prefetcher | None,
+        stream: Iterator[tuple],
+        progress: _Progress,
+        drop_items: bool = False,
     ) -> bool:
-        """Consume end-of-unit markers after the last item; False if another item comes."""
+        """Consume end-of-unit markers after the last item; False if another item comes
+        (``drop_items``: read to the end, counting items in ``last_epoch_dropped``)."""
         while True:
             t = self._next(pre, stream)
             if t is _END:
                 return True
             u, k, _ = t
-            if not (u >= 0 and k < 0):
+            if u >= 0 and k < 0:
+                progress.end(u, -1 - k)
+            elif drop_items:
+                self.last_epoch_dropped += 1
+            else:
                 return False
-            progress.end(u, -1 - k)
+
+    def _report_dropped(self, sync: _ranks.RankSync, epoch: int) -> None:
+        log.warning(
+            "Loader: rank %d of %d dropped the last %d item(s) of epoch %d: another rank ran "
+            "out first (even_ranks keeps DDP ranks in step)",
+            sync.rank, sync.world_size, self.last_epoch_dropped, epoch,
+        )  # fmt: skip
 
     def _next(self, pre: Prefetcher | None, stream: Iterator[tuple]) -> Any:
         if pre is None:

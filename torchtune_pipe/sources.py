@@ -567,8 +567,16 @@ class MapDatasetSource:
         self._replay: dict | None = None
 
     def __len__(self) -> int:
-        """Items per epoch (batches when batched), as ``len(DataLoader)`` counts them."""
-        return len(self.batch_sampler if self.batched else self.sampler)
+        """This rank's items per epoch (batches when batched), as ``len(DataLoader)`` counts
+        them."""
+        return self.rank_lengths()[self.rank]
+
+    def rank_lengths(self) -> list[int]:
+        """Items per epoch of every rank (units of ``entries_per_unit`` dealt round-robin)."""
+        total = len(self.batch_sampler if self.batched else self.sampler)
+        n = self.entries_per_unit
+        sizes = [min(n, total - i) for i in range(0, total, n)]
+        return [sum(sizes[r :: self.world_size]) for r in range(self.world_size)]
 
     def units(self, epoch: int = 0) -> list[IndexUnit]:
         """The epoch's units. Draws the base seed, then the sampler order, like torch."""

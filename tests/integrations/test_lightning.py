@@ -83,7 +83,11 @@ class Recording(DLRMModule):
     def on_train_end(self):
         if self.out_dir is not None:
             path = Path(self.out_dir) / f"rank{self.global_rank}.json"
-            path.write_text(json.dumps({"seen": self.seen, "world": self.trainer.world_size}))
+            dm = self.trainer.datamodule
+            dropped = dm.loader.last_epoch_dropped if dm is not None else 0
+            report = {"seen": self.seen, "world": self.trainer.world_size, "dropped": dropped,
+                      "steps": self.trainer.global_step}  # fmt: skip
+            path.write_text(json.dumps(report))
 
 
 class StepTuner:
@@ -294,10 +298,10 @@ class ShardedData(pl.LightningDataModule):
 
 
 @pytest.mark.timeout(300)  # two spawned ranks import torch, Lightning and TorchRec
-def test_ddp_ranks_see_disjoint_rows(tmp_path):
-    per_file = 1000
+def test_ddp_ranks_see_disjoint_rows_and_stop_together(tmp_path):
+    rows = [1000, 1300]  # uneven shards: rank 1 has 3+ more batches than rank 0
     for r in range(2):  # one .gz file is one unit: each rank reads one file
-        write_tagged(tmp_path / f"part_{r}.gz", per_file, r * per_file, seed=10 + r, gzip_out=True)
+        write_tagged(tmp_path / f"part_{r}.gz", rows[r], r * rows[0], seed=10 + r, gzip_out=True)
     out = tmp_path / "out"
     out.mkdir()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
@@ -310,6 +314,13 @@ def test_ddp_ranks_see_disjoint_rows(tmp_path):
     t.fit(Recording(str(out)), datamodule=ShardedData(os.path.join(tmp_path, "part_*.gz")))
     seen = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(s["world"] == 2 for s in seen)
-    rank0, rank1 = (s["seen"]["0"] for s in seen)
-    assert not set(rank0) & set(rank1)
-    assert sorted(rank0 + rank1) == list(range(2 * per_file))
+    # Units are shuffled before sharding: the rank holding part_0 (1000 rows) is the short one.
+    short, long_ = sorted(seen, key=lambda s: min(s["seen"]["0"]))
+    a, b = short["seen"]["0"], long_["seen"]["0"]
+    assert sorted(a) == list(range(rows[0]))  # the short rank delivers every row
+    assert len(set(b)) == len(b) and set(b) <= set(range(rows[0], sum(rows)))
+    # The long rank stopped with the short one (same number of steps) and counted the batches
+    # it dropped.
+    assert short["steps"] == long_["steps"]
+    assert short["dropped"] == 0 and long_["dropped"] >= 3
+    assert 0 < rows[1] - len(b) <= 128 * long_["dropped"]
