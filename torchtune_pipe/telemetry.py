@@ -213,7 +213,12 @@ def observe(
 
         capacity = dt_ns * max(1, s.workers)
         out = d("items_out")
-        busy_ns = max(0, d("busy_ns"))
+        ran_ns = max(0, d("busy_ns"))
+        # Workers time their whole stage call, which includes waiting for output space: count
+        # that wait as blocked_out only (busy + blocked_in + blocked_out <= 1, as the simulator
+        # reports them), or a stage held back by a full buffer looks like it needs workers.
+        blocked_out_ns = max(0, d("blocked_out_ns"))
+        busy_ns = max(0, ran_ns - blocked_out_ns)
         cpu_ns = max(0, d("cpu_ns"))
         b = bounds[i] if i < len(bounds) else Bounds()
         stages.append(
@@ -225,11 +230,13 @@ def observe(
                 items_per_s=max(0, out) / dt,
                 busy=min(1.0, busy_ns / capacity),
                 blocked_in=min(1.0, max(0, d("blocked_in_ns")) / capacity),
-                blocked_out=min(1.0, max(0, d("blocked_out_ns")) / capacity),
+                blocked_out=min(1.0, blocked_out_ns / capacity),
                 buffer_bytes=s.buffer_budget_bytes,
                 buffer_fill=min(1.0, s.buffer_used_bytes / max(1, s.buffer_budget_bytes)),
                 cpu_s_per_item=cpu_ns / 1e9 / out if out > 0 else 0.0,
                 io_bound=busy_ns > 0 and cpu_ns < _IO_CPU_SHARE * busy_ns,
+                idle=out <= 0 and ran_ns == 0 and s.items_out > 0,
+                items_in_per_s=max(0, d("items_in")) / dt,
             )
         )
     if consumer_items is not None:

@@ -132,8 +132,14 @@ def test_cpu_bound_workers_are_charged_their_share_down_to_half_a_core():
     half = StageStats("udf", 2, items_per_s=10.0, busy=0.5, blocked_out=0.5)
     obs = Observation((half,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
     assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.0)
-    idle = dataclasses.replace(half, busy=0.1, blocked_out=0.9)
-    obs = Observation((idle,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    # Workers held back by a full output buffer 90% of the time compute 10% of it: charged
+    # that (waiting uses no core); 4 of them free 3.6 cores -> factor 1 + 3.6 / 2.
+    held = dataclasses.replace(half, busy=0.1, blocked_out=0.9)
+    obs = Observation((held,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.8)
+    # Busy 40% and blocked 30%: not mostly waiting, so the half-core floor holds.
+    mixed = dataclasses.replace(half, busy=0.4, blocked_out=0.3)
+    obs = Observation((mixed,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
     assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.0)
     busy = dataclasses.replace(half, busy=1.0, blocked_out=0.0)
     obs = Observation((busy,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)

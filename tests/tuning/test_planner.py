@@ -84,3 +84,51 @@ def test_more_stages_than_cores_still_get_a_plan():
     p = plan(obs, Allocation((1,) * 5, (MiB,) * 5))
     assert p is not None and p.allocation.workers == (1,) * 5
     assert p.throughput == pytest.approx(400.0)
+
+
+def _read_ahead_udf(read_rate: float, read_busy: float = 1.0, idle: bool = False):
+    # A read stage (1 ms CPU per item) ahead of a UDF (10 ms CPU per item, one worker at 100
+    # items/s) and a batch of 4; 2 cores. Each stage counts the items it took in.
+    read = StageStats(
+        "read", 1, items_per_s=read_rate, items_in_per_s=read_rate, busy=read_busy,
+        cpu_s_per_item=1e-3 if read_rate else 0.0, idle=idle,
+    )  # fmt: skip
+    udf = StageStats(
+        "udf", 1, items_per_s=100.0, items_in_per_s=100.0, busy=1.0, cpu_s_per_item=0.01
+    )
+    batch = StageStats(
+        "batch", 1, items_per_s=25.0, items_in_per_s=100.0, busy=0.05, blocked_in=0.9,
+        cpu_s_per_item=2e-3,
+    )  # fmt: skip
+    return Observation((read, udf, batch), 25.0, 2.0, 1 << 40, 0), Allocation((1, 1, 1), (MiB,) * 3)
+
+
+def test_a_stage_running_ahead_is_planned_at_the_rate_the_pipeline_needs():
+    # The read stage fills its buffer at 900 items/s, 9x what flows on: charged at that rate
+    # it would seem to need most of a core per delivered batch. Per batch the pipeline needs
+    # 4 reads (4 ms), 4 UDF items (40 ms) and a collate (2 ms): 46 ms of CPU, 2 cores -> about
+    # 43 batches/s with 2 UDF workers.
+    obs, alloc = _read_ahead_udf(900.0)
+    p = plan(obs, alloc)
+    assert p.allocation.workers == (1, 2, 1)
+    assert p.throughput > 1.3 * p.current
+
+
+def test_an_idle_stage_keeps_its_workers_and_the_others_are_planned():
+    # The read stage has read its whole epoch (no items, no busy time, items before): it is
+    # idle, not unmeasured, and its one worker is charged as waiting.
+    obs, alloc = _read_ahead_udf(0.0, read_busy=0.0, idle=True)
+    p = plan(obs, alloc)
+    assert p is not None and p.allocation.workers[0] == 1
+    assert p.allocation.workers[1] >= 2
+    unmeasured = Observation(
+        (StageStats("read", 1),) + obs.stages[1:], 25.0, 2.0, 1 << 40, 0
+    )  # not idle: never emitted anything
+    assert plan(unmeasured, alloc) is None
+
+
+def test_an_idle_stage_is_charged_as_waiting():
+    from torchtune_pipe.tuning.safety import IO_MIN_CHARGE, charge
+
+    assert charge(StageStats("read", 1, idle=True)) == IO_MIN_CHARGE
+    assert charge(StageStats("read", 1)) == 1.0  # nothing measured yet: a full core

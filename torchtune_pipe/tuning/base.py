@@ -23,6 +23,9 @@ class StageStats:
         min_workers: lower bound of the stage's worker knob (>= 1).
         max_workers: upper bound of the stage's worker knob.
         items_per_s: items the stage emitted per second.
+        items_in_per_s: items the stage took in per second (0 when not measured); with
+            ``items_per_s`` it gives the stage's in/out ratio (a batch of 4 takes in 4 items
+            per item out), which holds while a stage runs ahead of the others.
         busy: mean fraction of wall time a worker spent running the stage function (0..1).
         blocked_in: mean fraction of wall time a worker waited for input (0..1).
         blocked_out: mean fraction of wall time a worker waited for output space (0..1).
@@ -30,6 +33,9 @@ class StageStats:
         buffer_fill: fraction of that budget in use (0..1).
         cpu_s_per_item: busy CPU seconds spent per emitted item (0 when nothing emitted).
         io_bound: True when the stage's time is mostly waiting (I/O), not CPU.
+        idle: True when the stage emitted items before but neither emitted nor computed in
+            this interval: it has no work (its share of the epoch is done), which is not the
+            same as "not measured yet".
     """
 
     name: str
@@ -44,6 +50,8 @@ class StageStats:
     buffer_fill: float = 0.0
     cpu_s_per_item: float = 0.0
     io_bound: bool = False
+    idle: bool = False
+    items_in_per_s: float = 0.0
 
 
 @dataclass(frozen=True)

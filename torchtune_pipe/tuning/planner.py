@@ -9,8 +9,12 @@ other worker move).
 
 From one interval with ``X`` items/s delivered, per stage ``i``:
 
-* ``g_i = cpu_s_per_item_i * items_per_s_i / X``: CPU seconds per delivered item;
-* ``a_i = workers_i * busy_i / X``: worker (wall) seconds per delivered item;
+* ``r_i``: items of stage ``i`` per delivered item, from the in/out ratios of the stages after
+  it (a batch of 4 after ``i``: 4); not ``items_per_s_i / X``, which is inflated while stage
+  ``i`` runs ahead of the others filling a buffer (the measured ratio stands in where the
+  in/out counts are missing);
+* ``g_i = cpu_s_per_item_i * r_i``: CPU seconds per delivered item;
+* ``a_i = workers_i * busy_i / items_per_s_i * r_i``: worker (wall) seconds per delivered item;
 * ``phi``: the CPU rate a runnable worker got, the median of ``g_i / a_i`` over CPU-bound
   stages (1 when there are none, at most 1); a contended machine stretches CPU time by
   ``1 / phi`` and the plan must not mistake that for work;
@@ -62,7 +66,7 @@ def plan(
     """The worker counts that balance the stages of ``obs`` at the highest feasible rate.
 
     Args:
-        obs: one measured interval (every stage must have emitted items).
+        obs: one measured interval (every stage must have emitted items or be idle).
         alloc: the allocation in force; its buffers are kept.
         per_worker_bytes: memory one more worker costs (see ``intune.MemoryModel``).
         fixed_bytes: memory outside buffers and workers.
@@ -74,18 +78,26 @@ def plan(
     if headroom < 1.0:
         raise ValueError(f"plan(): headroom must be >= 1, got {headroom}")
     x = obs.stages[-1].items_per_s if obs.stages else 0.0
-    if x <= 0 or obs.cpus <= 0 or any(s.items_per_s <= 0 for s in obs.stages):
+    if x <= 0 or obs.cpus <= 0 or any(s.items_per_s <= 0 and not s.idle for s in obs.stages):
         return None
     n = len(obs.stages)
+    # An idle stage (no work this interval, e.g. a source done with the epoch) keeps its
+    # workers: the interval says nothing about what it needs.
+    idle = [s.idle and s.items_per_s <= 0 for s in obs.stages]
     io = [is_io_bound(s) for s in obs.stages]
-    g = [max(0.0, s.cpu_s_per_item) * s.items_per_s / x for s in obs.stages]
-    a = [w * s.busy / x for w, s in zip(obs.workers, obs.stages, strict=True)]
+    r = per_delivered(obs)
+    g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
+    a = [
+        w * s.busy / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
+        for i, (w, s) in enumerate(zip(obs.workers, obs.stages, strict=True))
+    ]
     rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
     phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
     u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] / phi)) for i in range(n)]
     floor = [charge_floor(s) for s in obs.stages]
-    lo = [max(1, s.min_workers) for s in obs.stages]
-    hi = [max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
+    lo = [obs.workers[i] if idle[i] else max(1, s.min_workers) for i, s in enumerate(obs.stages)]
+    hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
+    busy = [i for i in range(n) if not idle[i]]
 
     def charged(t: float, w: list[int]) -> float:
         # Each worker is charged the CPU it would use at rate t, at least its stage's floor.
@@ -109,7 +121,7 @@ def plan(
         )
 
     top = obs.cpus / max(sum(g), 1e-12)
-    top = min(top, min(hi[i] / (headroom * u[i]) for i in range(n)))
+    top = min(top, min(hi[i] / (headroom * u[i]) for i in busy))
     if obs.consumer_step_s > 0:
         top = min(top, 1.0 / obs.consumer_step_s)
     low, high = 0.0, top
@@ -124,6 +136,20 @@ def plan(
     # The rate the chosen workers support, and no worker beyond what that rate needs (rounding
     # at the bisection's edge can leave one stage a worker ahead of the others).
     w = workers(low)
-    rate = min(low, min(w[i] / (headroom * u[i]) for i in range(n)))
-    now = min(top, min(obs.workers[i] / (headroom * u[i]) for i in range(n)))
+    rate = min(low, min(w[i] / (headroom * u[i]) for i in busy))
+    now = min(top, min(obs.workers[i] / (headroom * u[i]) for i in busy))
     return Plan(Allocation(tuple(workers(rate)), alloc.buffer_bytes), rate, now)
+
+
+def per_delivered(obs: Observation) -> list[float]:
+    """Items of each stage per item the last stage delivers (``r_i``, module docstring)."""
+    stages = obs.stages
+    x = stages[-1].items_per_s
+    r = [1.0] * len(stages)
+    for i in range(len(stages) - 2, -1, -1):
+        nxt = stages[i + 1]
+        if nxt.items_in_per_s > 0 and nxt.items_per_s > 0:
+            r[i] = r[i + 1] * nxt.items_in_per_s / nxt.items_per_s
+        else:
+            r[i] = stages[i].items_per_s / x if x > 0 else 0.0
+    return r

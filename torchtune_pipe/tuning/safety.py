@@ -7,11 +7,13 @@ fraction when CPU time is not measured), floored by the kind of stage:
 * a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with low
   time blocked on the pipeline's own channels: the worker waits on something outside the
   pipeline such as a disk or the network) is charged at least ``IO_MIN_CHARGE``;
-* a stage whose workers wait for input most of the time (starved by a slower upstream) is
-  charged at least ``IO_MIN_CHARGE`` too: waiting uses no core;
+* a stage whose workers wait on their neighbours most of the time (for input from a slower
+  upstream, or for output space a slower downstream holds), or
+  that has no work at all in the interval (``StageStats.idle``: a source whose units for the
+  epoch are all read while the stages after it work off their backlog), is charged at least
+  ``IO_MIN_CHARGE`` too: waiting uses no core;
 * any other stage is charged at least ``CPU_MIN_CHARGE`` (a full core before anything was
-  measured): a CPU-bound worker that spends half its time blocked on its neighbours frees
-  half a core, so at most two such workers share a core. Workers past one per core absorb the variance of heavy-tailed items (a free worker
+  measured): at most two CPU-bound workers share a core. Workers past one per core absorb the variance of heavy-tailed items (a free worker
   picks up the next item while another is stuck on a long one) and cost little: Linux
   time-slices them.
 
@@ -32,8 +34,8 @@ IO_BLOCKED_MAX = 0.2
 IO_MIN_CHARGE = 0.1
 # A worker of any other stage is charged at least this share of a core...
 CPU_MIN_CHARGE = 0.5
-# ...unless it waits for input at least this share of the time (then IO_MIN_CHARGE).
-STARVED_MIN_BLOCKED_IN = 0.5
+# ...unless it waits on its neighbours at least this share of the time (then IO_MIN_CHARGE).
+WAITING_MIN_BLOCKED = 0.5
 # Never allow more than this many workers per core in total.
 MAX_OVERSUBSCRIBE = 4.0
 
@@ -79,6 +81,8 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
 
 def charge(stage: StageStats) -> float:
     """The share of a core one worker of ``stage`` is charged (module docstring)."""
+    if stage.idle:
+        return IO_MIN_CHARGE  # no work this interval: waiting uses no core
     if stage.items_per_s <= 0.0 and not stage.io_bound:
         return 1.0  # nothing measured yet: a full core
     return max(charge_floor(stage), min(1.0, _core_share(stage)))
@@ -86,12 +90,16 @@ def charge(stage: StageStats) -> float:
 
 def charge_floor(stage: StageStats) -> float:
     """The least share of a core a measured worker of ``stage`` is charged."""
-    return IO_MIN_CHARGE if is_io_bound(stage) or is_starved(stage) else CPU_MIN_CHARGE
+    if stage.idle or is_io_bound(stage) or is_waiting(stage):
+        return IO_MIN_CHARGE
+    return CPU_MIN_CHARGE
 
 
-def is_starved(stage: StageStats) -> bool:
-    """True when the stage's workers mostly wait for input: they use no core meanwhile."""
-    return stage.items_per_s > 0.0 and stage.blocked_in >= STARVED_MIN_BLOCKED_IN
+def is_waiting(stage: StageStats) -> bool:
+    """True when the stage's workers mostly wait on their neighbours (input, or output space):
+    they use no core meanwhile."""
+    blocked = stage.blocked_in + stage.blocked_out
+    return stage.items_per_s > 0.0 and blocked >= WAITING_MIN_BLOCKED
 
 
 def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
