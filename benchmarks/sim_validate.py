@@ -8,10 +8,12 @@ For each recipe of :mod:`_real_fns` the script starts the pipeline once and:
    (worker time not blocked on channels - CPU time) per item, plus bytes per output item.
    Each worker's run-queue delay (``/proc/<pid>/schedstat``) over the same window separates
    waiting from being descheduled: a stage whose CPU time is at least half its busy time less
-   that delay is CPU-bound and gets no I/O time. The CPU share the CPU-bound workers got while runnable
-   (other load on a shared machine) stretches every CPU cost by ``1 / share``. The main
-   process's own CPU time per delivered item (router thread, consumer) becomes a final
-   one-worker ``prefetch`` stage, because on two cores it competes with the stage workers.
+   that delay is CPU-bound and gets no I/O time. The main process's own CPU time per
+   delivered item (router thread, consumer) becomes a final one-worker ``prefetch`` stage,
+   because on two cores it competes with the stage workers.
+   Contention among the pipeline's own processes is the simulator's job (processor
+   sharing); CPU time the rest of the machine used over the window (``/proc/stat`` busy time
+   less the pipeline's) is taken off the simulated CPU count.
 2. **Builds** a :class:`~torchtune_pipe.sim.model.Workload` from those costs and asks a
    noiseless :class:`~torchtune_pipe.sim.model.SimPipeline` (``cpus`` = this process's CPU
    affinity) for the steady-state throughput of each allocation in ``ALLOCATIONS``.
@@ -29,7 +31,6 @@ a smoke test.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import statistics
@@ -100,7 +101,6 @@ def fit_stages(
     """
     delay0, delay1 = delays
     models, fitted = [], []
-    got = wanted = 0.0  # CPU seconds computing stages got, and got plus their run-queue wait
     for i, (p, c) in enumerate(zip(prev.stages, cur.stages, strict=True)):
         items_in = max(1, c.items_in - p.items_in)
         items_out = max(1, c.items_out - p.items_out)
@@ -115,9 +115,6 @@ def fit_stages(
         active_ns = c.worker_ns - p.worker_ns
         active_ns -= (c.blocked_in_ns - p.blocked_in_ns) + (c.blocked_out_ns - p.blocked_out_ns)
         io_s = 0.0 if cpu_bound else max(0.0, max(busy_s, active_ns / 1e9 / items_in) - cpu_s)
-        if cpu_bound:
-            got += cpu_s * items_in
-            wanted += (cpu_s + wait_s) * items_in
         nbytes = max(1, (c.bytes_out - p.bytes_out) // items_out)
         models.append(
             StageModel(
@@ -146,14 +143,24 @@ def fit_stages(
     main_s = main_cpu_s / delivered
     models.append(StageModel("main", "prefetch", max(main_s, 1e-7), max_workers=1))
     fitted.append({"stage": "main", "items_in": delivered, "cpu_ms": main_s * 1e3})
-    # Other load on the machine: a computing worker got only ``share`` of the time it was
-    # runnable, so every CPU cost is stretched by 1 / share (measured once, while profiling).
-    share = got / wanted if wanted > 0 else 1.0
-    models = [
-        dataclasses.replace(m, cpu_s_per_item=m.cpu_s_per_item / max(share, 0.05)) for m in models
-    ]
-    fitted.append({"stage": "cpu_share", "share": share})
     return models, fitted
+
+
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent not idle (``/proc/stat``; 0 if unreadable)."""
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            fields = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0.0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def pipeline_cpu_s(prev: Snapshot, cur: Snapshot, main_cpu_s: float) -> float:
+    """CPU seconds the pipeline's workers and its main process used between two snapshots."""
+    workers = sum(max(0, c.cpu_ns - p.cpu_ns) for p, c in zip(prev.stages, cur.stages, strict=True))
+    return workers / 1e9 + main_cpu_s
 
 
 def _set(ex: Any, workers: Sequence[int]) -> None:
@@ -193,11 +200,16 @@ def validate(
         ex = loader.tunable.executor
         _consume(it, settle_s)
         prev, c0 = ex.snapshot(per_worker=True), time.process_time()
+        m0, t0 = machine_busy_s(), time.perf_counter()
         d0 = run_delay_ns(prev)
         _consume(it, profile_s)
         cur, c1 = ex.snapshot(per_worker=True), time.process_time()
+        m1, t1 = machine_busy_s(), time.perf_counter()
         d1 = run_delay_ns(cur)
         models, fitted = fit_stages(recipe, kinds, prev, cur, (d0, d1), c1 - c0, ratios)
+        # Cores the rest of the machine kept busy while profiling: not the pipeline's to use.
+        others = max(0.0, (m1 - m0) - pipeline_cpu_s(prev, cur, c1 - c0)) / max(t1 - t0, 1e-9)
+        fitted.append({"stage": "other_load", "cores": others})
         for w in allocations:
             _set(ex, w)
             _consume(it, settle_s)
@@ -205,7 +217,8 @@ def validate(
             n = _consume(it, measure_s)
             measured.append(n / (time.perf_counter() - t0))
     workload = Workload(recipe.name, tuple(models), worker_start_s=0.0)
-    sim = SimPipeline(workload, cpus=cpus, memory_limit_bytes=1 << 40, noise=0.0)
+    sim_cpus = max(0.5, cpus - others)
+    sim = SimPipeline(workload, cpus=sim_cpus, memory_limit_bytes=1 << 40, noise=0.0)
     rows = []
     for w, real in zip(allocations, measured, strict=True):
         alloc = Allocation(tuple(w) + (1,), tuple(buffers) + (buffers[-1],))
@@ -215,6 +228,7 @@ def validate(
     apes = [r["ape"] for r in rows if r["ape"] is not None]
     return {
         "cpus": cpus,
+        "sim_cpus": sim_cpus,
         "profile_workers": list(profile_workers),
         "fitted": fitted,
         "rows": rows,

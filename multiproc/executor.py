@@ -313,6 +313,7 @@ class Executor:
                         buffer_items=used,
                         queued_frames=queued,
                         per_worker=tuple(rows) if per_worker else (),
+                        runq_ns=sum(r.runq_ns for r in rows),
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)

@@ -28,7 +28,8 @@ from .channel import Segment
     PID,
     STARTED_NS,
     CPU_NS,
-) = range(13)
+    RUNQ_NS,
+) = range(14)
 N_COUNTERS = 16
 
 
@@ -73,11 +74,16 @@ class WorkerStats:
     spilled: int
     alive_ns: int
     cpu_ns: int = 0
+    runq_ns: int = 0
 
 
 @dataclass(frozen=True)
 class StageSnapshot:
-    """A stage's totals: all workers it ever had (dead and retired ones included)."""
+    """A stage's totals: all workers it ever had (dead and retired ones included).
+
+    ``runq_ns`` is the time its workers were runnable but waiting for a CPU (the kernel's
+    run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it).
+    """
 
     name: str
     workers: int
@@ -97,6 +103,7 @@ class StageSnapshot:
     buffer_items: int
     queued_frames: int
     per_worker: tuple[WorkerStats, ...] = field(default=())
+    runq_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -133,4 +140,5 @@ def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats
         spilled=int(r[SPILLED]),
         alive_ns=max(0, now_ns - int(r[STARTED_NS])) if r[STARTED_NS] else 0,
         cpu_ns=int(r[CPU_NS]),
+        runq_ns=int(r[RUNQ_NS]),
     )

@@ -34,6 +34,48 @@ class _Exit(Exception):
     pass
 
 
+class _RunQueue:
+    """This thread's run-queue delay (runnable, waiting for a CPU) into ``RUNQ_NS``.
+
+    Read from ``/proc/thread-self/schedstat`` at most every ``EVERY_NS`` (a read costs a few
+    microseconds); stays 0 where the kernel does not export it. Created in the worker's own
+    thread: the file describes the thread that opened it.
+    """
+
+    EVERY_NS = 20_000_000
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.fd: int | None = None
+        self.last = 0
+        if not enabled:
+            return
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self.base = self._read()
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def _read(self) -> int:
+        return int(os.pread(self.fd, 128, 0).split()[1])
+
+    def update(self, row) -> None:
+        if self.fd is None:
+            return
+        now = _ns()
+        if now - self.last < self.EVERY_NS:
+            return
+        self.last = now
+        try:
+            row[stats.RUNQ_NS] = self._read() - self.base
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _exc_payload(exc: BaseException) -> bytes | None:
     try:
         data = pickle.dumps(exc)
@@ -75,6 +117,7 @@ class _Worker:
         self.reducer = None
         self.epoch = 0
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
+        self.runq = _RunQueue(enabled=False)  # opened by loop(), in the worker's thread
 
     # -- plumbing ---------------------------------------------------------------------------
     def _release(self, ref) -> None:
@@ -206,6 +249,7 @@ class _Worker:
         finally:
             self.row[stats.BUSY_NS] += _ns() - t0
             self.row[stats.CPU_NS] += _cpu_ns() - c0
+            self.runq.update(self.row)
         self.row[stats.FRAMES_IN] += 1
         self.conn.send(("unit_done", self.wid, unit_id, k, self._take_frees()))
 
@@ -257,6 +301,7 @@ class _Worker:
         finally:
             self.row[stats.BUSY_NS] += _ns() - t0
             self.row[stats.CPU_NS] += _cpu_ns() - c0
+            self.runq.update(self.row)
 
     def _run_stateful(self, frame_id, items: list, skip: frozenset) -> None:
         if self.reducer is None:
@@ -313,6 +358,7 @@ class _Worker:
             torch.set_num_threads(self.stage.torch_threads)
         if self.stage.init is not None:
             self.stage.init(self.stage.name, self.index)
+        self.runq = _RunQueue()
         self.conn.send(("hello", self.wid, os.getpid()))
         while True:
             msg = self._recv()
@@ -334,6 +380,7 @@ class _Worker:
                 raise RuntimeError(f"worker got unknown message {kind!r}")
 
     def close(self) -> None:
+        self.runq.close()
         self.cache.clear()
         self.counters.close(unlink=False)
 

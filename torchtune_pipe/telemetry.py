@@ -28,6 +28,8 @@ from .tuning.base import Observation, StageStats
 log = logging.getLogger(__name__)
 
 _CGROUP = Path("/sys/fs/cgroup")
+# Workers report their run-queue delay where the kernel exports it (multiproc.worker).
+_RUNQUEUE = os.path.exists("/proc/thread-self/schedstat")
 # A stage whose workers burn less CPU than this share of their busy time waits on I/O.
 _IO_CPU_SHARE = 0.5
 
@@ -237,6 +239,7 @@ def observe(
                 io_bound=busy_ns > 0 and cpu_ns < _IO_CPU_SHARE * busy_ns,
                 idle=out <= 0 and ran_ns == 0 and s.items_out > 0,
                 items_in_per_s=max(0, d("items_in")) / dt,
+                runqueue=min(1.0, max(0, d("runq_ns")) / capacity) if _RUNQUEUE else None,
             )
         )
     if consumer_items is not None:

@@ -62,9 +62,10 @@ def test_tuners_real_quick(tmp_path: Path) -> None:
 def test_sim_validate_quick(tmp_path: Path) -> None:
     result = _run("sim_validate.py", tmp_path / "sim.json")
     (name, res), *_ = result["pipelines"].items()
-    *per_stage, share = res["fitted"]
+    *per_stage, others = res["fitted"]
     assert [f["stage"] for f in per_stage] == ["source", "parse", "udf", "main"]
-    assert share["stage"] == "cpu_share" and 0 < share["share"] <= 1
+    assert others["stage"] == "other_load" and others["cores"] >= 0
+    assert res["sim_cpus"] == pytest.approx(max(0.5, res["cpus"] - others["cores"]))
     for f in per_stage:
         assert f["cpu_ms"] >= 0 and f.get("io_ms", 0.0) >= 0
     # The remote-read source waits far longer than it computes: the fit must see I/O there.

@@ -62,3 +62,11 @@ def slow_identity(x):
     """A stage slower than its source: 1 ms per item."""
     time.sleep(0.001)
     return x
+
+
+def burn_2ms(x):
+    """Spin the CPU for 2 ms (no sleeping), then return ``x``."""
+    end = time.perf_counter() + 0.002
+    while time.perf_counter() < end:
+        pass
+    return x

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import random
 import threading
 import time
@@ -490,3 +491,27 @@ def test_segments_of_dead_processes_are_swept(tmp_path):
         assert not os.path.exists(os.path.join(channel.SHM_DIR, stale))
     finally:
         os.unlink(os.path.join(channel.SHM_DIR, mine))
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"), reason="the kernel exports no schedstat"
+)
+def test_workers_report_the_time_they_waited_for_a_cpu():
+    # More CPU-burning workers than cores: the kernel's run queue holds some of them while
+    # the others run, and the snapshot counts that wait (which busy time alone cannot tell
+    # from work or I/O).
+    n = len(os.sched_getaffinity(0)) + 2
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=4),
+            StageSpec("burn", "map", _fns.burn_2ms, workers=n, max_workers=n, frame_items=4),
+        )
+    )
+    with Executor(spec) as ex:
+        got = sum(1 for _ in ex.run([(i, i + 40) for i in range(0, 1600, 40)]))
+        snap = ex.snapshot(per_worker=True)
+    assert got == 1600
+    burn = snap.stage("burn")
+    assert burn.runq_ns > 0
+    assert burn.runq_ns == sum(w.runq_ns for w in burn.per_worker)
+    assert burn.runq_ns < burn.worker_ns

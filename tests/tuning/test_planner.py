@@ -132,3 +132,23 @@ def test_an_idle_stage_is_charged_as_waiting():
 
     assert charge(StageStats("read", 1, idle=True)) == IO_MIN_CHARGE
     assert charge(StageStats("read", 1)) == 1.0  # nothing measured yet: a full core
+
+
+def test_measured_run_queue_delay_is_neither_work_nor_io():
+    # Four workers per stage on 4 cores: each ran half the time it was busy and waited for a
+    # CPU the other half (run queue 0.5). The stage needs 0.2 s of CPU per item, no I/O.
+    stages = tuple(
+        StageStats(f"s{i}", 4, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.2, runqueue=0.5)
+        for i in range(2)
+    )
+    obs = Observation(stages, 10.0, 4.0, 1 << 40, 0)
+    assert plan(obs, Allocation((4, 4), (MiB, MiB))).allocation.workers == (3, 3)
+    # A stage that waits on I/O as well: of its 0.4 s of wall time per item (4 workers busy
+    # at 10 items/s), 0.1 s is CPU and 0.1 s the run queue (4 x 0.25 / 10), so 0.2 s is I/O:
+    # u = 0.3 worker-seconds per item. Each worker is charged at least half a core, so 8 fit
+    # on 4 cores: T = 8 / (1.2 x 0.3) = 22.2 items/s (16.7 if the run queue counted as I/O).
+    mixed = StageStats("m", 4, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.1, runqueue=0.25)
+    obs = Observation((mixed,), 10.0, 4.0, 1 << 40, 0)
+    p = plan(obs, Allocation((4,), (MiB,)))
+    assert p.allocation.workers == (8,)
+    assert p.throughput == pytest.approx(8 / 0.36, rel=1e-6)

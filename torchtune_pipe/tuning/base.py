@@ -26,6 +26,8 @@ class StageStats:
         items_in_per_s: items the stage took in per second (0 when not measured); with
             ``items_per_s`` it gives the stage's in/out ratio (a batch of 4 takes in 4 items
             per item out), which holds while a stage runs ahead of the others.
+        runqueue: mean fraction of wall time a worker was runnable but waiting for a CPU
+            (the kernel's run-queue delay; None when not measured).
         busy: mean fraction of wall time a worker spent running the stage function (0..1).
         blocked_in: mean fraction of wall time a worker waited for input (0..1).
         blocked_out: mean fraction of wall time a worker waited for output space (0..1).
@@ -52,6 +54,7 @@ class StageStats:
     io_bound: bool = False
     idle: bool = False
     items_in_per_s: float = 0.0
+    runqueue: float | None = None
 
 
 @dataclass(frozen=True)

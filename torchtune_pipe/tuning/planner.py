@@ -15,11 +15,15 @@ From one interval with ``X`` items/s delivered, per stage ``i``:
   in/out counts are missing);
 * ``g_i = cpu_s_per_item_i * r_i``: CPU seconds per delivered item;
 * ``a_i = workers_i * busy_i / items_per_s_i * r_i``: worker (wall) seconds per delivered item;
-* ``phi``: the CPU rate a runnable worker got, the median of ``g_i / a_i`` over CPU-bound
-  stages (1 when there are none, at most 1); a contended machine stretches CPU time by
-  ``1 / phi`` and the plan must not mistake that for work;
-* ``u_i = g_i + max(0, a_i - g_i / phi)``: worker seconds per item on an uncontended machine
+* ``q_i = workers_i * runqueue_i / items_per_s_i * r_i``: seconds per delivered item its
+  workers were runnable but waiting for a CPU; a contended machine stretches wall time by
+  that much and the plan must not mistake it for work (or for I/O);
+* ``u_i = g_i + max(0, a_i - g_i - q_i)``: worker seconds per item on an uncontended machine
   (CPU plus waiting on I/O).
+
+Where the run-queue delay is not measured (the simulator), ``q_i = g_i / phi - g_i`` with
+``phi`` the CPU rate a runnable worker got: the median of ``g_i / a_i`` over CPU-bound stages
+(1 when there are none, at most 1).
 
 For a target rate ``T`` stage ``i`` needs ``n_i = ceil(headroom * T * u_i)`` workers (the
 headroom absorbs noise and heavy-tailed items), each charged the CPU it would use,
@@ -91,9 +95,16 @@ def plan(
         w * s.busy / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
         for i, (w, s) in enumerate(zip(obs.workers, obs.stages, strict=True))
     ]
-    rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
-    phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
-    u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] / phi)) for i in range(n)]
+    if all(s.runqueue is not None for s in obs.stages):
+        q = [
+            w * s.runqueue / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
+            for i, (w, s) in enumerate(zip(obs.workers, obs.stages, strict=True))
+        ]
+    else:
+        rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
+        phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
+        q = [g[i] / phi - g[i] for i in range(n)]
+    u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i])) for i in range(n)]
     floor = [charge_floor(s) for s in obs.stages]
     lo = [obs.workers[i] if idle[i] else max(1, s.min_workers) for i, s in enumerate(obs.stages)]
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
