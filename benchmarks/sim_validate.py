@@ -278,7 +278,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             for f in res["fitted"]
             if "cpu_ms" in f
         )
-        fit += f"; CPU share while runnable {res['fitted'][-1]['share']:.2f}"
+        fit += f"; other load {res['fitted'][-1]['cores']:.2f} cores"
         print(f"\n== {name}  fitted per input item: {fit}")
         print(table(res["rows"], COLUMNS))
         print(f"MdAPE {res['mdape']:.1%}", flush=True)

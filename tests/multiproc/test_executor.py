@@ -288,12 +288,36 @@ def test_small_frames_are_held_back_by_the_budget_too():
     assert max(queued) < 1_500, queued
 
 
-def test_a_paused_consumer_resumes_a_stage_held_back_by_small_frames():
-    """The last stage waits for room in the consumer's queue; taking items must wake it."""
+def test_tiny_frames_are_held_back_by_count_under_a_large_budget():
+    """Under a byte budget that holds tens of thousands of tiny frames, the queue in front of
+    a slower stage stops at MAX_INLINE_FRAMES frames instead (seconds, not minutes, of work)."""
+    from multiproc.executor import MAX_INLINE_FRAMES
+
     spec = ExecutorSpec(
         (
-            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=64 << 10),
-            StageSpec("last", "map", _fns.identity, buffer_bytes=64 << 10),
+            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=64 << 20),
+            StageSpec("slow", "map", _fns.slow_identity),
+        ),
+    )
+    with Executor(spec) as ex:
+        it = ex.run([(i, i + 16) for i in range(0, 200_000, 16)])
+        queued = []
+        for k, _ in enumerate(it):
+            if k % 50 == 0:
+                queued.append(ex.snapshot().stage("slow").queued_frames)
+            if k == 800:
+                break
+    assert MAX_INLINE_FRAMES // 2 < max(queued) <= MAX_INLINE_FRAMES + 8, queued
+
+
+@pytest.mark.parametrize("budget", [64 << 10, 64 << 20])
+def test_a_paused_consumer_resumes_a_stage_held_back_by_small_frames(budget):
+    """The last stage waits for room in the consumer's queue (its byte budget, or the frame
+    count for a large budget); taking items must wake it."""
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=budget),
+            StageSpec("last", "map", _fns.identity, buffer_bytes=budget, frame_items=16),
         ),
     )
     units = [(i, i + 1000) for i in range(0, 40_000, 1000)]
