@@ -263,12 +263,11 @@ def test_small_budget_backpressure_and_set_budget():
         assert ex.budget("big") == 4 << 20
 
 
-def test_small_frames_are_held_back_by_the_budget_too():
-    """Frames small enough to travel inline (no arena bytes) must not pile up without bound
-    in front of a slower stage: the producer gets no new work past its stage's budget."""
+def _queue_in_front_of_a_slow_stage(budget: int) -> list[int]:
+    """Frames queued for a slow stage, sampled while a fast source of 16-int frames feeds it."""
     spec = ExecutorSpec(
         (
-            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=64 << 10),
+            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=budget),
             StageSpec("slow", "map", _fns.slow_identity),
         ),
     )
@@ -280,9 +279,16 @@ def test_small_frames_are_held_back_by_the_budget_too():
                 queued.append(ex.snapshot().stage("slow").queued_frames)
             if k == 800:
                 break
+    return queued
+
+
+def test_small_frames_are_held_back_by_the_budget_too():
+    """Frames small enough to travel inline (no arena bytes) must not pile up without bound
+    in front of a slower stage: the producer gets no new work past its stage's budget."""
+    queued = _queue_in_front_of_a_slow_stage(64 << 10)
     # A 16-int frame pickles to about 64 bytes, so 64 KiB holds some 1,000 of them. Unchecked,
     # the source queues all 12,500 frames while the slow stage takes 800 items (the queue grows
-    # at every sample); checked, it levels off at the budget.
+    # at every sample); checked, it levels off at the budget (or the frame cap below it).
     half = len(queued) // 2
     assert max(queued[half:]) <= max(queued[:half]) + 8, queued
     assert max(queued) < 1_500, queued
@@ -293,20 +299,7 @@ def test_tiny_frames_are_held_back_by_count_under_a_large_budget():
     a slower stage stops at MAX_INLINE_FRAMES frames instead (seconds, not minutes, of work)."""
     from multiproc.executor import MAX_INLINE_FRAMES
 
-    spec = ExecutorSpec(
-        (
-            StageSpec("read", "source", _fns.read_range, frame_items=16, buffer_bytes=64 << 20),
-            StageSpec("slow", "map", _fns.slow_identity),
-        ),
-    )
-    with Executor(spec) as ex:
-        it = ex.run([(i, i + 16) for i in range(0, 200_000, 16)])
-        queued = []
-        for k, _ in enumerate(it):
-            if k % 50 == 0:
-                queued.append(ex.snapshot().stage("slow").queued_frames)
-            if k == 800:
-                break
+    queued = _queue_in_front_of_a_slow_stage(64 << 20)
     assert MAX_INLINE_FRAMES // 2 < max(queued) <= MAX_INLINE_FRAMES + 8, queued
 
 

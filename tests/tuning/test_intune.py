@@ -222,3 +222,20 @@ def test_finetune_mode_updates_weights():
     assert tuner.agent.updates > 0
     after = tuner.agent.q.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_fit_memory_keeps_some_buffer_before_it_removes_workers():
+    from torchtune_pipe.tuning.intune_space import KEEP_BUFFER_BYTES, fit_memory
+
+    # Two stages of 4 workers using 100 MiB each (nothing buffered): under a 1 GiB limit the
+    # 2 x 256 MiB buffers are halved until the worst case fits (800 + 128 <= 0.95 GiB)...
+    stages = tuple(StageStats(f"s{i}", 4, items_per_s=1.0) for i in range(2))
+    obs = Observation(stages, 1.0, 8.0, 1024 * MiB, 800 * MiB)
+    got = fit_memory(Allocation((4, 4), (256 * MiB, 256 * MiB)), obs)
+    assert got == Allocation((4, 4), (64 * MiB, 64 * MiB))
+    # ...and under 800 MiB they go down to KEEP_BUFFER_BYTES, then one worker goes
+    # (700 + 16 <= 760 MiB), not the buffers down to 1 MiB first.
+    tight = dataclasses.replace(obs, memory_limit_bytes=800 * MiB)
+    got = fit_memory(Allocation((4, 4), (256 * MiB, 256 * MiB)), tight)
+    assert got.buffer_bytes == (KEEP_BUFFER_BYTES, KEEP_BUFFER_BYTES)
+    assert sum(got.workers) == 7  # 700 + 16 MiB <= 760 MiB

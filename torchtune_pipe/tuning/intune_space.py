@@ -15,6 +15,8 @@ from .safety import oversubscribe_factor
 
 WORKER_DELTAS = (1, -1, 5, -5)
 ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
+# Buffer bytes per stage that fit_memory keeps while it can remove workers instead.
+KEEP_BUFFER_BYTES = 8 * MiB
 # Worst-case memory an action may reach, as a share of the limit (headroom for noise).
 MEMORY_SAFE_SHARE = 0.95
 
@@ -229,16 +231,24 @@ def clip(x: float, lo: float, hi: float) -> float:
 def fit_memory(
     alloc: Allocation, obs: Observation, memory: MemoryModel | None = None, share: float = 1.0
 ) -> Allocation:
-    """Shrink buffers, then the largest stages, until the worst case fits in memory."""
+    """Shrink buffers, then the largest stages, until the worst case fits in memory.
+
+    Buffers go down to ``KEEP_BUFFER_BYTES`` each before any worker goes (small buffers make
+    neighbouring stages block each other, and where workers hold most of the memory they save
+    little), then down to 1 MiB.
+    """
     per_worker, fixed = (memory or MemoryModel()).split(obs)
     limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE * share
     workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
     while sum(buffers) + fixed + per_worker * sum(workers) > limit:
-        if sum(buffers) > len(buffers) * MiB:
-            buffers = [max(MiB, b // 2) for b in buffers]
-        elif sum(workers) > len(workers):
+        if any(b > KEEP_BUFFER_BYTES for b in buffers):
+            buffers = [max(KEEP_BUFFER_BYTES, b // 2) if b > KEEP_BUFFER_BYTES else b
+                       for b in buffers]  # fmt: skip
+        elif sum(workers) > len(workers) and per_worker > 0:
             i = max(range(len(workers)), key=workers.__getitem__)
             workers[i] -= 1
+        elif sum(buffers) > len(buffers) * MiB:
+            buffers = [max(MiB, b // 2) for b in buffers]
         else:
             break
     return Allocation(tuple(workers), tuple(buffers))
