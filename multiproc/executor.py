@@ -378,12 +378,10 @@ class Executor:
                 if self._error is not None:
                     raise self._error
                 if run.sink:
+                    was_full = run.sink.full(self._stages[-1].budget)
                     frame = run.sink.popleft()
                     self._frame_left(frame)
-                    if frame.inline and (
-                        run.sink.inline + frame.inline >= self._stages[-1].budget
-                        or run.sink.inline_frames + 1 >= MAX_INLINE_FRAMES
-                    ):
+                    if frame.inline and was_full:
                         self._wake()  # the last stage may be waiting for room here (_Queue)
                     return frame.payload
                 if run.finished:

@@ -13,13 +13,13 @@ fraction when CPU time is not measured), floored by the kind of stage:
   epoch are all read while the stages after it work off their backlog), is charged at least
   ``IO_MIN_CHARGE`` too: waiting uses no core;
 * any other stage is charged at least ``CPU_MIN_CHARGE`` (a full core before anything was
-  measured): at most two CPU-bound workers share a core. Workers past one per core absorb the variance of heavy-tailed items (a free worker
-  picks up the next item while another is stuck on a long one) and cost little: Linux
-  time-slices them.
+  measured): at most two CPU-bound workers share a core. Workers past one per core absorb
+  the variance of heavy-tailed items (a free worker picks up the next item while another is
+  stuck on a long one) and cost little: Linux time-slices them.
 
 The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count; the worker cap is
-``cpus * factor`` rounded to the nearest worker (the charges are estimates). The factor is passed to
-:func:`clamp` as ``oversubscribe``.
+``cpus * factor`` rounded to the nearest worker (the charges are estimates). The factor is
+passed to :func:`clamp` as ``oversubscribe``.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     """How far past ``obs.cpus`` the total worker count may go for ``alloc`` (>= 1).
 
     Each worker frees ``1 - charge`` of a core, where ``charge`` is the core share it uses
-    (floored at ``IO_MIN_CHARGE`` for I/O-bound stages, ``CPU_MIN_CHARGE`` for the others);
-    the factor is ``1 + freed / cpus``, capped at ``MAX_OVERSUBSCRIBE``. A worker sleeping on a remote read inside the stage
+    (floored by :func:`charge_floor`); the factor is ``1 + freed / cpus``, capped at
+    ``MAX_OVERSUBSCRIBE``. A worker sleeping on a remote read inside the stage
     function counts as busy (wall time) but uses almost no CPU: the charge must come from CPU
     time, not from busy time.
 
