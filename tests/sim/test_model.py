@@ -158,6 +158,20 @@ def test_evaluate_is_deterministic_and_stateless():
     assert sim.evaluate(a, cpus=8) < v
 
 
+def test_evaluate_at_a_time_uses_that_times_costs():
+    drifting = chain(
+        StageModel("src", "source", 10 * US),
+        StageModel("udf", "map", 40 * US, drift=(100.0, 0.5)),
+    )
+    sim = SimPipeline(drifting, 64, 48 * GiB, noise=0)
+    a = alloc((2, 4))
+    assert sim.evaluate(a, t=0.0) == sim.evaluate(a)
+    # A quarter period in, the map costs 1.5x: the same workers deliver 2/3 as much.
+    assert sim.evaluate(a, t=25.0) == pytest.approx(sim.evaluate(a) / 1.5, rel=1e-6)
+    assert sim.upper_bound(t=25.0) < sim.upper_bound()
+    assert sim.t == 0.0
+
+
 def test_noise_is_seeded_and_copy_is_independent():
     a = SimPipeline(netflix_like(0), 32, 48 * GiB, seed=7)
     b = SimPipeline(netflix_like(0), 32, 48 * GiB, seed=7)

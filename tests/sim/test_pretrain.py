@@ -61,6 +61,13 @@ def test_main_rejects_lengths_outside_2_to_8(tmp_path):
         main(["--stages", "9", "--out", str(tmp_path)])
 
 
+def test_main_no_train_needs_weights(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        main(["--stages", "3", "--no-train", "--out", str(tmp_path)])
+    assert "no weight files" in capsys.readouterr().err
+    assert not weights_path(3, tmp_path).exists()  # nothing was trained
+
+
 def test_evaluate_agent_reports_against_oracle_and_baselines():
     report = evaluate_agent(InTuneTuner, stages=[3], runs=1, steps=30, baselines=("heuristic",))
     summary = report.summary()

@@ -100,6 +100,36 @@ def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
     assert sum(new.workers) == 8
 
 
+def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():
+    from torchtune_pipe.tuning.intune_space import KEEP_BUFFER_BYTES
+
+    big, floor = KEEP_BUFFER_BYTES + 32 * MiB, KEEP_BUFFER_BYTES
+    obs = _obs(buffers=(big, floor, 2 * MiB))
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    assert [bool(mask[_index(i, 5)]) for i in range(3)] == [True, False, False]
+    # Over the memory limit in the worst case every buffer may shrink...
+    tight = _obs(buffers=(big, floor, 2 * MiB), limit=2 * GiB, used=2 * GiB)
+    mask = ActionSpace(3).mask(tight, tight.allocation())
+    assert all(mask[_index(i, 5)] for i in range(3))
+    # ...and so may they when the model is the bottleneck (they only hold waiting items).
+    waiting = dataclasses.replace(obs, consumer_step_s=0.0095)
+    mask = ActionSpace(3).mask(waiting, waiting.allocation())
+    assert all(mask[_index(i, 5)] for i in range(3))
+
+
+def test_every_step_fits_memory_with_the_buffers_in_force():
+    # Workers measured earlier under small buffers come back (undo, guard) while today's
+    # buffers are large: the step's allocation must still fit the worst case.
+    tuner = InTuneTuner()
+    obs = _obs(workers=(4, 4, 4), limit=4 * GiB, used=int(2.4 * GiB))
+    tuner.reset(obs)
+    tuner._alloc = Allocation((8, 8, 8), (1 * GiB,) * 3)
+    got = tuner.step(obs)
+    per_worker, fixed = tuner.memory.split(obs)
+    worst = sum(got.buffer_bytes) + fixed + per_worker * sum(got.workers)
+    assert worst <= 0.95 * obs.memory_limit_bytes
+
+
 def test_buffers_do_not_grow_while_the_model_is_the_bottleneck():
     obs = _obs()  # buffers half full
     assert ActionSpace(3).mask(obs, obs.allocation())[_index(0, 4)]
@@ -227,15 +257,20 @@ def test_finetune_mode_updates_weights():
 def test_fit_memory_keeps_some_buffer_before_it_removes_workers():
     from torchtune_pipe.tuning.intune_space import KEEP_BUFFER_BYTES, fit_memory
 
-    # Two stages of 4 workers using 100 MiB each (nothing buffered): under a 1 GiB limit the
-    # 2 x 256 MiB buffers are halved until the worst case fits (800 + 128 <= 0.95 GiB)...
+    assert KEEP_BUFFER_BYTES == 64 * MiB  # the numbers below assume it
+    # Two stages of 4 workers using 100 MiB each (nothing buffered): under a 1.5 GiB limit the
+    # 2 x 512 MiB buffers are halved until the worst case fits (800 + 512 <= 0.95 x 1.5 GiB)...
     stages = tuple(StageStats(f"s{i}", 4, items_per_s=1.0) for i in range(2))
-    obs = Observation(stages, 1.0, 8.0, 1024 * MiB, 800 * MiB)
-    got = fit_memory(Allocation((4, 4), (256 * MiB, 256 * MiB)), obs)
-    assert got == Allocation((4, 4), (64 * MiB, 64 * MiB))
-    # ...and under 800 MiB they go down to KEEP_BUFFER_BYTES, then one worker goes
-    # (700 + 16 <= 760 MiB), not the buffers down to 1 MiB first.
-    tight = dataclasses.replace(obs, memory_limit_bytes=800 * MiB)
-    got = fit_memory(Allocation((4, 4), (256 * MiB, 256 * MiB)), tight)
+    obs = Observation(stages, 1.0, 8.0, 1536 * MiB, 800 * MiB)
+    got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), obs)
+    assert got == Allocation((4, 4), (256 * MiB, 256 * MiB))
+    # ...and under 900 MiB they go down to KEEP_BUFFER_BYTES, then one worker goes
+    # (700 + 128 <= 855 MiB), not the buffers down to 1 MiB first.
+    tight = dataclasses.replace(obs, memory_limit_bytes=900 * MiB)
+    got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), tight)
     assert got.buffer_bytes == (KEEP_BUFFER_BYTES, KEEP_BUFFER_BYTES)
-    assert sum(got.workers) == 7  # 700 + 16 MiB <= 760 MiB
+    assert sum(got.workers) == 7
+    # Only when the workers are down to one each do buffers go below it.
+    tiny = dataclasses.replace(obs, memory_limit_bytes=300 * MiB)
+    got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), tiny)
+    assert got.workers == (1, 1) and max(got.buffer_bytes) < KEEP_BUFFER_BYTES

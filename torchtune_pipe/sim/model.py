@@ -384,29 +384,39 @@ class SimPipeline:
 
     # -- simulator extras --------------------------------------------------------------------
 
-    def evaluate(self, allocation: Allocation, cpus: float | None = None) -> float:
-        """Steady-state throughput of a static allocation at the current time, without noise.
+    def evaluate(
+        self, allocation: Allocation, cpus: float | None = None, t: float | None = None
+    ) -> float:
+        """Steady-state throughput of a static allocation, without noise.
 
-        Returns 0 when the allocation's steady-state memory exceeds the current limit. Does not
-        change the simulator's state.
+        At the simulator's current time unless ``t`` (seconds) is given: costs drift, so an
+        allocation chosen at one time is judged with that time's costs. Returns 0 when the
+        allocation's steady-state memory exceeds the limit then. Does not change the
+        simulator's state.
         """
-        ss = self.steady_state(allocation, cpus)
-        return ss.throughput if ss.memory_bytes <= _at(self._mem, self._s.t) else 0.0
+        at = self._s.t if t is None else float(t)
+        ss = self.steady_state(allocation, cpus, at)
+        return ss.throughput if ss.memory_bytes <= _at(self._mem, at) else 0.0
 
-    def steady_state(self, allocation: Allocation, cpus: float | None = None) -> SteadyState:
-        """The noiseless steady state of ``allocation`` at the current time (and ``cpus``)."""
+    def steady_state(
+        self, allocation: Allocation, cpus: float | None = None, t: float | None = None
+    ) -> SteadyState:
+        """The noiseless steady state of ``allocation`` now (or at time ``t``) on ``cpus``."""
         a = self._checked(allocation)
-        c, d = self._costs(self._s.t)
-        cpus = _at(self._cpus, self._s.t) if cpus is None else float(cpus)
+        at = self._s.t if t is None else float(t)
+        c, d = self._costs(at)
+        cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         return self._solve(tuple(map(float, a.workers)), a.buffer_bytes, c, d, cpus)
 
-    def upper_bound(self, cpus: float | None = None) -> float:
-        """Throughput no allocation can beat now: all CPU work on ``cpus`` cores, or the consumer.
+    def upper_bound(self, cpus: float | None = None, t: float | None = None) -> float:
+        """Throughput no allocation can beat now (or at ``t``): all CPU work on ``cpus`` cores,
+        or the consumer.
 
         Every item's CPU cost must be paid, so ``cpus / sum_i R_i c_i`` bounds any allocation.
         """
-        c, _ = self._costs(self._s.t)
-        cpus = _at(self._cpus, self._s.t) if cpus is None else float(cpus)
+        at = self._s.t if t is None else float(t)
+        c, _ = self._costs(at)
+        cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         return min(self._xc, cpus / sum(self._R[i] * c[i] for i in range(self.n_stages)))
 
     def reset(self, seed: int | None = None) -> None:

@@ -83,8 +83,9 @@ def sample_episode(
     return Episode(wl, tuple(sched), mem, steps, seed)
 
 
-def oracle_value(sim: SimPipeline, cpus: float) -> float:
-    """Best static throughput on ``cpus`` CPUs (coordinate search on the simulator).
+def oracle_value(sim: SimPipeline, cpus: float, t: float | None = None) -> float:
+    """Best static throughput on ``cpus`` CPUs now, or at time ``t`` (coordinate search on
+    the simulator).
 
     The safety policy lets tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
     core when stages wait on I/O or on their input), so the oracle searches those totals too:
@@ -96,7 +97,7 @@ def oracle_value(sim: SimPipeline, cpus: float) -> float:
     # zeros around it and cannot climb.
     return max(
         oracle_search(
-            lambda a: sim.evaluate(a, cpus=cpus),
+            lambda a: sim.evaluate(a, cpus=cpus, t=t),
             n,
             max(n, int(cpus * f)),
             [s.max_workers for s in sim.workload.stages],
@@ -306,7 +307,10 @@ def evaluate_agent(
             _, obs, allocs = _time_average(make_intune(), ep)
             ooms += obs[-1].oom
             probe = SimPipeline(wl, cpus, mem, seed=seed)
-            steady.append(probe.evaluate(allocs[-1]) / max(oracle_value(probe, cpus), 1e-12))
+            # Costs drift: the last allocation and the oracle are judged at the same time.
+            at = obs[len(allocs)].t
+            best = oracle_value(probe, cpus, at)
+            steady.append(probe.evaluate(allocs[-1], t=at) / max(best, 1e-12))
             c = [rng.choice(CPU_CHOICES[1:]) for _ in range(3)]
             while c[1] == c[0] or c[2] == c[1]:
                 c = [rng.choice(CPU_CHOICES[1:]) for _ in range(3)]
@@ -324,9 +328,17 @@ def evaluate_agent(
             within = SimPipeline(wl, list(ep.cpus), kept, seed=seed)
             for t, x in sched[1:]:
                 for oracle_sim, out in ((rescaled, recovery), (within, reserve)):
-                    target = 0.9 * oracle_value(oracle_sim, x)
-                    got = (rescaled.evaluate(allocs[int(t) + j], cpus=x) for j in range(steps))
-                    out.append(next((j for j, v in enumerate(got) if v >= target), steps))
+                    # The allocation of step k ran until obs[k + 1] and is judged, like the
+                    # new optimum, with the costs of that time. An OOM ends the episode early:
+                    # steps never reached count as not back.
+                    ahead = range(int(t), min(len(allocs), int(t) + steps))
+                    back = (
+                        j
+                        for j, k in enumerate(ahead)
+                        if rescaled.evaluate(allocs[k], cpus=x, t=obs[k + 1].t)
+                        >= 0.9 * oracle_value(oracle_sim, x, obs[k + 1].t)
+                    )
+                    out.append(next(back, steps))
     return AgentReport(
         tuple(steady), {k: tuple(v) for k, v in vs.items()}, tuple(recovery), ooms, tuple(reserve)
     )
@@ -358,9 +370,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--jobs", type=int, default=2, help="lengths trained in parallel")
     parser.add_argument("--evaluate", action="store_true", help="report held-out numbers")
+    parser.add_argument(
+        "--no-train",
+        action="store_true",
+        help="skip training: evaluate the weight files already in --out (implies --evaluate)",
+    )
     args = parser.parse_args(argv)
     if args.episodes < 1 or args.steps < 1:
         parser.error("--episodes and --steps must be >= 1")
+    missing = [str(weights_path(n, args.out)) for n in args.stages]
+    missing = [p for p in missing if not Path(p).is_file()]
+    if args.no_train and missing:
+        parser.error(f"--no-train: no weight files at {', '.join(missing)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     # Longer pipelines have more actions and further to go: they get more episodes.
     jobs = [
@@ -371,9 +392,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_workers=max(1, args.jobs), initializer=_init_worker
     ) as pool:
         run = pool.map if args.jobs > 1 else map  # one job: stay in this process
-        for n, stats in run(_train_one, jobs):  # longest first: better packing
-            print(f"{n} stages: {stats}")
-        if args.evaluate:
+        if not args.no_train:
+            for n, stats in run(_train_one, jobs):  # longest first: better packing
+                print(f"{n} stages: {stats}")
+        if args.evaluate or args.no_train:
             parts = list(run(_evaluate_one, [(n, str(args.out)) for n in args.stages]))
             for n, part in zip(args.stages, parts, strict=True):
                 print(f"{n} stages held-out: {_fmt(part.summary())}")

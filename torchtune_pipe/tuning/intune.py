@@ -19,7 +19,11 @@ above ``max_workers``, past the CPU budget, or past the memory limit in the wors
 buffer full, every new worker costing the memory a worker costs now). The CPU budget follows
 :mod:`torchtune_pipe.tuning.safety`: workers of a stage observed waiting on I/O are charged
 only their busy share of a core, so such stages may hold more workers than there are cores
-(up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total).
+(up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total). A buffer shrinks below
+``KEEP_BUFFER_BYTES`` (64 MiB) only while the worst case is past the memory limit or the model
+is the bottleneck: small buffers make busy neighbours wait on each other, and where workers
+hold most of the memory they save little. Every step's allocation is refitted to memory
+(buffers first, down to that floor, then workers) before the action is chosen.
 
 **Planning.** When the planner promises more than ``PLAN_MIN_GAIN`` over the measured
 throughput, the plan action is taken without asking the network (``plan_gain``): after a
@@ -227,7 +231,6 @@ class InTuneTuner:
         current = self._alloc
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
-            current = fit_memory(current, obs, self.memory)
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
             # The last worker move cost throughput: undo it and keep it off for a while.
             current = self._before[0]
@@ -236,7 +239,9 @@ class InTuneTuner:
         else:
             current = self._guard(obs, current)
         self._before = None
-        current = safe(current, obs)
+        # A rescale, an undone move or the guard's return brings back workers measured under
+        # other CPUs or buffers: the worst case must fit again with the buffers of today.
+        current = safe(fit_memory(current, obs, self.memory), obs)
         per_worker, fixed = self.memory.split(obs)
         planned = plan(obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed)
         state = self.encoder.encode(obs, current, self._last, planned)

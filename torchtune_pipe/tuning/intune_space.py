@@ -16,7 +16,7 @@ from .safety import oversubscribe_factor
 WORKER_DELTAS = (1, -1, 5, -5)
 ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
 # Buffer bytes per stage that fit_memory keeps while it can remove workers instead.
-KEEP_BUFFER_BYTES = 8 * MiB
+KEEP_BUFFER_BYTES = 64 * MiB
 # Worst-case memory an action may reach, as a share of the limit (headroom for noise).
 MEMORY_SAFE_SHARE = 0.95
 
@@ -140,7 +140,10 @@ class ActionSpace:
                 and worst + (up - b) <= limit
                 and st.buffer_fill >= BUFFER_GROW_MIN_FILL
             )
-            mask[base + 5] = b > MiB
+            # Below KEEP_BUFFER_BYTES a buffer shrinks only for memory or when every buffer
+            # just holds items waiting for the model: a small buffer between two busy stages
+            # makes them wait on each other, and the workers hold most of the memory anyway.
+            mask[base + 5] = b > MiB and (over_memory or consumer_bound or b > KEEP_BUFFER_BYTES)
         return mask
 
 
