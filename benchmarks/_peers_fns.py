@@ -159,7 +159,7 @@ def _torchtune(spec: dict) -> tuple[Callable[[int], Iterator[Any]], Callable[[],
     loader = pipe.loader(
         tuner=spec.get("tuner") or None,
         memory_limit_bytes=spec.get("memory_limit_bytes"),
-        tuning_interval_s=spec.get("tuning_interval_s", 0.5),
+        tuning_interval_s=spec.get("tuning_interval_s", 1.0),  # the Loader's default
     )
 
     def epoch_iter(epoch: int) -> Iterator[Any]:

@@ -47,6 +47,9 @@ DEFAULT_TF_PYTHON = "/tmp/tf-venv/bin/python"
 TF_TOOLS = ("tfdata-ops", "tfdata-pyfunc")
 TF_SCRIPT = REPO / "benchmarks" / "_peers_tf.py"
 _SAMPLE_S = 0.25
+# Reading a process's PSS (/proc/PID/smaps_rollup) costs ~4 ms of CPU: every 4th sample only,
+# or the harness takes several % of the machine from tools that run many processes.
+_PSS_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -98,17 +101,19 @@ def _set_affinity(procs: list[psutil.Process], cpus: list[int]) -> None:
 
 
 def _watch(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeWatch) -> None:
-    """Samples the tree every ``_SAMPLE_S`` until ``done``; applies the rescale plan and the
-    memory cap."""
+    """Samples the tree's CPU times every ``_SAMPLE_S`` and its PSS every ``_PSS_EVERY``
+    samples until ``done``; applies the rescale plan and the memory cap."""
     all_cpus = sorted(os.sched_getaffinity(0))
     first_marker = plan["first_marker"]
     t_first = None
+    tick = 0
     while not done.wait(_SAMPLE_S):
         procs = _tree(proc.pid)
-        pss = 0
+        pss, tick = 0, tick + 1
         for p in procs:
             try:
-                pss += p.memory_full_info().pss
+                if tick % _PSS_EVERY == 0:
+                    pss += p.memory_full_info().pss
                 t = p.cpu_times()
                 out.cpu_s[p.pid] = t.user + t.system
             except (psutil.NoSuchProcess, psutil.AccessDenied):
