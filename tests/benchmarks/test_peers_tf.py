@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,7 +19,7 @@ from examples.dlrm.pipeline import Features
 from torchtune_pipe.sources import LineFileSource
 
 NO_TF_HERE = importlib.util.find_spec("tensorflow") is None
-ARGS = SimpleNamespace(extra_cost_ns=20_000, latency_s=0.02, mem_cap_mib=1024)
+ARGS = SimpleNamespace(extra_cost_ns=20_000, latency_s=0.02, mem_growth_mib=256)
 
 
 def tf_contender(tool: str = "tfdata-ops", python: str = "/envs/tf/bin/python"):
@@ -58,12 +59,13 @@ def test_the_tf_child_gets_every_field_it_reads(scenario, tool):
     assert child["tool"] == tool and child["out"] == "/w/out.json"
     assert tuple(child["table_sizes"]) == Features().table_sizes  # the sizes Features hashes into
     assert child["batch_size"] % child["chunk_rows"] == 0
-    if scenario in ("udf", "rescale", "memory"):
+    if scenario in ("udf", "rescale"):
         assert child["extra_cost_ns"] == ARGS.extra_cost_ns
     if scenario == "latency":
         assert child["latency_s"] == ARGS.latency_s
     if scenario == "memory":
-        assert child["step_s"] > 0
+        assert child["step_s"] > 0 and child["batch_size"] == peers.MEMORY_BATCH_ROWS
+        assert child["duration_s"] >= peers.MEMORY_WINDOW_S
     json.dumps(child)  # it travels as JSON
 
 
@@ -218,3 +220,30 @@ def test_rescale_moves_every_thread_of_a_process():
         assert all(os.sched_getaffinity(tid) == {cpus[0]} for tid in tids)
     finally:
         proc.communicate("", timeout=30)
+
+
+def test_memory_watchdog_kills_a_tree_that_grows_past_its_allowance(tmp_path):
+    marker = tmp_path / "out.first"
+    grow = (
+        "import pathlib, time\n"
+        "time.sleep(1.5)\n"  # past a PSS sample taken before the first batch
+        f"pathlib.Path({str(marker)!r}).touch()\n"
+        "time.sleep(1.5)\n"  # the watcher records the tree's PSS at the first batch
+        "held = bytearray(96 << 20)\n"  # then 96 MiB more, every page touched
+        "time.sleep(30)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", grow])
+    plan = {"first_marker": str(marker), "mem_growth_bytes": 32 << 20}
+    watch, done = peers.TreeWatch(), threading.Event()
+    watcher = threading.Thread(target=peers._watch, args=(proc, plan, done, watch))
+    watcher.start()
+    try:
+        assert proc.wait(timeout=20) != 0  # killed, not finished
+    finally:
+        done.set()
+        watcher.join()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert watch.pss_at_first is not None
+    assert "past its" in watch.killed and "allowed 32" in watch.killed
