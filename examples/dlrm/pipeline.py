@@ -22,13 +22,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-# TorchRec is imported with this module, not on the first collate: the executor's fork server
-# imports the modules of the stage functions (this one, for collate_batch) before it forks
-# workers, so every batch worker, including those a tuner adds later, starts with TorchRec
-# loaded instead of spending ~2 s of CPU importing it while the pipeline runs.
-import torchrec.datasets.utils  # noqa: F401
-import torchrec.sparse.jagged_tensor  # noqa: F401
-
 from examples.dlrm.criteo import (
     DEFAULT_TABLE_SIZES,
     NUM_SPARSE,
@@ -41,6 +34,18 @@ from examples.dlrm.criteo import (
     to_torchrec_batch,
 )
 from torchtune_pipe import Loader, Pipeline
+
+# TorchRec is imported with this module, not on the first collate: the executor's fork server
+# imports the modules of the stage functions (this one, for collate_batch) before it forks
+# workers, so every batch worker, including those a tuner adds later, starts with TorchRec
+# loaded instead of spending ~2 s of CPU importing it while the pipeline runs. Environments
+# that only parse and hash rows (the tf.data benchmark's) have no TorchRec; collate_batch
+# raises the ImportError there.
+try:
+    import torchrec.datasets.utils  # noqa: F401
+    import torchrec.sparse.jagged_tensor  # noqa: F401
+except ImportError:
+    pass
 
 MiB = 1 << 20
 

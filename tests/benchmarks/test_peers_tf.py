@@ -247,3 +247,16 @@ def test_memory_watchdog_kills_a_tree_that_grows_past_its_allowance(tmp_path):
             proc.wait()
     assert watch.pss_at_first is not None
     assert "past its" in watch.killed and "allowed 32" in watch.killed
+
+
+def test_the_pipeline_module_imports_without_torchrec():
+    # tf.data's environment has torch but no TorchRec, and its pyfunc contender imports the
+    # DLRM pipeline module for the feature UDFs.
+    code = (
+        "import sys; sys.modules['torchrec'] = None\n"
+        "from examples.dlrm.pipeline import Features\n"
+        "print(Features().table_sizes[0])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=peers.REPO, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
