@@ -394,7 +394,7 @@ class SimPipeline:
         allocation's steady-state memory exceeds the limit then. Does not change the
         simulator's state.
         """
-        at = self._s.t if t is None else float(t)
+        at = self._when(t)
         ss = self.steady_state(allocation, cpus, at)
         return ss.throughput if ss.memory_bytes <= _at(self._mem, at) else 0.0
 
@@ -403,7 +403,7 @@ class SimPipeline:
     ) -> SteadyState:
         """The noiseless steady state of ``allocation`` now (or at time ``t``) on ``cpus``."""
         a = self._checked(allocation)
-        at = self._s.t if t is None else float(t)
+        at = self._when(t)
         c, d = self._costs(at)
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         return self._solve(tuple(map(float, a.workers)), a.buffer_bytes, c, d, cpus)
@@ -414,10 +414,13 @@ class SimPipeline:
 
         Every item's CPU cost must be paid, so ``cpus / sum_i R_i c_i`` bounds any allocation.
         """
-        at = self._s.t if t is None else float(t)
+        at = self._when(t)
         c, _ = self._costs(at)
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         return min(self._xc, cpus / sum(self._R[i] * c[i] for i in range(self.n_stages)))
+
+    def _when(self, t: float | None) -> float:
+        return self._s.t if t is None else float(t)
 
     def reset(self, seed: int | None = None) -> None:
         """Back to time 0 with the initial allocation, empty buffers and no OOM."""

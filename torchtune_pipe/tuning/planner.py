@@ -91,15 +91,17 @@ def plan(
     io = [is_io_bound(s) for s in obs.stages]
     r = per_delivered(obs)
     g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
-    a = [
-        w * s.busy / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
-        for i, (w, s) in enumerate(zip(obs.workers, obs.stages, strict=True))
-    ]
-    if all(s.runqueue is not None for s in obs.stages):
-        q = [
-            w * s.runqueue / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
+
+    def per_item(share: list[float]) -> list[float]:
+        # Worker seconds per delivered item that each stage's workers spent in ``share``.
+        return [
+            w * share[i] / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
             for i, (w, s) in enumerate(zip(obs.workers, obs.stages, strict=True))
         ]
+
+    a = per_item([s.busy for s in obs.stages])
+    if all(s.runqueue is not None for s in obs.stages):
+        q = per_item([s.runqueue for s in obs.stages])
     else:
         rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
         phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
