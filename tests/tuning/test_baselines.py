@@ -18,6 +18,7 @@ from torchtune_pipe.tuning import (
     oversubscribe_factor,
     safe,
 )
+from torchtune_pipe.tuning.safety import SPARE_CORES
 
 
 def obs_of(workers=(1, 1, 1), cpus=10.0, memory=1 << 30, **stage_kw):
@@ -76,11 +77,12 @@ def test_static_returns_given_allocation_and_checks_length():
 
 def test_fixed_tuners_are_clamped_to_cpu_and_memory():
     tuner = StaticTuner(workers=(8, 8, 8), buffer_bytes=(400 * MiB, 400 * MiB, 200 * MiB))
+    # Busy CPU-bound stages: 6 CPUs plus the measured pipeline's spare core.
     alloc = tuner.reset(obs_of(cpus=6, memory=500 * MiB))
-    assert sum(alloc.workers) == 6 and min(alloc.workers) >= 1
+    assert sum(alloc.workers) == 7 and min(alloc.workers) >= 1
     assert sum(alloc.buffer_bytes) <= 500 * MiB
     # The machine shrinks: the same tuner obeys the new budget at the next step.
-    assert sum(tuner.step(obs_of(cpus=3, memory=500 * MiB)).workers) == 3
+    assert sum(tuner.step(obs_of(cpus=3, memory=500 * MiB)).workers) == 4
     # Never fewer than one worker per stage, even with fewer CPUs than stages.
     assert tuner.step(obs_of(cpus=1)).workers == (1, 1, 1)
 
@@ -101,12 +103,13 @@ def test_io_bound_stages_may_oversubscribe():
     )
     obs = Observation(stages, 10.0, cpus=4, memory_limit_bytes=1 << 30, memory_used_bytes=0)
     want = Allocation((4, 2), (MiB, MiB))
-    # Four reader workers at 25% busy free 3 cores: cap = 4 * (1 + 3/4) = 7 workers.
-    assert oversubscribe_factor(obs, want) == pytest.approx(1.75)
+    # Four reader workers at 25% busy free 3 cores, plus the spare core:
+    # cap = 4 * (1 + (3 + 1) / 4) = 8 workers.
+    assert oversubscribe_factor(obs, want) == pytest.approx(2.0)
     assert safe(want, obs) == want
-    # Without the I/O stage the same request is cut to the 4 CPUs.
+    # Without the I/O stage the same request is cut to the 4 CPUs and the spare core.
     cpu_only = Observation((stages[1], stages[1]), 10.0, 4, 1 << 30, 0)
-    assert sum(safe(want, cpu_only).workers) == 4
+    assert sum(safe(want, cpu_only).workers) == 5
     # The factor is capped at 4x.
     many = Allocation((40, 2), (MiB, MiB))
     assert oversubscribe_factor(obs, many) == 4.0
@@ -121,32 +124,45 @@ def test_a_worker_sleeping_on_io_is_charged_its_cpu_not_its_wall_time():
     obs = Observation((reader, udf), 20.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
     want = Allocation((3, 1), (MiB, MiB))
     # Three readers free 3 x 0.9 cores and the UDF worker, at 0.04 s x 20 items/s = 0.8 of a
-    # core, frees 0.2: cap = 2 x (1 + 2.9 / 2) = 4.9 workers.
-    assert oversubscribe_factor(obs, want) == pytest.approx(2.45)
+    # core, frees 0.2; with the spare core: cap = 2 x (1 + (2.9 + 1) / 2) = 5.9 workers.
+    assert oversubscribe_factor(obs, want) == pytest.approx(2.95)
     assert safe(want, obs) == want
 
 
 def test_cpu_bound_workers_are_charged_their_share_down_to_half_a_core():
     # Two UDF workers blocked on the consumer half the time use half a core each: four of
-    # them fit on two cores. Busier ones, or ones never measured, are charged a full core.
+    # them fit on two cores (with the spare core, six). Busier ones, or ones never measured,
+    # are charged a full core.
     half = StageStats("udf", 2, items_per_s=10.0, busy=0.5, blocked_out=0.5)
     obs = Observation((half,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
-    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.0)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.5)
     # Workers held back by a full output buffer 90% of the time compute 10% of it: charged
-    # that (waiting uses no core); 4 of them free 3.6 cores -> factor 1 + 3.6 / 2.
+    # that (waiting uses no core); 4 of them free 3.6 cores -> factor 1 + (3.6 + 1) / 2.
     held = dataclasses.replace(half, busy=0.1, blocked_out=0.9)
     obs = Observation((held,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
-    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.8)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(3.3)
     # Busy 40% and blocked 30%: not mostly waiting, so the half-core floor holds.
     mixed = dataclasses.replace(half, busy=0.4, blocked_out=0.3)
     obs = Observation((mixed,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
-    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.0)
+    assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(2.5)
     busy = dataclasses.replace(half, busy=1.0, blocked_out=0.0)
     obs = Observation((busy,), 10.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
-    assert sum(safe(Allocation((4,), (MiB,)), obs).workers) == 2
+    assert sum(safe(Allocation((4,), (MiB,)), obs).workers) == 3
+    # Nothing measured yet: a full core each and no spare core.
     unmeasured = StageStats("udf", 2)
     obs = Observation((unmeasured,), 0.0, cpus=2, memory_limit_bytes=1 << 30, memory_used_bytes=0)
     assert oversubscribe_factor(obs, Allocation((4,), (MiB,))) == pytest.approx(1.0)
+    assert sum(safe(Allocation((4,), (MiB,)), obs).workers) == 2
+
+
+def test_the_spare_core_is_one_worker_whatever_the_machine():
+    # Busy CPU-bound workers measured at one per core: one more worker to try, not a share.
+    for cpus in (1, 2, 16, 128):
+        busy = StageStats("udf", cpus, items_per_s=10.0 * cpus, busy=1.0)
+        obs = Observation((busy,), 10.0, cpus, memory_limit_bytes=1 << 30, memory_used_bytes=0)
+        want = Allocation((4 * cpus,), (MiB,))
+        assert oversubscribe_factor(obs, want) == pytest.approx(1.0 + SPARE_CORES / cpus)
+        assert safe(want, obs).workers == (cpus + 1,)
 
 
 def test_safe_rejects_wrong_stage_count():
@@ -174,7 +190,7 @@ def test_registry_makes_every_baseline():
         tuner = make_tuner(name, **kw)
         assert isinstance(tuner, Tuner)
         alloc = tuner.reset(obs)
-        assert len(alloc.workers) == 3 and sum(alloc.workers) <= 6
+        assert len(alloc.workers) == 3 and sum(alloc.workers) <= 7  # 6 CPUs + the spare core
         assert len(tuner.step(obs).workers) == 3
     assert make_tuner("autotune-adaptive").config.adaptive
     assert make_tuner("plumber-adaptive").adaptive

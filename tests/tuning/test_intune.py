@@ -84,20 +84,22 @@ def test_mask_blocks_max_workers_and_full_cpu_budget_without_donors():
     obs = _obs(workers=(4, 4), buffers=(4 * MiB,) * 2, busy=(1.0, 1.0), cpus=8, max_workers=4)
     mask = ActionSpace(2).mask(obs, obs.allocation())
     assert not mask[_index(0, 0)] and not mask[_index(1, 0)]
-    obs = _obs(workers=(1, 1), buffers=(4 * MiB,) * 2, busy=(1.0, 1.0), cpus=2)
+    # Two busy cores plus the spare core hold three workers: full, and stage 1 cannot give.
+    obs = _obs(workers=(2, 1), buffers=(4 * MiB,) * 2, busy=(1.0, 1.0), cpus=2)
     mask = ActionSpace(2).mask(obs, obs.allocation())
     assert not mask[_index(0, 0)]  # full machine and nobody can give a worker
 
 
 def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
     # Stage 2 is the idlest (4 workers x 10 % idle); every stage is busy enough to be charged
-    # close to a core, so the machine is full.
-    obs = _obs(workers=(2, 2, 4), busy=(1.0, 1.0, 0.9), cpus=8)
+    # close to a core, so the machine is full: 8 CPUs, 0.4 of a core freed and the spare core
+    # hold 9 workers.
+    obs = _obs(workers=(2, 3, 4), busy=(1.0, 1.0, 0.9), cpus=8)
     space = ActionSpace(3)
     assert space.mask(obs, obs.allocation())[_index(1, 0)]
     new = space.apply(obs.allocation(), _index(1, 0), obs)
-    assert new.workers == (2, 3, 3)
-    assert sum(new.workers) == 8
+    assert new.workers == (2, 4, 3)
+    assert sum(new.workers) == 9
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():
