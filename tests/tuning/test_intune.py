@@ -100,6 +100,13 @@ def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
     new = space.apply(obs.allocation(), _index(1, 0), obs)
     assert new.workers == (2, 4, 3)
     assert sum(new.workers) == 9
+    # A source waiting for work next to a UDF that keeps three workers busy: five more source
+    # workers pass the 4-per-core cap only by taking UDF workers, a move from a busier stage
+    # to an idler one (a real run lost half its throughput to it): masked.
+    obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 1.0), cpus=2)
+    assert sum(space.apply(obs.allocation(), _index(0, 2), obs).workers) == 10
+    assert not space.mask(obs, obs.allocation())[_index(0, 2)]
+    assert space.mask(obs, obs.allocation())[_index(0, 0)]  # one more fits the cap: allowed
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():

@@ -71,8 +71,10 @@ class ActionSpace:
 
         The plan action takes the workers of ``planned`` (no change without one). With
         ``obs``, a worker increase that does not fit in the CPU budget takes the missing workers
-        from the other stages with the most idle workers (:func:`idlest_donor`), one at a time:
-        growing a stage on a full machine is a move, not an overdraft.
+        from the other stages with the most idle workers (:func:`idlest_donor`), one at a time,
+        and only from stages less busy than the one growing: growing a stage on a full machine
+        is a move, not an overdraft, and a move from a busier stage to an idler one cannot
+        raise throughput (it is masked).
         """
         act = self.decode(index)
         if act.plan:
@@ -90,7 +92,7 @@ class ActionSpace:
         if obs is not None and act.workers > 0:
             need = sum(workers) - cpu_cap(obs, Allocation(tuple(workers), tuple(buffers)))
             for _ in range(max(0, need)):
-                j = idlest_donor(workers, obs, keep=act.stage)
+                j = idlest_donor(workers, obs, keep=act.stage, below=obs.stages[act.stage].busy)
                 if j is None:
                     break
                 workers[j] -= 1
@@ -158,11 +160,16 @@ def cpu_cap(obs: Observation, alloc: Allocation) -> int:
     return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 0.5))
 
 
-def idlest_donor(workers: list[int], obs: Observation, keep: int | None = None) -> int | None:
+def idlest_donor(
+    workers: list[int], obs: Observation, keep: int | None = None, below: float = 2.0
+) -> int | None:
     """The stage that can best give up a worker: the most idle workers (``workers * (1 -
-    busy)``) among stages above their minimum, ``keep`` excepted; None when none can."""
+    busy)``) among stages above their minimum and busy less than ``below``, ``keep``
+    excepted; None when none can."""
     donors = [
-        j for j, st in enumerate(obs.stages) if j != keep and workers[j] > max(1, st.min_workers)
+        j
+        for j, st in enumerate(obs.stages)
+        if j != keep and workers[j] > max(1, st.min_workers) and st.busy < below
     ]
     if not donors:
         return None
