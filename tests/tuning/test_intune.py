@@ -100,13 +100,26 @@ def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
     new = space.apply(obs.allocation(), _index(1, 0), obs)
     assert new.workers == (2, 4, 3)
     assert sum(new.workers) == 9
-    # A source waiting for work next to a UDF that keeps three workers busy: five more source
-    # workers pass the 4-per-core cap only by taking UDF workers, a move from a busier stage
-    # to an idler one (a real run lost half its throughput to it): masked.
-    obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 1.0), cpus=2)
+    # A source next to a UDF that keeps three workers busy: five more source workers fit the
+    # cap only by taking UDF workers, a move from a busier stage to an idler one (a real run
+    # lost half its throughput to it): masked.
+    obs = _obs(workers=(1, 1, 3), busy=(0.6, 0.02, 1.0), cpus=2)
     assert sum(space.apply(obs.allocation(), _index(0, 2), obs).workers) == 10
     assert not space.mask(obs, obs.allocation())[_index(0, 2)]
-    assert space.mask(obs, obs.allocation())[_index(0, 0)]  # one more fits the cap: allowed
+
+
+def test_only_stages_that_can_use_workers_grow():
+    from torchtune_pipe.tuning.intune_space import can_use_workers
+
+    # Plenty of CPUs: the UDF (busy) may grow, the source and parse (waiting on it) may not.
+    obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 1.0), cpus=16)
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    assert [bool(mask[_index(i, 0)]) for i in range(3)] == [False, False, True]
+    assert mask[_index(2, 1)]  # shrinking stays open
+    st = obs.stages[0]
+    assert can_use_workers(dataclasses.replace(st, io_bound=True))  # waits on I/O
+    assert can_use_workers(dataclasses.replace(st, items_per_s=0.0))  # not measured yet
+    assert not can_use_workers(dataclasses.replace(st, busy=1.0, idle=True))  # nothing to do
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():

@@ -19,7 +19,10 @@ above ``max_workers``, past the CPU budget, or past the memory limit in the wors
 buffer full, every new worker costing the memory a worker costs now). The CPU budget follows
 :mod:`torchtune_pipe.tuning.safety`: workers of a stage observed waiting on I/O are charged
 only their busy share of a core, so such stages may hold more workers than there are cores
-(up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total). A buffer shrinks below
+(up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total). A stage gains workers by
+a small move only while its workers are busy at least ``GROW_MIN_BUSY`` of the time or wait on
+I/O (``intune_space.can_use_workers``): workers waiting on their neighbours do not raise
+its rate, and each move costs a worker start and a measurement. A buffer shrinks below
 ``KEEP_BUFFER_BYTES`` (64 MiB) only while the worst case is past the memory limit or the model
 is the bottleneck: small buffers make busy neighbours wait on each other, and where workers
 hold most of the memory they save little. Every step's allocation is refitted to memory

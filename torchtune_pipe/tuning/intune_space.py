@@ -9,9 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocation, MiB, Observation
+from .base import Allocation, MiB, Observation, StageStats
 from .planner import Plan
-from .safety import oversubscribe_factor
+from .safety import is_io_bound, oversubscribe_factor
 
 WORKER_DELTAS = (1, -1, 5, -5)
 ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
@@ -19,6 +19,9 @@ ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
 KEEP_BUFFER_BYTES = 64 * MiB
 # Worst-case memory an action may reach, as a share of the limit (headroom for noise).
 MEMORY_SAFE_SHARE = 0.95
+# A stage gains workers by a small move only when its workers compute at least this share of
+# the time (or wait on I/O): the others wait on their neighbours, and more of them wait too.
+GROW_MIN_BUSY = 0.5
 
 
 @dataclass(frozen=True)
@@ -127,7 +130,7 @@ class ActionSpace:
             for k, dw in enumerate(WORKER_DELTAS):
                 if dw < 0:
                     mask[base + k] = w + dw >= max(1, st.min_workers)
-                elif not over_memory and w + dw <= st.max_workers:
+                elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
                     new = self.apply(alloc, base + k, obs)
                     grown = sum(new.workers) - total_w
                     fits_mem = worst + per_worker * grown <= limit
@@ -153,6 +156,18 @@ class ActionSpace:
 CONSUMER_BOUND = 0.9
 # A buffer may grow only when at least this share of it is in use.
 BUFFER_GROW_MIN_FILL = 0.5
+
+
+def can_use_workers(st: StageStats) -> bool:
+    """Whether more workers could raise ``st``'s rate: it is not measured yet, its workers are
+    busy at least ``GROW_MIN_BUSY`` of the time, or it waits on I/O. A stage whose workers
+    mostly wait for input or for output space (or that had nothing to do) is held back by its
+    neighbours."""
+    if st.idle:
+        return False
+    if st.items_per_s <= 0.0:
+        return True
+    return st.busy >= GROW_MIN_BUSY or is_io_bound(st)
 
 
 def cpu_cap(obs: Observation, alloc: Allocation) -> int:
