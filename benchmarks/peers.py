@@ -512,14 +512,18 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="ttp_peers_") as workdir:
         for name in scenarios:
             spec, plan = scenario_spec(name, base, args)
-            rows_out = []
-            for c in contenders(name, cores, quick, spdl_ok, tf_python):
-                if args.contenders and c.label not in args.contenders:
-                    continue
-                runs = [run_one(c, spec, plan, env, workdir) for _ in range(args.repeats)]
-                best = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
-                best["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]
-                rows_out.append(best)
+            chosen = [
+                c
+                for c in contenders(name, cores, quick, spdl_ok, tf_python)
+                if not args.contenders or c.label in args.contenders
+            ]
+            # Repeats go round the contenders (each round runs every one once), so a slow
+            # spell of a noisy machine lands on all of them rather than on one tool's runs.
+            runs: dict[str, list[dict]] = {c.label: [] for c in chosen}
+            for _ in range(args.repeats):
+                for c in chosen:
+                    runs[c.label].append(run_one(c, spec, plan, env, workdir))
+            rows_out = [median_run(runs[c.label]) for c in chosen]
             add_ratios(rows_out)
             results["scenarios"][name] = rows_out
             results.setdefault("headlines", {})[name] = headline(rows_out, cores)
@@ -537,6 +541,14 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.markdown).write_text(markdown(results))
     print(f"wrote {args.out}")
     return results
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median samples/s (the upper one of an even count), carrying every
+    run's samples/s in ``runs_samples_per_s``."""
+    row = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
+    row["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]
+    return row
 
 
 if __name__ == "__main__":

@@ -71,3 +71,28 @@ def test_quick_run_writes_json(tmp_path):
     head = data["headlines"]["steady"]
     assert head["intune"] is None  # not run here
     assert head["dataloader_guess"]["label"] == f"dataloader-w{cores}"
+
+
+def test_repeats_go_round_the_contenders_and_keep_the_median(tmp_path, monkeypatch):
+    cores = peers.usable_cores()
+    dl, nodes = f"dataloader-w{cores}", f"nodes-w{cores}"
+    order = []
+    rates = {dl: iter([30.0, 10.0, 20.0]), nodes: iter([5.0, 7.0, 6.0])}
+
+    def fake_run(c, spec, plan, env, workdir):
+        order.append(c.label)
+        row = dict.fromkeys(peers.COLUMNS, 0)
+        row.update(label=c.label, tool=c.tool, workers=c.workers, tuner=c.tuner, series=[])
+        return dict(row, samples_per_s=next(rates[c.label]), crash=None)
+
+    monkeypatch.setattr(peers, "run_one", fake_run)
+    out = tmp_path / "peers.json"
+    peers.main(
+        ["--quick", "--out", str(out), "--no-plots", "--data-dir", str(tmp_path / "d"),
+         "--repeats", "3", "--contenders", dl, nodes]
+    )  # fmt: skip
+    assert order == [dl, nodes] * 3
+    rows = {r["label"]: r for r in json.loads(out.read_text())["scenarios"]["steady"]}
+    assert rows[dl]["samples_per_s"] == 20.0
+    assert rows[dl]["runs_samples_per_s"] == [30.0, 10.0, 20.0]
+    assert rows[nodes]["samples_per_s"] == 6.0
