@@ -13,8 +13,9 @@ from .errors import (
     StateError,
     TorchtunePipeError,
 )
-from .loader import Loader, RunningPipeline, transfer
+from .loader import Loader, RunningPipeline
 from .pipeline import Pipeline, Prefetch, Stage
+from .prefetch import transfer
 from .sources import (
     FileRange,
     IndexUnit,
