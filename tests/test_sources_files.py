@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from torchtune_pipe import sources as sources_module
+from torchtune_pipe import linefiles as linefiles_module
 from torchtune_pipe.errors import BadLinesError, SourceError, TorchtunePipeError
 from torchtune_pipe.sources import FileRange, LineFileSource, SkippedLine, UnitStats
 
@@ -160,7 +160,7 @@ def test_skip_mode_drops_counts_and_reports_bad_lines(tmp_path, caplog):
     path = write(tmp_path / "ints.txt", "\n".join(lines))
     seen: list[SkippedLine] = []
     source = LineFileSource(path, parse=int, on_error="skip", on_skip=seen.append, chunk_bytes=50)
-    with caplog.at_level(logging.WARNING, logger=sources_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=linefiles_module.__name__):
         results = [read_with_stats(source, unit) for unit in source.units()]
     items = [x for got, _ in results for x in got]
     assert items == [i for i in range(200) if i not in bad]
@@ -217,7 +217,7 @@ def test_source_pickles_small_and_reads_the_same(tmp_path):
 def test_remote_latency_waits_once_per_unit(tmp_path, monkeypatch):
     path = write(tmp_path / "a.txt", "".join(f"{i}\n" for i in range(100)))
     waits = []
-    monkeypatch.setattr(sources_module.time, "sleep", waits.append)
+    monkeypatch.setattr(linefiles_module.time, "sleep", waits.append)
     source = LineFileSource(path, chunk_bytes=64, remote_latency_s=0.25)
     assert len(read_all(source)) == 100
     assert waits == [0.25] * len(source.units())
