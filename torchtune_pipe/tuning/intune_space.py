@@ -5,6 +5,7 @@ See :mod:`torchtune_pipe.tuning.intune` for the action set and the masking rules
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -176,7 +177,7 @@ def cpu_cap(obs: Observation, alloc: Allocation) -> int:
 
 
 def idlest_donor(
-    workers: list[int], obs: Observation, keep: int | None = None, below: float = 2.0
+    workers: list[int], obs: Observation, keep: int | None = None, below: float = math.inf
 ) -> int | None:
     """The stage that can best give up a worker: the most idle workers (``workers * (1 -
     busy)``) among stages above their minimum and busy less than ``below``, ``keep``

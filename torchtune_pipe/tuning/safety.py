@@ -23,8 +23,8 @@ whose one worker keeps a core busy is charged a full core, although it takes onl
 the pipeline leaves idle, or on a full machine a time-slice from stages that run ahead of
 their consumers (a source filling its buffers at an epoch's start) until they block. Without
 the spare core a CPU-bound pipeline on a small machine is refused the second worker of its
-bottleneck whenever another stage keeps busy (measured: a 20 us/row UDF on 2 cores, 1.1x from
-the second worker). One core's worth is one more worker to try, whatever the machine's size;
+bottleneck whenever another stage keeps busy (the peers UDF-heavy scenario on 2 cores, where a
+static second UDF worker runs 1.1x faster: BENCHMARKS.md). One core's worth is one more worker to try, whatever the machine's size;
 the tuners keep it only where it measurably pays.
 
 The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count; the worker cap is
