@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
 import numpy as np
@@ -70,9 +71,9 @@ class Flaky(Dataset):
         return i
 
 
-def _compare(dataset, workers=0, **kw):
+def _compare(dataset, workers=0, ours=None, **kw):
     seed = kw.pop("seed", None)
-    kw_t, kw_o = dict(kw), dict(kw)
+    kw_t, kw_o = dict(kw), {**kw, **(ours or {})}
     if seed is not None:
         kw_t["generator"] = torch.Generator().manual_seed(seed)
         kw_o["generator"] = torch.Generator().manual_seed(seed)
@@ -192,3 +193,28 @@ def test_not_a_torch_dataloader_subclass_but_has_its_attributes():
     assert len(loader) == 6
     assert torchtune_pipe.DataLoader is DataLoader
     loader.close()
+
+
+@pytest.mark.parametrize("tuner", ["intune", "plumber", "autotune"])
+def test_any_tuner_with_an_integer_num_workers(tuner, caplog):
+    # An integer num_workers is one stage; InTune ships no agent for one stage, so the
+    # planner tunes it alone and says so once.
+    with caplog.at_level(logging.INFO, "torchtune_pipe.tuning.intune"):
+        got = _compare(Squares(), 2, {"tuner": tuner, "tuning_interval_s": 0.01}, batch_size=4)
+    assert len(got) == 6
+    fallback = [r for r in caplog.records if "planner tunes" in r.getMessage()]
+    assert len(fallback) == (tuner == "intune")
+
+
+def test_weights_and_tuner_options_reach_the_tuner(tmp_path):
+    from torchtune_pipe.tuning.intune import weights_path
+
+    with DataLoader(Squares(), batch_size=4, num_workers="auto", weights=weights_path(2),
+                    tuner_options={"finetune": True}) as loader:  # fmt: skip
+        tuner = loader.loader.tuner
+        assert tuner.name == "intune" and tuner.finetune and tuner.weights == weights_path(2)
+    with DataLoader(Squares(), batch_size=4, num_workers="auto", weights=tmp_path) as loader:
+        with pytest.raises(FileNotFoundError, match="no pre-trained weights for 2 stages"):
+            list(loader)
+    with pytest.raises(ValueError, match="weights= is for tuner='intune'"):
+        DataLoader(Squares(), num_workers=2, tuner="plumber", weights=tmp_path)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .loader import Loader
@@ -91,14 +91,42 @@ class _WorkerInit:
             self.worker_init_fn(index)
 
 
+def _tuner(tuner: Any, auto: bool, weights: Any, options: Mapping[str, Any] | None) -> Any:
+    """The tuner the DataLoader's :class:`Loader` runs (a name, a Tuner or None)."""
+    if weights is not None:
+        if tuner not in (None, "intune"):
+            raise ValueError(f"DataLoader: weights= is for tuner='intune', got tuner={tuner!r}")
+        tuner = "intune"
+        options = {**(options or {}), "weights": weights}
+    if tuner is None and auto:
+        tuner = "heuristic"
+    if options:
+        if not isinstance(tuner, str):
+            raise ValueError(f"DataLoader: tuner_options= needs the tuner by name, got {tuner!r}")
+        from .tuning.registry import make_tuner
+
+        return make_tuner(tuner, **options)
+    return tuner
+
+
 class DataLoader:
     """``torch.utils.data.DataLoader``'s interface on a tuned, resumable pipeline.
 
     Args: those of ``torch.utils.data.DataLoader`` (same defaults, same validation), plus:
         num_workers: an int (as torch), or ``"auto"``: separate fetch and collate stages whose
             workers ``tuner`` moves (default tuner ``"heuristic"``).
-        tuner: as :class:`~torchtune_pipe.loader.Loader` (None: fixed workers).
-        progress: show a live per-stage table.
+        tuner: a name from :data:`~torchtune_pipe.tuning.TUNERS` or a
+            :class:`~torchtune_pipe.tuning.Tuner`, with any ``num_workers`` > 0 (None: fixed
+            workers, or ``"heuristic"`` with ``"auto"``). An integer ``num_workers`` is one
+            stage; ``"intune"`` has no agent for one stage, so the planner tunes it.
+        weights: InTune's weights (a file, a directory of ``intune_{n}stages.pt``, or a state
+            dict); implies ``tuner="intune"``.
+        tuner_options: keyword options for the named tuner's constructor
+            (:func:`~torchtune_pipe.tuning.make_tuner`).
+        tuning_interval_s: seconds between tuning steps.
+        tuning_log: file to append the tuner's decisions to (JSON lines); watch it live with
+            ``torchtune-pipe watch LOG``, plot it with ``torchtune-pipe report LOG``.
+        progress: show a live per-stage table (plain text without ``rich``).
 
     Differences from torch: workers come from a fork server (``multiprocessing_context`` is
     accepted and ignored), are kept across epochs (``persistent_workers`` is implied), and
@@ -128,6 +156,10 @@ class DataLoader:
         pin_memory_device: str = "",
         in_order: bool = True,
         tuner: Any = None,
+        weights: Any = None,
+        tuner_options: Mapping[str, Any] | None = None,
+        tuning_interval_s: float = 1.0,
+        tuning_log: str | None = None,
         progress: bool = False,
     ):
         from torch.utils.data import IterableDataset
@@ -240,11 +272,11 @@ class DataLoader:
         if pin_memory or timeout:
             pipe = pipe.prefetch(depth, pin_memory=pin_memory)
         self.pipeline = pipe
-        if auto and tuner is None:
-            tuner = "heuristic"
         self._loader = Loader(
             pipe,
-            tuner=tuner,
+            tuner=_tuner(tuner, auto, weights, tuner_options),
+            tuning_interval_s=tuning_interval_s,
+            tuning_log=tuning_log,
             ordered=in_order and not iterable,
             inline=workers == 0,
             timeout_s=float(timeout),

@@ -285,6 +285,7 @@ class Loader:
         self._executor: Executor | None = None
         self._tunable: RunningPipeline | None = None
         self._tuner_started = False  # the tuner has made its first (reset) decision
+        self._tuning: Any = None  # the tuning loop of the epoch being iterated
         self._active: weakref.ref | None = None
         self._closed = False
         self._clock = telemetry.ConsumerClock()
@@ -359,6 +360,21 @@ class Loader:
             raise StateError(f"Loader.load_state_dict(): state lacks {sorted(missing)}")
         self._end_active()
         self._pending = dict(state)
+
+    def release_tuner(self) -> Any:
+        """Stop tuning this loader and hand its tuner over (e.g. to a training callback).
+
+        The tuning loop of the current epoch, if any, is stopped; later epochs run with the
+        allocation the tuner left. Returns the tuner (None if the loader had none).
+
+        Raises:
+            BaseException: what the loader's tuning loop raised, if it ended with an error.
+        """
+        tuner, self.tuner = self.tuner, None
+        loop, self._tuning = self._tuning, None
+        if loop is not None:
+            loop.stop(raise_error=True)
+        return tuner
 
     @property
     def tunable(self) -> RunningPipeline | None:
@@ -463,7 +479,7 @@ class Loader:
             stream = _interleave(stream, starts, progress.last_unit)
         self.last_epoch_dropped = 0
         pre = self._prefetcher(stream)
-        loop = self._start_tuning()
+        loop = self._tuning = self._start_tuning()
         watcher = self._start_watch()
         complete = False
         closed_by_consumer = False
@@ -505,6 +521,7 @@ class Loader:
                     progress.finished = True
                     self._epoch = epoch + 1
             loop_error = None
+            self._tuning = None
             if loop is not None:
                 # Before the executor goes: a tick must not resize a closed executor.
                 try:

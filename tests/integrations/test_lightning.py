@@ -221,13 +221,6 @@ class Failing(StepTuner):
         raise RuntimeError("tuner broke")
 
 
-def test_callback_rejects_a_loader_that_tunes_itself(tmp_path):
-    cb = TuningCallback("heuristic", interval_s=0.05)
-    with small_loader(tuner="heuristic") as loader:
-        with pytest.raises(ValueError, match="runs its own tuner"):
-            trainer(tmp_path, [cb], max_steps=2).fit(Linear(), train_dataloaders=loader)
-
-
 def test_a_tuner_error_stops_the_fit(tmp_path):
     cb = TuningCallback(Failing(), interval_s=0.01)
     with small_loader() as loader:

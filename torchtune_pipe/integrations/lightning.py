@@ -1,7 +1,9 @@
 """Lightning integration: :class:`TuningCallback` tunes the train loader while ``Trainer.fit`` runs.
 
-The callback steers a :class:`~torchtune_pipe.Loader` (or :class:`~torchtune_pipe.DataLoader`)
-built with ``tuner=None``: a :class:`~torchtune_pipe.tuning.TuningLoop` runs on its pipeline
+The callback steers a :class:`~torchtune_pipe.Loader` or :class:`~torchtune_pipe.DataLoader`
+in any mode (``num_workers`` an int or ``"auto"``); a loader that runs a tuner of its own
+hands it over at fit start (:meth:`~torchtune_pipe.Loader.release_tuner`), so the callback's
+tuner is the only one. A :class:`~torchtune_pipe.tuning.TuningLoop` runs on its pipeline
 with the model's step time as the consumer latency, the pipeline is logged to
 ``trainer.loggers``, and checkpoints keep the allocation and the tuner's state.
 
@@ -16,8 +18,9 @@ writes the loader's state as of the consumed batches into the checkpoint instead
 resumed fit neither repeats nor skips samples.
 
 Example:
-    >>> trainer = L.Trainer(callbacks=[TuningCallback("intune", interval_s=1.0)])  # doctest: +SKIP
-    >>> trainer.fit(model, train_dataloaders=pipe.loader())                        # doctest: +SKIP
+    >>> loader = DataLoader(dataset, batch_size=64, num_workers="auto")  # doctest: +SKIP
+    >>> trainer = L.Trainer(callbacks=[TuningCallback()])                # doctest: +SKIP
+    >>> trainer.fit(model, train_dataloaders=loader)                     # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -89,8 +92,7 @@ class TuningCallback(Callback):
         history: the observations the train tuner stepped on (this rank's view).
 
     Raises:
-        ValueError: an argument is invalid; at fit time, the train loader runs a tuner of its
-            own (build it with ``tuner=None``).
+        ValueError: an argument is invalid.
     """
 
     def __init__(
@@ -218,6 +220,8 @@ class TuningCallback(Callback):
             loaders = loaders[dataloader_idx] if dataloader_idx < len(loaders) else None
         loader = find_loader(loaders)
         if loader is not None:
+            if loader.tuner is not None:
+                loader.release_tuner()  # the callback's val tuner steers it instead
             self._val.ensure(loader, self._share, lambda: 0.0, collections.deque(maxlen=1))
 
     def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -305,11 +309,14 @@ class TuningCallback(Callback):
 
     def _check_loader(self, trainer: Trainer, loader: Loader) -> None:
         if loader.tuner is not None:
-            raise ValueError(
-                f"TuningCallback: the train loader runs its own tuner "
-                f"({getattr(loader.tuner, 'name', type(loader.tuner).__name__)}); build it with "
-                "tuner=None so that only the callback tunes it"
-            )
+            # One tuner per pipeline: the callback's, which sees the model's step time and is
+            # saved in checkpoints. The loader's own (e.g. the "heuristic" that
+            # DataLoader(num_workers="auto") runs) stops and leaves its allocation in place.
+            own = loader.release_tuner()
+            log.info(
+                "TuningCallback: took over the train loader's tuning (%s -> %s)",
+                getattr(own, "name", type(own).__name__), self.tuner_name or type(self.tuner).__name__,
+            )  # fmt: skip
         source_ws = getattr(loader.pipeline.source, "world_size", None)
         if trainer.world_size > 1 and source_ws not in (None, trainer.world_size):
             log.warning(

@@ -123,6 +123,32 @@ GUARD_DROP = 0.05
 PLAN_MIN_GAIN = 0.05
 
 
+class PlannerOnly:
+    """Stands in for the agent where no weights exist for a pipeline length: always the
+    no-op, so the planner's jumps (taken without asking the network, ``plan_gain``), the
+    undo rule and the guard steer the pipeline alone."""
+
+    training_enabled = False
+
+    def act(self, state: torch.Tensor, mask: torch.Tensor, epsilon: float = 0.0) -> int:
+        return 0
+
+    def epsilon(self, step: int) -> float:
+        return 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+
+def shipped_lengths(directory: Path = WEIGHTS_DIR) -> list[int]:
+    """Pipeline lengths (stage counts) with weights in ``directory``."""
+    found = (
+        p.name.removeprefix("intune_").removesuffix("stages.pt")
+        for p in Path(directory).glob("intune_*stages.pt")
+    )
+    return sorted(int(n) for n in found if n.isdigit())
+
+
 def weights_path(n_stages: int, directory: Path = WEIGHTS_DIR) -> Path:
     """Where the shipped weights for an ``n_stages`` pipeline live."""
     return Path(directory) / f"intune_{n_stages}stages.pt"
@@ -134,7 +160,8 @@ class InTuneTuner:
     Args:
         weights: a weight file, a directory holding ``intune_{n}stages.pt`` files, a state
             dict from :meth:`state_dict`, or None for the weights shipped with the package
-            (chosen by pipeline length on :meth:`reset`).
+            (chosen by pipeline length on :meth:`reset`; for a length without shipped
+            weights, 1 stage or more than 8, the planner tunes alone, logged once).
         finetune: keep learning from live transitions (small replay, low epsilon).
         epsilon: exploration rate while fine-tuning (ignored otherwise); None follows the
             agent's epsilon schedule (pre-training).
@@ -180,7 +207,7 @@ class InTuneTuner:
         )
         self.reference = reference
         self.seed = seed
-        self.agent: DQNAgent | None = None
+        self.agent: DQNAgent | PlannerOnly | None = None
         self.actions: ActionSpace | None = None
         self.encoder: StateEncoder | None = None
         self.memory = MemoryModel()
@@ -310,7 +337,7 @@ class InTuneTuner:
     # -- weights --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The agent's weights (for checkpoints); empty before the first :meth:`reset`."""
-        if self.agent is None:
+        if self.agent is None or isinstance(self.agent, PlannerOnly):
             return {}
         return {"n_stages": self.actions.n_stages, "agent": self.agent.state_dict()}
 
@@ -324,7 +351,7 @@ class InTuneTuner:
         if self.finetune:
             self.agent.enable_training(seed=self.seed, config=self.config)
 
-    def _load_agent(self, n: int) -> DQNAgent:
+    def _load_agent(self, n: int) -> DQNAgent | PlannerOnly:
         src = self.weights
         if isinstance(src, Mapping):
             state = src
@@ -332,6 +359,15 @@ class InTuneTuner:
             path = Path(src) if src is not None else WEIGHTS_DIR
             if path.is_dir():
                 path = weights_path(n, path)
+            if src is None and not path.is_file():
+                lengths = shipped_lengths()
+                logger.info(
+                    "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
+                    "planner tunes this one alone", n, ", ".join(map(str, lengths)) or "none",
+                )  # fmt: skip
+                if self.plan_gain is None:
+                    self.plan_gain = PLAN_MIN_GAIN
+                return PlannerOnly()
             if not path.is_file():
                 raise FileNotFoundError(
                     f"InTuneTuner: no pre-trained weights for {n} stages at {path}; train them "
