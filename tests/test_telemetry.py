@@ -8,8 +8,8 @@ import threading
 
 from multiproc import Snapshot, StageSnapshot
 from torchtune_pipe import telemetry
-from torchtune_pipe._watch import render, watch
 from torchtune_pipe.telemetry import Bounds, ConsumerClock, Machine, Meter, observe
+from torchtune_pipe.watch import render, watch
 
 
 def _stage(name, workers, items_out, busy_ns, cpu_ns, blocked_in=0, used=0, budget=1 << 20):

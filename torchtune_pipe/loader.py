@@ -619,7 +619,7 @@ class Loader:
     def _start_watch(self) -> Any:
         if not self.progress or self._tunable is None or self.inline:
             return None
-        from ._watch import Watcher
+        from .watch import Watcher
 
         meter = self._tunable.meter
         own = telemetry.Meter(meter._snapshot, self._machine, meter.bounds, self._clock)

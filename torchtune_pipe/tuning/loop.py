@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from typing import IO
 
-from .base import Allocation, Limits, Observation, Tunable, Tuner
+from .base import Allocation, Limits, Observation, StageStats, Tunable, Tuner
 from .safety import safe
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,58 @@ def run_episode(
             break
         tunable.apply(_decide(tuner, obs, False, limits_fn))
     return trace
+
+
+_STAGE_FIELDS = (
+    "name", "workers", "min_workers", "max_workers", "items_per_s", "busy", "blocked_in",
+    "blocked_out", "buffer_bytes", "buffer_fill",
+)  # fmt: skip
+
+
+def _stage_record(s: StageStats) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k in _STAGE_FIELDS
+            if (v := getattr(s, k)) is not None}  # fmt: skip
+
+
+def read_log(path: str | os.PathLike) -> list[dict]:
+    """The decisions of a tuning log (one JSON object per line, as :class:`TuningLoop` writes
+    them); a line cut short by a writer still running is left out.
+
+    Raises:
+        ValueError: the file holds no decision.
+    """
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and "obs" in record:
+                records.append(record)
+    if not records:
+        raise ValueError(f"read_log(): {os.fspath(path)} holds no tuning decision")
+    return records
+
+
+def observation(record: dict) -> Observation:
+    """The :class:`~.base.Observation` a tuning-log record was decided on (stages unnamed
+    ``stage0``, ``stage1``... in logs written before records carried their stages)."""
+    o = record["obs"]
+    stages = o.get("stages") or [
+        {"name": f"stage{i}", "workers": w, "buffer_bytes": b, "busy": u}
+        for i, (w, b, u) in enumerate(zip(o["workers"], o["buffer_bytes"], o["busy"], strict=False))
+    ]
+    return Observation(
+        stages=tuple(StageStats(**s) for s in stages),
+        throughput=float(o["throughput"]),
+        cpus=float(o["cpus"]),
+        memory_limit_bytes=int(o["memory_limit_bytes"]),
+        memory_used_bytes=int(o["memory_used_bytes"]),
+        consumer_step_s=float(o.get("consumer_step_s", 0.0)),
+        t=float(record.get("t", 0.0)),
+        oom=bool(o.get("oom", False)),
+    )
 
 
 class TuningLoop:
@@ -241,6 +294,8 @@ class TuningLoop:
                 "buffer_bytes": list(obs.buffer_bytes),
                 "busy": [round(s.busy, 4) for s in obs.stages],
                 "oom": obs.oom,
+                "consumer_step_s": obs.consumer_step_s,
+                "stages": [_stage_record(s) for s in obs.stages],
             },
             "allocation": {
                 "workers": list(alloc.workers),
