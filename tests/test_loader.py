@@ -43,7 +43,7 @@ def _take(it, n):
 
 
 def test_ordered_loader_matches_inline_and_is_reiterable():
-    pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one, workers=2).batch(4)
+    pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one, workers=2).batch(4, collate=None)
     with pipe.loader(inline=True) as ref_loader:
         ref = list(ref_loader)
     with pipe.loader(ordered=True) as loader:
@@ -55,7 +55,7 @@ def test_ordered_loader_matches_inline_and_is_reiterable():
 
 
 def test_seeded_shuffle_is_deterministic_per_epoch_and_differs_across_epochs():
-    pipe = Pipeline.from_source(Ids()).shuffle(8, seed=3).batch(5)
+    pipe = Pipeline.from_source(Ids()).shuffle(8, seed=3).batch(5, collate=None)
     with pipe.loader(ordered=True) as loader:
         loader.set_epoch(4)
         a = list(loader)
@@ -86,7 +86,9 @@ def test_mid_epoch_resume_yields_exactly_the_rest(workers):
 
 def test_resume_after_the_allocation_changed_between_save_and_load():
     pipe = (
-        Pipeline.from_source(Ids(), workers=1, max_workers=4).map(_plus_one, max_workers=4).batch(3)
+        Pipeline.from_source(Ids(), workers=1, max_workers=4)
+        .map(_plus_one, max_workers=4)
+        .batch(3, collate=None)
     )
     with pipe.loader(inline=True) as loader:
         full = list(loader)
@@ -97,7 +99,11 @@ def test_resume_after_the_allocation_changed_between_save_and_load():
         head += _take(it, 1)
         state = loader.state_dict()
         assert loader.tunable.allocation().workers[2] == 1  # ordered: one batcher
-    wider = Pipeline.from_source(Ids(), workers=2, max_workers=4).map(_plus_one, workers=2).batch(3)
+    wider = (
+        Pipeline.from_source(Ids(), workers=2, max_workers=4)
+        .map(_plus_one, workers=2)
+        .batch(3, collate=None)
+    )
     with wider.loader(ordered=True, tuner="unoptimized") as loader:
         loader.load_state_dict(state)
         rest = list(loader)
@@ -105,7 +111,7 @@ def test_resume_after_the_allocation_changed_between_save_and_load():
 
 
 def test_unordered_resume_with_shuffle_delivers_the_missing_items_exactly_once():
-    pipe = Pipeline.from_source(Ids()).shuffle(4).map(_plus_one, workers=2).batch(4)
+    pipe = Pipeline.from_source(Ids()).shuffle(4).map(_plus_one, workers=2).batch(4, collate=None)
     with pipe.loader() as loader:
         it = iter(loader)
         head = _flat(_take(it, 3))
@@ -252,7 +258,10 @@ def test_len_needs_a_length_when_the_source_has_none():
     with pytest.raises(TypeError, match="length="):
         len(Pipeline.from_source(_Gate(threading.Event())).loader(inline=True))
     assert len(Pipeline.from_source(_Gate(None)).loader(inline=True, length=2)) == 2
-    assert len(Pipeline.from_source(Ids()).batch(4, drop_last=True).loader(inline=True)) == 7
+    assert (
+        len(Pipeline.from_source(Ids()).batch(4, drop_last=True, collate=None).loader(inline=True))
+        == 7
+    )
 
 
 def test_progress_display_runs_beside_the_epoch_and_stops_with_it():
@@ -264,7 +273,7 @@ def test_progress_display_runs_beside_the_epoch_and_stops_with_it():
 
 def test_stopping_at_len_completes_the_epoch_and_keeps_the_workers():
     """Lightning stops after len(loader) batches without asking for the end of the stream."""
-    pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one).batch(4)
+    pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one).batch(4, collate=None)
     with pipe.loader(ordered=True) as loader:
         it = iter(loader)
         first = _take(it, len(loader))

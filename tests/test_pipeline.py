@@ -6,6 +6,7 @@ import threading
 from collections import Counter
 
 import pytest
+import torch
 
 from torchtune_pipe import Pipeline, PipelineError
 from torchtune_pipe.pipeline import Work, run_inline
@@ -34,7 +35,7 @@ def _base():
         (lambda: _base().map(_double, name="source"), ["'source'", "already used"]),
         (lambda: _base().batch(0), ["batch('batch')", "size", "0"]),
         (lambda: _base().batch(4, collate=3), ["batch('batch')", "collate"]),
-        (lambda: _base().batch(4, drop_last="yes"), ["batch('batch')", "drop_last"]),
+        (lambda: _base().batch(4, drop_last="yes", collate=None), ["batch('batch')", "drop_last"]),
         (lambda: _base().shuffle(-1), ["shuffle('shuffle')", "buffer"]),
         (lambda: _base().shuffle(8, seed=1.5), ["shuffle('shuffle')", "seed"]),
         (lambda: _base().prefetch(0), ["prefetch()", "depth"]),
@@ -74,11 +75,13 @@ def test_builder_is_immutable_and_names_default_from_function():
     b = a.map(_double)
     assert [s.name for s in base.stages] == ["source"]
     assert [s.name for s in b.stages] == ["source", "_double", "_double_1"]
-    assert repr(b.batch(2).prefetch(3)).endswith("batch('batch') -> prefetch(3))")
+    assert repr(b.batch(2, collate=None).prefetch(3)).endswith("batch('batch') -> prefetch(3))")
 
 
 def test_spec_maps_stages_and_bounds_stateful_stages_in_ordered_mode():
-    pipe = _base().map(_double, workers=3, max_workers=8).shuffle(4).batch(2, workers=2)
+    pipe = (
+        _base().map(_double, workers=3, max_workers=8).shuffle(4).batch(2, workers=2, collate=None)
+    )
     kinds = [s.kind for s in pipe.spec().stages]
     assert kinds == ["source", "map", "stateful", "stateful"]
     ordered = pipe.spec(ordered=True)
@@ -100,7 +103,7 @@ def _run(pipe, epoch=0):
 
 def test_papers_order_and_common_order_both_run():
     # load -> batch -> shuffle -> UDF (on whole batches); load -> shuffle -> UDF -> batch
-    paper = _base().batch(3).shuffle(2, seed=1).map(sum, name="udf")
+    paper = _base().batch(3, collate=None).shuffle(2, seed=1).map(sum, name="udf")
     common = _base().shuffle(4, seed=1).map(_double).batch(3, collate=tuple)
     sums = _run(paper)
     assert sorted(sums) == sorted([0 + 1 + 2, 3 + 4 + 5, 6 + 7 + 8, 9])
@@ -110,8 +113,30 @@ def test_papers_order_and_common_order_both_run():
 
 
 def test_drop_last_and_seeded_shuffle_are_deterministic_per_epoch():
-    pipe = _base().shuffle(5, seed=7).batch(4, drop_last=True)
+    pipe = _base().shuffle(5, seed=7).batch(4, drop_last=True, collate=None)
     a, b, c = _run(pipe, 0), _run(pipe, 0), _run(pipe, 1)
     assert a == b
     assert [len(x) for x in a] == [4, 4]
     assert a != c or len(a) == 0
+
+
+def _sample(i):
+    return {"x": torch.full((2,), float(i)), "label": i}
+
+
+def test_batch_collates_like_torch_by_default_and_collate_none_keeps_the_list():
+    samples = [_sample(i) for i in range(10)]
+    pipe = Pipeline.from_source(samples).batch(4)
+    expected = list(torch.utils.data.DataLoader(samples, batch_size=4))
+    with pipe.loader(ordered=True) as loader:  # collated in a worker process
+        workers = list(loader)
+    with pipe.loader(inline=True) as loader:
+        inline = list(loader)
+    for got in (workers, inline):
+        assert len(got) == len(expected) == 3
+        for a, b in zip(expected, got, strict=True):
+            assert torch.equal(a["x"], b["x"]) and torch.equal(a["label"], b["label"])
+    plain = Pipeline.from_source(samples).batch(4, collate=None)
+    with plain.loader(ordered=True) as loader:
+        first = next(iter(loader))
+    assert isinstance(first, list) and len(first) == 4 and first[0]["label"] == 0

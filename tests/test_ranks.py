@@ -27,7 +27,7 @@ def _rank_main(rank: int, init_file: str, out_dir: str, inline: bool) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         src = MapDatasetSource(Squares(), entries_per_unit=8, rank=rank, world_size=2)
-        pipe = Pipeline.from_source(src).batch(4)
+        pipe = Pipeline.from_source(src).batch(4, collate=None)
         with pipe.loader(inline=inline, ordered=True, timeout_s=60) as loader:
             report = {"len": len(loader), "source_len": len(src), "epochs": []}
             for epoch in range(2):

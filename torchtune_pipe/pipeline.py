@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import cloudpickle
+from torch.utils.data import default_collate
 
 from multiproc import Batcher, ExecutorSpec, Shuffler, StageSpec
 from multiproc.reducers import DROPPED
@@ -210,14 +211,16 @@ class Pipeline:
         self,
         size: int,
         *,
-        collate: Callable[[list], Any] | None = None,
+        collate: Callable[[list], Any] | None = default_collate,
         drop_last: bool = False,
         name: str = "batch",
         workers: int = 1,
         max_workers: int = 64,
         buffer_bytes: int = 64 * MiB,
     ) -> Pipeline:
-        """Group ``size`` consecutive items and apply ``collate`` (None: a list).
+        """Group ``size`` consecutive items and apply ``collate``: torch's ``default_collate``
+        unless told otherwise (tensors stacked, dicts and tuples collated field by field, as
+        ``torch.utils.data.DataLoader`` batches), ``collate=None`` for the plain list.
 
         In ordered mode the stage runs one worker; unordered, each worker batches the items
         it receives."""
