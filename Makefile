@@ -63,6 +63,7 @@ $(TF_VENV)/.installed:
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(PY) -m mypy
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -228,7 +228,7 @@ class DataLoader:
         self.persistent_workers = persistent_workers
         self.in_order = in_order
 
-        workers = 2 if auto else num_workers
+        workers = 2 if isinstance(num_workers, str) else num_workers
         if iterable:
             self.source: Any = IterableDatasetSource(
                 dataset,

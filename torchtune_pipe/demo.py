@@ -76,6 +76,8 @@ class ClickLogs(torch.utils.data.Dataset):
 class ClickModel(nn.Module):
     """Embeddings of the hashed ids (summed) beside an MLP of the counts, then an MLP."""
 
+    offsets: torch.Tensor
+
     def __init__(self, dim: int = 16):
         super().__init__()
         self.embed = nn.EmbeddingBag(SPARSE * BUCKETS, dim, mode="sum")

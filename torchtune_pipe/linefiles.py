@@ -18,7 +18,7 @@ import random
 import time
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, BinaryIO, Literal
+from typing import Any, BinaryIO, Literal, cast
 
 from torchtune_pipe.errors import BadLinesError, SourceError
 
@@ -225,7 +225,9 @@ class LineFileSource:
         ctx = _UnitContext(self, unit)
         opener = gzip.open if unit.compressed else open
         with opener(unit.path, "rb") as f:
-            blocks = _LineBlocks(f, unit.start, math.inf if unit.compressed else unit.end)
+            blocks = _LineBlocks(
+                cast(BinaryIO, f), unit.start, math.inf if unit.compressed else unit.end
+            )
             pending: list[bytes] = []
             for lines in blocks.iter(self.read_block_bytes):
                 ctx.line_start = blocks.line_start
@@ -286,7 +288,8 @@ class _UnitContext:
                 yield items
             return
         parse_batch = self.source.parse_batch
-        keep, where = batch, range(len(batch))  # lines still in play and their batch index
+        cause: Exception
+        keep, where = batch, list(range(len(batch)))  # lines still in play, their batch index
         while keep:
             try:
                 item = parse_batch(keep)
@@ -410,7 +413,7 @@ def _expand(paths: str | os.PathLike | Sequence[str | os.PathLike], owner: str) 
     if not patterns:
         raise ValueError(f"{owner}(): paths is empty")
     files: list[str] = []
-    for pattern in map(os.fspath, patterns):
+    for pattern in (str(os.fspath(p)) for p in patterns):
         if glob.has_magic(pattern):
             matches = sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
             if not matches:

@@ -176,7 +176,9 @@ class RunningPipeline:
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):
                 ex.resize(i, a.workers[i])
-            budget = min(max(a.buffer_bytes[i], _MIN_BUDGET), st.max_buffer_bytes)
+            budget = max(a.buffer_bytes[i], _MIN_BUDGET)
+            if st.max_buffer_bytes is not None:
+                budget = min(budget, st.max_buffer_bytes)
             if budget != ex.budget(i):
                 ex.set_budget(i, budget)
 

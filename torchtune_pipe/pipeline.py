@@ -269,7 +269,7 @@ class Pipeline:
         specs = []
         for st in self.stages:
             max_w = 1 if (ordered and st.stateful) else st.max_workers
-            common = dict(
+            common: dict[str, Any] = dict(
                 workers=min(st.workers, max_w), min_workers=min(st.min_workers, max_w),
                 max_workers=max_w, buffer_bytes=st.buffer_bytes,
                 max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
@@ -278,7 +278,7 @@ class Pipeline:
             if st.kind == "source":
                 specs.append(StageSpec(st.name, "source", ReadTagged(self.source), **common))
             elif st.kind == "map":
-                specs.append(StageSpec(st.name, "map", MapTagged(st.fn), **common))
+                specs.append(StageSpec(st.name, "map", MapTagged(_fn(st)), **common))
             else:
                 specs.append(StageSpec(st.name, "stateful", TaggedReducer(_factory(st)), **common))
         return ExecutorSpec(tuple(specs), ordered=ordered, name=name)
@@ -443,6 +443,13 @@ class _PassEnds:
         return self.inner.drain()
 
 
+def _fn(st: Stage) -> Callable[[Any], Any]:
+    """A map stage's function (set for every map stage by ``Pipeline.map``)."""
+    if st.fn is None:
+        raise PipelineError(f"map({st.name!r}): the stage has no function")
+    return st.fn
+
+
 def run_inline(pipeline: Pipeline, works: list[Work], epoch: int) -> Iterator[tuple]:
     """Run the pipeline in the calling thread (no workers): the tagged stream of items."""
     read = ReadTagged(pipeline.source)
@@ -454,7 +461,7 @@ def run_inline(pipeline: Pipeline, works: list[Work], epoch: int) -> Iterator[tu
 
 def _inline_stage(st: Stage, stream: Iterator[tuple], epoch: int) -> Iterator[tuple]:
     if st.kind == "map":
-        fn = MapTagged(st.fn)
+        fn = MapTagged(_fn(st))
         for t in stream:
             try:
                 yield fn(t)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, cast
 
 # What Prefetcher.get returns at the end of the stream.
 END = object()
@@ -41,7 +41,7 @@ def transfer(
     if isinstance(obj, Mapping):
         items = {k: transfer(v, pin_memory, device, non_blocking) for k, v in obj.items()}
         try:
-            return type(obj)(items)
+            return cast(Any, type(obj))(items)
         except TypeError:
             return items
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):

@@ -162,7 +162,8 @@ class TuningCallback(Callback):
             return
         self._train = Steering(Session(self.tuner), self.interval_s, self.log_path)
         if self.tune_val:
-            self._val = Steering(Session(make_tuner(self.tuner_name)), self.interval_s, None)
+            name = self.tuner_name or ""  # tune_val=True requires the tuner by name
+            self._val = Steering(Session(make_tuner(name)), self.interval_s, None)
         # Ranks on one host split its CPUs and memory between their pipelines.
         self._share = max(1, int(trainer.num_devices)) if trainer.world_size > 1 else 1
 
@@ -195,7 +196,7 @@ class TuningCallback(Callback):
             self._t0 = None
         self._snapshot()
         self._notice_change(trainer)
-        every = self.log_every_n_steps or max(1, int(trainer.log_every_n_steps))
+        every = self.log_every_n_steps or max(1, int(getattr(trainer, "log_every_n_steps", 50)))
         if trainer.global_step % every == 0:
             self._log(trainer)
 
@@ -277,7 +278,7 @@ class TuningCallback(Callback):
         except (KeyError, TypeError):
             return
         current = loader.state_dict()
-        consumed = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        consumed = getattr(trainer.fit_loop.epoch_loop.batch_progress.current, "processed", 0)
         if current.get("finished") or current.get("delivered", 0) <= consumed:
             return
         fixed = None
