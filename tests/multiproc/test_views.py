@@ -29,6 +29,9 @@ PROPS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 
+# A 160 KB view at offset 1000 of a bigger buffer: larger than "same"'s 32 KiB per worker.
+LARGE = ("torch", "float64", 1000, [20_000], (("slice", 0, 5, None, 1),))
+
 
 @pytest.mark.parametrize(
     "make, want",
@@ -120,7 +123,7 @@ def test_nested_views_through_a_three_stage_executor(worker_type):
                 "map",
                 _fns.identity,
                 workers=2,
-                buffer_bytes=256 * 1024,
+                buffer_bytes=64 * 1024,
                 worker_type=worker_type,
             ),
             StageSpec("again", "map", _fns.identity, worker_type=worker_type),
@@ -132,10 +135,12 @@ def test_nested_views_through_a_three_stage_executor(worker_type):
         @settings(PROPS, max_examples=max(10, EXAMPLES // 3))
         @given(recipes=st.lists(payloads, min_size=1, max_size=6))
         def check(recipes):
+            recipes = [*recipes, LARGE]  # one frame bigger than a worker's whole budget
             got = list(ex.run([tuple(recipes)]))
             assert_equal(got, [build(r) for r in recipes])
 
         check()
+        assert ex.snapshot().stage("same").spilled > 0  # the spill path was taken
 
 
 def test_views_redelivered_after_a_worker_dies_keep_their_values(tmp_path):
