@@ -6,8 +6,10 @@ shared-memory arena; `loads` rebuilds the object with tensors and arrays that *v
 arena (no copy on the consumer side).
 
 torch's own pickling of a tensor goes through ``torch.save`` of its storage into a bytes
-object, which copies every payload; a ``reducer_override`` turns dense CPU tensors into a
-raw byte buffer plus (dtype, shape, stride, offset) instead.
+object, which copies every payload; a ``reducer_override`` turns dense CPU tensors into the
+raw bytes their view covers plus (dtype, shape, stride) instead. A view is never sent as its
+whole storage: what arrives is a tensor with the sender's values and strides, rebased to the
+start of its own buffer, whatever the sender's storage offset.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import io
 import pickle
 from typing import Any
 
+import numpy as np
 import torch
 
 # Buffers smaller than this stay inside the header: copying a few hundred bytes in-band is
@@ -25,6 +28,8 @@ INBAND_MAX_BYTES = 1024
 
 
 def _rebuild_tensor(buf, dtype: torch.dtype, shape, stride, offset: int, requires_grad: bool):
+    """Inverse of `_reduce_tensor`: ``buf`` holds exactly the elements the view spans, so
+    ``offset`` is 0 for every tensor this version sends (kept in the format for clarity)."""
     raw = (
         torch.frombuffer(buf, dtype=torch.uint8)
         if len(memoryview(buf))
@@ -37,39 +42,57 @@ def _rebuild_tensor(buf, dtype: torch.dtype, shape, stride, offset: int, require
     return t
 
 
+# A view that spans more than this many elements per element it holds (a column of a
+# row-major matrix, ``x[::8]``) is compacted before sending: shipping the gaps would cost more
+# than the one copy that removes them. Denser views (a row, a transpose, an expand) keep their
+# strides and send only the elements between their first and last one.
+_SPARSE_SPAN_RATIO = 2
+
+
+def _span(t: torch.Tensor) -> int:
+    """Elements of storage between the first and the last one ``t`` reads, both included.
+
+    torch strides are never negative, so the first element is at ``storage_offset()``."""
+    return 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True))
+
+
 def _reduce_tensor(t: torch.Tensor):
-    """Reduce a dense CPU tensor to its storage bytes (as a PickleBuffer) plus geometry."""
-    storage = t.untyped_storage()
-    nbytes = storage.nbytes()
-    # Only the bytes the view can touch are sent: a small view of a huge tensor must not ship
-    # the whole storage.
+    """Reduce a dense CPU tensor to the bytes it covers (a PickleBuffer) plus its geometry.
+
+    Only the slice of storage the view reads is sent, rebased to offset 0: a row of a 1 GB
+    table ships one row, and a view at a nonzero storage offset arrives with its own values.
+    Lazy conjugate and negative views are materialised (their storage holds the other values).
+    """
+    requires_grad = t.requires_grad
+    if requires_grad:
+        t = t.detach()
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
     if t.numel() == 0:
-        return _rebuild_tensor, (
-            bytearray(),
-            t.dtype,
-            tuple(t.shape),
-            tuple(t.stride()),
-            0,
-            t.requires_grad,
-        )
-    itemsize = t.element_size()
-    span = 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(), strict=True) if s > 0)
-    if span * itemsize < nbytes // 2 or not t.is_contiguous():
-        t = t.detach().contiguous()
-        storage = t.untyped_storage()
-        offset = 0
-    else:
-        offset = t.storage_offset()
+        return _rebuild_tensor, (bytearray(), t.dtype, tuple(t.shape), t.stride(), 0, requires_grad)
+    span = _span(t)
+    if span > _SPARSE_SPAN_RATIO * t.numel():
+        t = t.contiguous()
+        span = t.numel()
+    storage = t.untyped_storage()
+    start, nbytes = t.storage_offset() * t.element_size(), span * t.element_size()
     base = torch.empty(0, dtype=torch.uint8).set_(storage)
-    arr = base.numpy() if not t.requires_grad else base.detach().numpy()
+    if start or nbytes != storage.nbytes():
+        base = base[start : start + nbytes]
     return _rebuild_tensor, (
-        pickle.PickleBuffer(arr),
+        pickle.PickleBuffer(base.numpy()),
         t.dtype,
         tuple(t.shape),
         tuple(t.stride()),
-        offset,
-        t.requires_grad,
+        0,
+        requires_grad,
     )
+
+
+def _reduce_ndarray(a: np.ndarray):
+    """A non-contiguous array (a strided or reversed slice) is compacted once so that its bytes
+    travel out of band; numpy itself would pickle it through an in-band ``tobytes()`` copy."""
+    return np.ascontiguousarray(a).__reduce_ex__(5)
 
 
 def _tensor_is_plain(obj: torch.Tensor) -> bool:
@@ -87,6 +110,12 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any):
         if isinstance(obj, torch.Tensor) and _tensor_is_plain(obj):
             return _reduce_tensor(obj)
+        if (
+            type(obj) is np.ndarray
+            and not obj.dtype.hasobject
+            and not (obj.flags.c_contiguous or obj.flags.f_contiguous)
+        ):
+            return _reduce_ndarray(obj)
         return NotImplemented
 
 

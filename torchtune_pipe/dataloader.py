@@ -96,21 +96,53 @@ def _compact(obj: Any) -> Any:
 
 class _WorkerInit:
     """``StageSpec.init`` for the fetch stage: sets torch's worker info, then calls the
-    user's ``worker_init_fn(worker_index)`` (as torch does, once per worker process)."""
+    user's ``worker_init_fn(worker_index)`` (as torch does, once per worker process).
 
-    def __init__(self, source: MapDatasetSource, num_workers: int, worker_init_fn: Callable | None):
+    ``get_worker_info().seed`` is ``base_seed + index`` as in torch. With ``seed_workers``,
+    ``random``, ``torch`` and ``numpy`` are seeded from it once, at the worker's start, the way
+    torch seeds its workers (``numpy`` through torch's own ``_generate_state``)."""
+
+    def __init__(
+        self,
+        source: MapDatasetSource,
+        num_workers: int,
+        worker_init_fn: Callable | None,
+        base_seed: int,
+        seed_workers: bool,
+    ):
         self.source = source
         self.num_workers = num_workers
         self.worker_init_fn = worker_init_fn
+        self.base_seed = base_seed
+        self.seed_workers = seed_workers
 
     def __call__(self, stage_name: str, index: int) -> None:
+        import random
+
+        import numpy as np
+        import torch
         from torch.utils.data._utils import worker as torch_worker
 
+        seed = self.base_seed + index
         torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=index, num_workers=self.num_workers, seed=index, dataset=self.source.dataset
+            id=index, num_workers=self.num_workers, seed=seed, dataset=self.source.dataset
         )
+        if self.seed_workers:
+            random.seed(seed)
+            torch.manual_seed(seed)
+            np.random.seed(torch_worker._generate_state(self.base_seed, index))
         if self.worker_init_fn is not None:
             self.worker_init_fn(index)
+
+
+def _first_base_seed(generator: Any) -> int:
+    """The base seed torch's first iterator draws, read from a copy of the generator (or of
+    the global RNG) so that the sampler's order is left untouched."""
+    import torch
+
+    g = torch.Generator()
+    g.set_state(torch.get_rng_state() if generator is None else generator.get_state())
+    return int(torch.empty((), dtype=torch.int64).random_(generator=g).item())
 
 
 def _tuner(tuner: Any, auto: bool, weights: Any, options: Mapping[str, Any] | None) -> Any:
@@ -149,6 +181,12 @@ class DataLoader:
         tuning_log: file to append the tuner's decisions to (JSON lines); watch it live with
             ``torchtune-pipe watch LOG``, plot it with ``torchtune-pipe report LOG``.
         progress: show a live per-stage table (plain text without ``rich``).
+        seed_each_batch: with workers, seed ``random``, ``torch`` and ``numpy`` before each
+            batch's ``__getitem__`` calls from the epoch's base seed and the batch's position,
+            so random draws in the dataset give the same batches whatever the worker count,
+            the tuner's moves or a resume (default). ``False``: seed each worker process once,
+            at its start, with ``base_seed + worker_id`` as torch does (draws then depend on
+            which worker fetches which batch, as they do under torch).
 
     Differences from torch: workers come from a fork server (``multiprocessing_context`` is
     accepted and ignored), are kept across epochs (``persistent_workers`` is implied), and
@@ -183,6 +221,7 @@ class DataLoader:
         tuning_interval_s: float = 1.0,
         tuning_log: str | None = None,
         progress: bool = False,
+        seed_each_batch: bool = True,
     ):
         from torch.utils.data import IterableDataset
         from torch.utils.data._utils.collate import default_collate, default_convert
@@ -269,7 +308,7 @@ class DataLoader:
                 batch_sampler=batch_sampler,
                 drop_last=drop_last,
                 generator=generator,
-                seed_units=workers > 0,
+                seed_units=workers > 0 and seed_each_batch,
             )
             self.sampler = self.source.sampler
             self.batch_sampler = (
@@ -277,7 +316,13 @@ class DataLoader:
             )
         init = None
         if not iterable and workers > 0:
-            init = _WorkerInit(self.source, workers, worker_init_fn)
+            init = _WorkerInit(
+                self.source,
+                workers,
+                worker_init_fn,
+                base_seed=_first_base_seed(generator),
+                seed_workers=not seed_each_batch,
+            )
         bounded = max(1, workers)
         if auto:
             pipe = Pipeline.from_source(

@@ -70,3 +70,19 @@ def burn_2ms(x):
     while time.perf_counter() < end:
         pass
     return x
+
+
+class DieOnceOnFirst:
+    """Identity, except that the first call anywhere kills its worker (SIGKILL), once: a
+    marker file records that it happened, so the restarted worker lets items through."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, x):
+        try:
+            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return x
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,84 @@
+"""What "the same batches" means when ``__getitem__`` draws random numbers."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from torchtune_pipe import DataLoader
+
+from ._compare import assert_same
+
+
+class Noisy(Dataset):
+    """A random augmentation: draws from torch, numpy and random for every sample."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        return {
+            "i": i,
+            "torch": torch.rand(2),
+            "numpy": np.random.rand(2),
+            "random": random.random(),
+        }
+
+
+class Seeds(Dataset):
+    def __len__(self):
+        return 12
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return (info.id, info.seed)
+
+
+def _batches(cls, workers, seed=3, **kw):
+    g = torch.Generator().manual_seed(seed)
+    with DataLoader(cls(), batch_size=4, shuffle=True, generator=g, num_workers=workers, **kw) as d:
+        return list(d)
+
+
+def _torch(cls, workers, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return list(
+        torch.utils.data.DataLoader(
+            cls(), batch_size=4, shuffle=True, generator=g, num_workers=workers
+        )
+    )
+
+
+def test_random_draws_do_not_depend_on_the_worker_count():
+    """Default: each batch is seeded from the epoch's base seed and its position."""
+    one = _batches(Noisy, 1)
+    for workers in (2, "auto"):
+        got = _batches(Noisy, workers)
+        for a, b in zip(one, got, strict=True):
+            assert_same(a, b)
+    assert not torch.equal(one[0]["torch"], one[1]["torch"])  # batches draw different numbers
+
+
+def test_seeding_each_worker_once_is_torchs_seeding():
+    """``seed_each_batch=False``: one stream per worker, seeded as torch seeds its workers, so
+    a single worker draws exactly torch's numbers (torch, numpy and random)."""
+    want = _torch(Noisy, 1)
+    got = _batches(Noisy, 1, seed_each_batch=False)
+    for a, b in zip(want, got, strict=True):
+        assert_same(a, b)
+
+
+@pytest.mark.parametrize("seed_each_batch", [True, False])
+def test_worker_info_seed_is_torchs(seed_each_batch):
+    """``get_worker_info().seed`` is ``base_seed + id``, the base seed torch draws."""
+    want = {tuple(x.tolist()) for b in _torch(Seeds, 2) for x in torch.stack(b, 1)}
+    got = {
+        tuple(x.tolist())
+        for b in _batches(Seeds, 2, seed_each_batch=seed_each_batch)
+        for x in torch.stack(b, 1)
+    }
+    assert got <= want and len(want) == 2
