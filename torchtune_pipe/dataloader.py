@@ -72,28 +72,6 @@ class _Collated:
             yield k, self.collate(data)
 
 
-def _compact(obj: Any) -> Any:
-    """``obj`` with every tensor that views a larger storage copied out of it.
-
-    Samples cross from the fetch to the collate stage uncollated, and pickling a tensor sends
-    its whole storage: a ``TensorDataset`` sample (a row viewing the full data tensor) would
-    carry the entire dataset with every sample.
-    """
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        big = obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()
-        return obj.clone() if big else obj
-    # Exact types only: a subclass (namedtuple, OrderedDict...) reaches collate as it is.
-    if type(obj) is list:
-        return [_compact(x) for x in obj]
-    if type(obj) is tuple:
-        return tuple(_compact(x) for x in obj)
-    if type(obj) is dict:
-        return {k: _compact(v) for k, v in obj.items()}
-    return obj
-
-
 class _WorkerInit:
     """``StageSpec.init`` for the fetch stage: sets torch's worker info, then calls the
     user's ``worker_init_fn(worker_index)`` (as torch does, once per worker process).
@@ -325,9 +303,7 @@ class DataLoader:
             )
         bounded = max(1, workers)
         if auto:
-            pipe = Pipeline.from_source(
-                _Collated(self.source, _compact), name="fetch", workers=1, init=init
-            )
+            pipe = Pipeline.from_source(self.source, name="fetch", workers=1, init=init)
             pipe = pipe.map(_Collate(collate_fn), name="collate", workers=1)
         else:
             pipe = Pipeline.from_source(
