@@ -68,6 +68,7 @@ class Contender:
     workers: int = 0
     tuner: str | None = None
     python: str | None = None
+    module: str = "benchmarks._peers_fns"  # the child's entry point (``-m module SPEC``)
 
 
 @dataclass
@@ -172,7 +173,7 @@ def child_command(c: Contender, spec_path: str, env: dict) -> tuple[list[str], d
     """
     if c.python is not None:
         return [c.python, str(TF_SCRIPT), spec_path], dict(env, PYTHONPATH=str(REPO))
-    return [sys.executable, "-m", "benchmarks._peers_fns", spec_path], env
+    return [sys.executable, "-m", c.module, spec_path], env
 
 
 def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> dict:
