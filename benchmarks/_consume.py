@@ -6,6 +6,8 @@ torch tools (``_peers_fns.py``).
 
 from __future__ import annotations
 
+import json
+import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -55,3 +57,22 @@ def consume(
     except Exception:  # reported in the result: a crash is a benchmark outcome
         error = traceback.format_exc(limit=4)
     return {"times": times, "rows": rows, "error": error, "stop": stop}
+
+
+def run_child(spec_path: str, build: Build, rows_of: Callable[[Any], int], warm=None) -> int:
+    """A contender process: read the spec, ``warm(spec)`` before the clock starts, consume,
+    write the result (before shutdown, so a tool that hangs on shutdown still reports), stop
+    the tool. Returns the exit status (3: the tool failed)."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    if warm is not None:
+        warm(spec)
+    result = consume(spec, build, rows_of)
+    stop = result.pop("stop")
+    tmp = spec["out"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f)
+    os.replace(tmp, spec["out"])
+    if stop is not None:
+        stop()
+    return 0 if result["error"] is None else 3

@@ -8,7 +8,6 @@ order, batch size and collate; only how the work is executed differs.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -115,17 +114,7 @@ def build(spec: dict) -> tuple[Callable[[int], Iterator[Any]], Callable[[], None
 
 def main(argv: list[str]) -> int:
     """Entry point: ``python -m benchmarks._mapstyle_fns SPEC.json``."""
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    result = _consume.consume(spec, build, lambda batch: int(batch[1].shape[0]))
-    stop = result.pop("stop")
-    tmp = spec["out"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, spec["out"])
-    if stop is not None:
-        stop()
-    return 0 if result["error"] is None else 3
+    return _consume.run_child(argv[0], build, lambda batch: int(batch[1].shape[0]))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ TorchRec ``Batch``. The parent process measures memory and CPU of the process tr
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -220,19 +219,8 @@ def consume(spec: dict, clock: Callable[[], float] = time.perf_counter) -> dict:
 
 def main(argv: list[str]) -> int:
     """Entry point: ``python -m benchmarks._peers_fns SPEC.json``."""
-    with open(argv[0]) as f:
-        spec = json.load(f)
-    warm_imports(spec["tool"])
-    result = consume(spec)
-    stop = result.pop("stop")
-    # Written before shutdown, so a tool that hangs on shutdown still reports its numbers.
-    tmp = spec["out"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(result, f)
-    os.replace(tmp, spec["out"])
-    if stop is not None:
-        stop()
-    return 0 if result["error"] is None else 3
+    rows_of = lambda batch: int(batch.labels.shape[0])  # noqa: E731
+    return _consume.run_child(argv[0], build, rows_of, lambda spec: warm_imports(spec["tool"]))
 
 
 if __name__ == "__main__":
