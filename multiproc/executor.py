@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from . import channel, pool, stats
+from . import channel, lifetime, pool, stats
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
@@ -191,12 +191,6 @@ class Executor:
         self._cond = threading.Condition(self._lock)
         self._commands: collections.deque = collections.deque()
         self._sink_frees: collections.deque = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        # Guards the write end: a finalizer may wake a closed executor from any thread, and a
-        # write to a closed descriptor number could land in whatever file reused it.
-        self._wake_guard: list = [threading.Lock(), True]  # lock, open
-        self._counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
         self._free_slots = list(range(_MAX_SLOTS - 1, -1, -1))
         self._wids = itertools.count()
         self._frame_ids = itertools.count()
@@ -204,10 +198,27 @@ class Executor:
         self._by_seg: dict[str, int] = {}
         self._seg_refs: collections.Counter = collections.Counter()
         self._segments: set[str] = set()
+        self._cache = channel.MappingCache()
+        # Everything to give back, reachable by the finalizer from the first resource on: a
+        # Ctrl-C anywhere below still releases what was made before it.
+        self._res = pool.Resources(os.getpid(), self._workers, self._segments, self._cache)
+        self._finalizer = weakref.finalize(self, self._res.release)
+        try:
+            self._start()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start(self) -> None:
+        spec = self.spec
+        res = self._res
+        res.wake_r, res.wake_w = os.pipe()
+        os.set_blocking(res.wake_w, False)
+        res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
+        self._counters = res.counters
         self._stages = [
             _StageState(i, s.workers, s.buffer_bytes) for i, s in enumerate(spec.stages)
         ]
-        self._cache = channel.MappingCache()
         self._run: _Run | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -218,10 +229,15 @@ class Executor:
         self._sizes: dict = {}  # (segment, offset) -> bytes
         self._pending_free: dict = {}  # wid -> offsets to send
         self._pending_count: collections.Counter = collections.Counter()  # wid -> frames queued
+        # The router holds the executor weakly (see _route): an executor nobody references is
+        # collected, and its finalizer stops the workers.
         self._thread = threading.Thread(
-            target=self._router, name=f"multiproc-router-{self._tag}", daemon=True
+            target=Executor._route,
+            args=(weakref.ref(self), res.stop),
+            name=f"multiproc-router-{self._tag}",
+            daemon=True,
         )
-        self._finalizer = weakref.finalize(self, Executor._finalize, self._shutdown_state())
+        res.router = self._thread
         with self._lock:
             for st in self._stages:
                 for _ in range(st.target):
@@ -297,6 +313,8 @@ class Executor:
         """All counters now, without stopping anything."""
         now = time.monotonic_ns()
         with self._lock:
+            if self._closed:
+                raise self._closed_error("snapshot()")
             stages = []
             for st in self._stages:
                 rows = [
@@ -334,7 +352,12 @@ class Executor:
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
 
     def close(self, timeout_s: float = 2.0) -> None:
-        """Stop every worker (within ``timeout_s``) and remove every shared-memory segment."""
+        """Stop every worker (within ``timeout_s``) and remove every shared-memory segment.
+
+        Does nothing in a process forked from the owner (which shares none of its threads).
+        """
+        if not lifetime.is_owner(self._res.pid):
+            return
         with self._lock:
             if self._closed:
                 return
@@ -353,12 +376,13 @@ class Executor:
 
     # ---------------------------------------------------------------- consumer side
     def _iterate(self, run: _Run) -> Iterator[Any]:
+        release = self._sink_release()
         try:
             while True:
                 payload = self._next_frame(run)
                 if payload is None:
                     return
-                items = channel.decode(payload, self._cache, self._release_sink)
+                items = channel.decode(payload, self._cache, release)
                 self._delivered_frames += 1
                 for x in items:
                     self._delivered_items += 1
@@ -375,6 +399,9 @@ class Executor:
     def _next_frame(self, run: _Run):
         with self._cond:
             while True:
+                if self._closed and not run.finished:
+                    # Its frames live in segments the close removed.
+                    raise self._closed_error("iterating a run")
                 if self._error is not None:
                     raise self._error
                 if run.sink:
@@ -386,17 +413,25 @@ class Executor:
                     return frame.payload
                 if run.finished:
                     return None
-                if self._closed:
-                    raise ExecutorClosedError("the executor was closed while iterating")
                 # Woken by the router on every delivery; the timeout only re-checks liveness.
                 self._cond.wait(1.0)
                 if not self._thread.is_alive() and self._error is None and not run.finished:
                     self._error = ExecutorError("the executor's router thread ended unexpectedly")
 
-    def _release_sink(self, ref: channel.ShmRef) -> None:
-        # Called by a finalizer in whatever thread dropped the last reference.
-        self._sink_frees.append((ref.segment, ref.offset))
-        self._wake()
+    def _sink_release(self):
+        """The release callback of delivered frames: holds the executor weakly (a tensor the
+        user keeps must not keep the workers alive) and ignores a forked child's releases."""
+        me = weakref.ref(self)
+        frees, res = self._sink_frees, self._res
+
+        def release(ref: channel.ShmRef) -> None:
+            # Runs from a finalizer in whatever thread dropped the last reference.
+            if me() is None or not lifetime.is_owner(res.pid):
+                return
+            frees.append((ref.segment, ref.offset))
+            res.wake()
+
+        return release
 
     # ---------------------------------------------------------------- helpers
     def _stage_index(self, stage: str | int) -> int:
@@ -409,9 +444,17 @@ class Executor:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ExecutorClosedError("the executor is closed; create a new one")
+            raise self._closed_error("this call")
         if self._error is not None:
             raise self._error
+
+    def _closed_error(self, what: str) -> ExecutorClosedError:
+        why = f" after {type(self._error).__name__}: {self._error}" if self._error else ""
+        e = ExecutorClosedError(
+            f"Executor: {what} after close(): the executor was closed{why}; create a new one"
+        )
+        e.__cause__ = self._error
+        return e
 
     def _command(self, cmd) -> None:
         with self._lock:
@@ -420,57 +463,10 @@ class Executor:
         self._wake()
 
     def _wake(self) -> None:
-        lock, _ = self._wake_guard
-        with lock:
-            if not self._wake_guard[1]:
-                return  # closed
-            try:
-                os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):
-                pass  # pipe full: already woken
+        self._res.wake()
 
     def _send(self, h: pool.WorkerHandle, msg) -> None:
         h.post(msg)
-
-    def _shutdown_state(self):
-        return (
-            self._workers,
-            self._segments,
-            self._counters,
-            self._wake_r,
-            self._wake_w,
-            self._wake_guard,
-            self._cache,
-        )
-
-    @staticmethod
-    def _finalize(state) -> None:
-        workers, segments, counters, wake_r, wake_w, wake_guard, cache = state
-        for h in list(workers.values()):
-            if h.alive():
-                h.post(("exit",))
-            h.post(None)  # the sender thread ends after delivering "exit"
-        deadline = time.monotonic() + 1.5
-        for h in list(workers.values()):
-            pool.stop_worker(h, max(0.0, deadline - time.monotonic()))
-            if h.sender is not None:
-                h.sender.join(max(0.0, deadline - time.monotonic()))
-            try:
-                h.conn.close()
-            except Exception:
-                pass
-        for name in list(segments):
-            channel.unlink_segment(name)
-        segments.clear()
-        cache.clear()
-        counters.close(unlink=True)
-        with wake_guard[0]:
-            wake_guard[1] = False
-            for fd in (wake_r, wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
     # ---------------------------------------------------------------- worker lifecycle
     def _spawn(self, stage: int) -> None:
@@ -482,13 +478,7 @@ class Executor:
         slot = self._free_slots.pop()
         seg_name = f"ttp_{self._tag}_w{wid}"
         size = s.max_buffer_bytes
-        fd = os.open(
-            os.path.join(channel.SHM_DIR, seg_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600
-        )
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+        channel.create_segment(seg_name, size)
         self._segments.add(seg_name)
         index = sum(1 for h in self._workers.values() if h.stage == stage)
         h = pool.WorkerHandle(wid, stage, index, slot, seg_name, thread=s.worker_type == "thread")
@@ -633,7 +623,7 @@ class Executor:
         wid = self._by_seg.get(seg)
         h = self._workers.get(wid)
         if h is not None and not h.alive() and self._seg_refs[seg] <= 0:
-            channel.unlink_segment(seg)
+            channel.remove_segment(seg)
             self._segments.discard(seg)
             self._cache.drop(seg)
             # Consumers still map it; their mapping keeps its pages alive until dropped.
@@ -917,73 +907,96 @@ class Executor:
         return exc
 
     # ---------------------------------------------------------------- the router loop
-    def _router(self) -> None:
+    @staticmethod
+    def _route(ref: weakref.ref, stop: threading.Event) -> None:
+        """The router thread: holds the executor only while it handles events, never while it
+        waits, so that dropping the last reference elsewhere collects the executor."""
+        ex = ref()
         try:
-            self._router_loop()
+            while ex is not None and not stop.is_set():
+                waitables, handles = ex._waitables()
+                if waitables is None:
+                    return
+                del ex  # may run the finalizer here, in this thread: it sets ``stop``
+                if stop.is_set():
+                    return
+                # No timeout: every event that matters (a message, a death, a command, a
+                # release by the consumer, the finalizer) makes one of these ready.
+                ready = mp_wait(waitables)
+                if stop.is_set():
+                    return
+                ex = ref()
+                if ex is None or not ex._on_ready(ready, handles):
+                    return
         except BaseException as e:  # make the consumer see it instead of hanging
+            ex = ref()
+            if ex is None or stop.is_set():
+                return
             log.debug("router failed", exc_info=True)
-            with self._cond:
-                if self._error is None:
-                    self._error = e
-                self._cond.notify_all()
+            with ex._cond:
+                if ex._error is None:
+                    ex._error = e
+                ex._cond.notify_all()
 
-    def _router_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                handles = [h for h in self._workers.values() if h.alive()]
-            waitables = [self._wake_r]
-            for h in handles:
-                waitables.append(h.conn)
-                if h.sentinel is not None:
-                    waitables.append(h.sentinel)
-            # No timeout: every event that matters (a message, a death, a command, a release
-            # by the consumer) makes one of these ready.
-            ready = mp_wait(waitables)
-            with self._cond:
-                if self._closed:
-                    return
-                if self._wake_r in ready:
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                conn_of = {id(h.conn): h for h in handles}
-                sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
-                dead = []
-                for r in ready:
-                    if r == self._wake_r:
-                        continue
-                    h = conn_of.get(id(r))
-                    if h is not None:
-                        self._drain_conn(h, dead)
-                        continue
-                    h = sent_of.get(r)
-                    if h is not None:
-                        # Read what it sent before dying: committed work counts.
-                        self._drain_conn(h, dead)
-                        if h not in dead:
-                            dead.append(h)
-                for h in dead:
-                    if h.alive() or h.state == "gone":
-                        self._finish_worker(h)
-                while self._commands:
-                    cmd = self._commands.popleft()
-                    if cmd[0] == "resize":
-                        self._resize(cmd[1], cmd[2])
-                    elif cmd[0] == "budget":
-                        self._stages[cmd[1]].budget = cmd[2]
-                        self._rebudget(cmd[1])
-                while self._sink_frees:
-                    seg, off = self._sink_frees.popleft()
-                    self._free(seg, off)
-                if self._error is None:
-                    self._dispatch()
-                    self._check_progress()
-                self._flush_frees()
-                if self._error is not None:
-                    self._cond.notify_all()
+    def _waitables(self) -> tuple[list | None, list]:
+        with self._lock:
+            if self._closed:
+                return None, []
+            handles = [h for h in self._workers.values() if h.alive()]
+        waitables = [self._res.wake_r]
+        for h in handles:
+            waitables.append(h.conn)
+            if h.sentinel is not None:
+                waitables.append(h.sentinel)
+        return waitables, handles
+
+    def _on_ready(self, ready: list, handles: list) -> bool:
+        """Handle what woke the router; False when the executor is closed."""
+        wake_r = self._res.wake_r
+        with self._cond:
+            if self._closed:
+                return False
+            if wake_r in ready:
+                try:
+                    os.read(wake_r, 65536)
+                except BlockingIOError:
+                    pass
+            conn_of = {id(h.conn): h for h in handles}
+            sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
+            dead = []
+            for r in ready:
+                if r == wake_r:
+                    continue
+                h = conn_of.get(id(r))
+                if h is not None:
+                    self._drain_conn(h, dead)
+                    continue
+                h = sent_of.get(r)
+                if h is not None:
+                    # Read what it sent before dying: committed work counts.
+                    self._drain_conn(h, dead)
+                    if h not in dead:
+                        dead.append(h)
+            for h in dead:
+                if h.alive() or h.state == "gone":
+                    self._finish_worker(h)
+            while self._commands:
+                cmd = self._commands.popleft()
+                if cmd[0] == "resize":
+                    self._resize(cmd[1], cmd[2])
+                elif cmd[0] == "budget":
+                    self._stages[cmd[1]].budget = cmd[2]
+                    self._rebudget(cmd[1])
+            while self._sink_frees:
+                seg, off = self._sink_frees.popleft()
+                self._free(seg, off)
+            if self._error is None:
+                self._dispatch()
+                self._check_progress()
+            self._flush_frees()
+            if self._error is not None:
+                self._cond.notify_all()
+        return True
 
     def _drain_conn(self, h: pool.WorkerHandle, dead: list) -> None:
         try:
@@ -1010,6 +1023,6 @@ class Executor:
         if h.state == "retiring" and not h.inflight and not h.held:
             self._on_gone(h, died=False)
             return
-        if self._closed:
+        if self._closed or self._res.stop.is_set():
             return
         self._on_gone(h, died=True, why=why)

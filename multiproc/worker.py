@@ -23,7 +23,7 @@ import traceback
 
 import cloudpickle
 
-from . import channel, reducers, stats
+from . import channel, lifetime, reducers, stats
 from .channel import Allocator, MappingCache, Segment
 
 _ns = time.perf_counter_ns
@@ -385,12 +385,15 @@ class _Worker:
         self.counters.close(unlink=False)
 
 
-def worker_main(conn, *args, is_thread: bool = False) -> None:
-    """Entry point of a worker (process target or thread target)."""
+def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> None:
+    """Entry point of a worker (process target or thread target); a process worker ends
+    when the executor's process ``owner_pid`` does, however that one ends."""
     if not is_thread:
         # Ctrl-C goes to the whole process group; the consumer decides what happens, and the
         # executor stops workers. A worker dying of SIGINT would look like a crash.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if owner_pid:
+            lifetime.die_with_owner(owner_pid)
     w = None
     try:
         w = _Worker(conn, *args)
