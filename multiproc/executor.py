@@ -356,6 +356,9 @@ class Executor:
 
         Does nothing in a process forked from the owner (which shares none of its threads).
         """
+        if self._res.stop.is_set():
+            self._closed = True  # released already (at interpreter exit, module globals may
+            return  # be gone by the time a leftover run iterator is collected)
         if not lifetime.is_owner(self._res.pid):
             return
         with self._lock:
