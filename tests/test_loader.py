@@ -347,3 +347,96 @@ def test_forked_children_never_run_the_loaders_finalizers():
     r = _subproc.run(_FORKED_GC.format(reps=20), timeout_s=120)
     assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr[-3000:]
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr[-3000:]
+
+
+def test_a_new_iter_starts_a_new_epoch_and_the_old_iterator_says_so():
+    pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one)
+    with pipe.loader() as loader:
+        first = iter(loader)
+        _take(first, 3)
+        peek = next(iter(loader))  # a peek at a batch, as users do
+        assert peek in range(1, 31)
+        with pytest.raises(RuntimeError, match="ended by a new iter"):
+            next(first)
+        assert sorted(loader) == list(range(1, 31))  # a fresh, complete epoch
+
+
+class _Entered(_Gate):
+    """Says when a reader waits at the gate."""
+
+    def __init__(self, event):
+        super().__init__(event)
+        self.entered = threading.Event()
+
+    def read(self, unit):
+        yield 1
+        self.entered.set()
+        self.event.wait(10)
+        yield 2
+
+
+def test_two_threads_on_one_loader_get_a_clear_error():
+    gate = threading.Event()
+    source = _Entered(gate)
+    loader = Loader(Pipeline.from_source(source), inline=True)
+    it = iter(loader)
+    assert next(it) == 1
+    got = []
+    t = threading.Thread(target=lambda: got.append(next(it)))
+    t.start()
+    assert source.entered.wait(10)  # the other thread is inside next(), at the gate
+    try:
+        with pytest.raises(RuntimeError, match="two threads"):
+            next(it)
+        with pytest.raises(RuntimeError, match="another thread"):
+            iter(loader)
+    finally:
+        gate.set()
+        t.join(10)
+    assert got == [2]
+    loader.close()
+
+
+def test_an_unreferenced_loader_stops_its_workers_without_the_collector():
+    import psutil
+
+    loader = Pipeline.from_source(Ids(), workers=2).map(_plus_one).loader()
+    assert sorted(loader) == list(range(1, 31))  # the workers stay up for the next epoch
+    snap = loader._executor.snapshot(per_worker=True)
+    procs = [psutil.Process(w.pid) for s in snap.stages for w in s.per_worker]
+    gc.disable()
+    try:
+        del loader, snap
+        _, alive = psutil.wait_procs(procs, timeout=5)
+        assert not alive, f"workers of a dropped loader still run: {alive}"
+    finally:
+        gc.enable()
+
+
+_NO_CLOSE = """
+from torchtune_pipe import Pipeline
+
+pipe = Pipeline.from_source(list(range(300)), workers=2).map(abs, workers=2)
+kept = pipe.loader()
+assert sorted(kept) == list(range(300))  # workers kept for the next epoch
+half = pipe.loader()
+it = iter(half)
+next(it)  # an epoch left half-way
+print("done", flush=True)
+"""
+
+
+def test_a_script_that_never_closes_exits_silently_and_cleanly():
+    from . import _subproc
+
+    p = _subproc.start(_NO_CLOSE)
+    pids: set[int] = set()
+    try:
+        assert p.stdout.readline().strip() == "done", p.stderr.read()
+        pids = _subproc.tree(p.pid)
+        _, err = p.communicate(timeout=30)
+        assert p.returncode == 0 and err == "", err
+        left, segs = _subproc.wait_gone(pids, p.pid, within_s=5.0)
+        assert not left and not segs, (left, segs)
+    finally:
+        _subproc.cleanup(pids | {p.pid}, p.pid)
