@@ -101,3 +101,26 @@ def cleanup(pids: set[int], pid: int) -> None:
             os.unlink(os.path.join(SHM, name))
         except OSError:
             pass
+
+
+def leftovers(
+    code: str, ready: str, sig: int | None = None, within_s: float = 5.0
+) -> tuple[int, str, set[int], set[str]]:
+    """Run ``code`` until it prints the line ``ready``, send it ``sig`` (None: let it exit
+    by itself), and report its exit status, its stderr, and the processes of its tree and
+    segments of its pid still there ``within_s`` after it ended."""
+    p = start(code)
+    pids: set[int] = set()
+    try:
+        line = p.stdout.readline().strip()
+        assert line == ready, f"expected {ready!r}, got {line!r}: {p.stderr.read()[-3000:]}"
+        pids = tree(p.pid)
+        if sig is not None:
+            p.send_signal(sig)
+        _, err = p.communicate(timeout=30)
+        left, segs = wait_gone(pids, p.pid, within_s)
+        return p.returncode, err, left, segs
+    finally:
+        cleanup(pids | {p.pid}, p.pid)
+        if p.returncode is None:
+            p.communicate()

@@ -429,14 +429,6 @@ print("done", flush=True)
 def test_a_script_that_never_closes_exits_silently_and_cleanly():
     from . import _subproc
 
-    p = _subproc.start(_NO_CLOSE)
-    pids: set[int] = set()
-    try:
-        assert p.stdout.readline().strip() == "done", p.stderr.read()
-        pids = _subproc.tree(p.pid)
-        _, err = p.communicate(timeout=30)
-        assert p.returncode == 0 and err == "", err
-        left, segs = _subproc.wait_gone(pids, p.pid, within_s=5.0)
-        assert not left and not segs, (left, segs)
-    finally:
-        _subproc.cleanup(pids | {p.pid}, p.pid)
+    code, err, left, segs = _subproc.leftovers(_NO_CLOSE, "done")
+    assert code == 0 and err == "", err
+    assert not left and not segs, (left, segs)

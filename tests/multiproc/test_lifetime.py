@@ -39,21 +39,11 @@ next(it)
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_owner_leaves_no_process_and_no_segment(sig):
-    p = _subproc.start(_BUSY)
-    pids: set[int] = set()
-    try:
-        assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        pids = _subproc.tree(p.pid)
-        assert len(pids) >= 5  # the owner, fork server, resource tracker, four workers
-        assert _subproc.segments(p.pid)
-        p.send_signal(sig)
-        p.wait(10)
-        left, segs = _subproc.wait_gone(pids, p.pid, within_s=5.0)
-        assert not left, f"still running 5 s after {sig.name}: {left}"
-        assert not segs, f"segments left 5 s after {sig.name}: {sorted(segs)}"
-    finally:
-        _subproc.cleanup(pids | {p.pid}, p.pid)
-        p.communicate()
+    """Killed while a UDF spins: the workers, the fork server and the resource tracker end,
+    and the tracker unlinks every segment, with no other executor starting."""
+    _, err, left, segs = _subproc.leftovers(_BUSY, "ready", sig)
+    assert not left, f"still running 5 s after {sig.name}: {left}"
+    assert not segs, f"segments left 5 s after {sig.name}: {sorted(segs)}"
 
 
 _STARTING = """
@@ -111,17 +101,9 @@ print("done", flush=True)
 
 
 def test_exit_without_close_is_silent_and_clean():
-    p = _subproc.start(_NO_CLOSE)
-    pids: set[int] = set()
-    try:
-        assert p.stdout.readline().strip() == "done", p.stderr.read()
-        pids = _subproc.tree(p.pid)
-        out, err = p.communicate(timeout=20)
-        assert p.returncode == 0 and err == "", err
-        left, segs = _subproc.wait_gone(pids, p.pid, within_s=5.0)
-        assert not left and not segs, (left, segs)
-    finally:
-        _subproc.cleanup(pids | {p.pid}, p.pid)
+    code, err, left, segs = _subproc.leftovers(_NO_CLOSE, "done")
+    assert code == 0 and err == "", err
+    assert not left and not segs, (left, segs)
 
 
 def test_an_unreferenced_executor_stops_its_workers():
