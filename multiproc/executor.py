@@ -38,9 +38,12 @@ from .errors import (
     RemoteTraceback,
     SpecError,
     StageError,
+    StageTimeoutError,
+    TooManyErrorsError,
     WorkerDiedError,
 )
-from .spec import ExecutorSpec, check_picklable
+from .spec import ExecutorSpec, check_picklable, too_many_errors
+from .worker import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,25 @@ class _StageState:
     out_counter: int = 0
     slots: set = field(default_factory=set)
     retired: Any = None  # counters of workers that are gone, summed
+    skipped: int = 0  # items dropped under on_error="skip"
+    last_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=3))
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A worker inside its stage function now (see :meth:`Executor.busy`)."""
+
+    stage: str
+    worker: int
+    pid: int
+    seconds: float  # in the function, on this frame or unit
+    work: str  # the item, frame or unit, in words
+
+    def __str__(self) -> str:
+        return (
+            f"stage {self.stage!r} worker {self.worker} (pid {self.pid}) has been in its "
+            f"function for {self.seconds:.1f} s on {self.work}"
+        )
 
 
 class _Run:
@@ -350,6 +372,38 @@ class Executor:
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
+
+    def busy(self, min_s: float = 0.0) -> list[Busy]:
+        """The workers inside their stage function for at least ``min_s`` now, longest
+        first: which stage, worker, for how long, on which item or unit. What to look at when
+        nothing comes out."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error("busy()")
+            return self._busy(time.monotonic_ns(), min_s)
+
+    def _busy(self, now: int, min_s: float, stages: set | None = None) -> list[Busy]:
+        out = []
+        for h in self._workers.values():
+            if not h.alive() or (stages is not None and h.stage not in stages):
+                continue
+            row = self._counters.row(h.slot)
+            since, work_id, item = (int(v) for v in row[stats.IN_FN_SINCE_NS : stats.WORK_ITEM + 1])
+            secs = (now - since) / 1e9
+            if not since or secs < min_s:
+                continue
+            out.append(Busy(self._names[h.stage], h.wid, h.pid, secs, self._work(h, work_id, item)))
+        return sorted(out, key=lambda b: -b.seconds)
+
+    def _work(self, h: pool.WorkerHandle, work_id: int, item: int) -> str:
+        if not work_id:
+            return "its current work"
+        held = h.inflight.get(work_id - 1)
+        if isinstance(held, _Unit):
+            at = f", item {item - 1}" if item else ""
+            return f"work unit {short_repr(held.unit)}{at}"
+        at = f"item {item - 1} of " if item else ""
+        return f"{at}frame {work_id - 1}"
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop every worker (within ``timeout_s``) and remove every shared-memory segment.
@@ -873,8 +927,31 @@ class Executor:
         elif kind == "error":
             _, _, fid, exc_bytes, tname, text, tb, where = msg
             self._error = self._make_error(s.name, h, exc_bytes, tname, text, tb, where)
+        elif kind == "skipped":
+            self._on_skipped(h, *msg[2:])
         else:
             raise ExecutorError(f"unknown message {kind!r} from stage {s.name!r} worker {h.wid}")
+
+    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str) -> None:
+        """Count a skip (on_error='skip'); log the first; past max_errors, fail the run."""
+        s = self.spec.stages[h.stage]
+        st = self._stages[h.stage]
+        st.skipped += 1
+        st.last_errors.append(f"worker {h.wid}, {where}: {tname}: {text}")
+        if st.skipped == 1:
+            log.warning(
+                "stage %r skipped an item (on_error='skip'; more are counted in the stage's "
+                "errors): worker %d, %s: %s: %s", s.name, h.wid, where, tname, text,
+            )  # fmt: skip
+        items_in = sum(int(self._counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
+        if st.retired is not None:
+            items_in += int(st.retired[stats.ITEMS_IN])
+        if self._error is None and too_many_errors(st.skipped, items_in, s.max_errors):
+            last = "; ".join(st.last_errors)
+            self._error = TooManyErrorsError(
+                f"stage {s.name!r}: {st.skipped} items skipped of {items_in} taken in, more "
+                f"than max_errors={s.max_errors!r} allows; last errors: {last}"
+            )
 
     def _drain_all_reorders(self) -> None:
         run = self._run
@@ -917,15 +994,16 @@ class Executor:
         ex = ref()
         try:
             while ex is not None and not stop.is_set():
-                waitables, handles = ex._waitables()
+                waitables, handles, timeout = ex._waitables()
                 if waitables is None:
                     return
                 del ex  # may run the finalizer here, in this thread: it sets ``stop``
                 if stop.is_set():
                     return
-                # No timeout: every event that matters (a message, a death, a command, a
-                # release by the consumer, the finalizer) makes one of these ready.
-                ready = mp_wait(waitables)
+                # Every event that matters (a message, a death, a command, a release by the
+                # consumer, the finalizer) makes one of these ready; the timeout is only the
+                # deadline of a stage's timeout_s.
+                ready = mp_wait(waitables, timeout)
                 if stop.is_set():
                     return
                 ex = ref()
@@ -941,17 +1019,46 @@ class Executor:
                     ex._error = e
                 ex._cond.notify_all()
 
-    def _waitables(self) -> tuple[list | None, list]:
+    def _waitables(self) -> tuple[list | None, list, float | None]:
         with self._lock:
             if self._closed:
-                return None, []
+                return None, [], None
             handles = [h for h in self._workers.values() if h.alive()]
+            timeout = self._next_deadline_s(handles)
         waitables = [self._res.wake_r]
         for h in handles:
             waitables.append(h.conn)
             if h.sentinel is not None:
                 waitables.append(h.sentinel)
-        return waitables, handles
+        return waitables, handles, timeout
+
+    def _next_deadline_s(self, handles: list) -> float | None:
+        """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
+        if self._error is not None:
+            return None
+        now = time.monotonic_ns()
+        soonest = None
+        for h in handles:
+            limit = self.spec.stages[h.stage].timeout_s
+            if limit is None or not h.inflight:
+                continue
+            since = int(self._counters.row(h.slot)[stats.IN_FN_SINCE_NS])
+            left = limit - (now - since) / 1e9 if since else limit
+            soonest = left if soonest is None else min(soonest, left)
+        return None if soonest is None else max(soonest, 0.005)
+
+    def _check_timeouts(self) -> None:
+        limits = {i: s.timeout_s for i, s in enumerate(self.spec.stages) if s.timeout_s}
+        if not limits or self._error is not None:
+            return
+        busy = self._busy(time.monotonic_ns(), min(limits.values()), set(limits))
+        stuck = [b for b in busy if b.seconds > limits[self._names.index(b.stage)]]
+        if stuck:
+            b = stuck[0]
+            limit = limits[self._names.index(b.stage)]
+            self._error = StageTimeoutError(
+                f"{b} (timeout_s={limit:g}); it is stopped when the executor closes", tuple(stuck)
+            )
 
     def _on_ready(self, ready: list, handles: list) -> bool:
         """Handle what woke the router; False when the executor is closed."""
@@ -993,6 +1100,7 @@ class Executor:
             while self._sink_frees:
                 seg, off = self._sink_frees.popleft()
                 self._free(seg, off)
+            self._check_timeouts()
             if self._error is None:
                 self._dispatch()
                 self._check_progress()

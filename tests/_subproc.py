@@ -53,6 +53,18 @@ def tree(pid: int) -> set[int]:
         return set()
 
 
+def processes(pids) -> list[psutil.Process]:
+    """psutil handles of those of ``pids`` that exist (0: a row of retired workers)."""
+    out = []
+    for q in pids:
+        try:
+            if q > 0:
+                out.append(psutil.Process(q))
+        except psutil.Error:
+            pass
+    return out
+
+
 def kill_tree(pid: int) -> None:
     for q in tree(pid):
         try:

@@ -400,10 +400,12 @@ def test_two_threads_on_one_loader_get_a_clear_error():
 def test_an_unreferenced_loader_stops_its_workers_without_the_collector():
     import psutil
 
+    from . import _subproc
+
     loader = Pipeline.from_source(Ids(), workers=2).map(_plus_one).loader()
     assert sorted(loader) == list(range(1, 31))  # the workers stay up for the next epoch
     snap = loader._executor.snapshot(per_worker=True)
-    procs = [psutil.Process(w.pid) for s in snap.stages for w in s.per_worker]
+    procs = _subproc.processes(w.pid for s in snap.stages for w in s.per_worker)
     gc.disable()
     try:
         del loader, snap

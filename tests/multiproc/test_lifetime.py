@@ -121,7 +121,7 @@ def test_an_unreferenced_executor_stops_its_workers():
     gc.disable()  # no collector: dropping the last reference must be enough
     try:
         del ex
-        gone, alive = psutil.wait_procs([psutil.Process(q) for q in pids], timeout=5)
+        gone, alive = psutil.wait_procs(_subproc.processes(pids), timeout=5)
         assert not alive, f"workers of a dropped executor still run: {alive}"
     finally:
         gc.enable()
