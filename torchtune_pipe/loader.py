@@ -33,7 +33,7 @@ from typing import Any
 
 from multiproc import Executor
 
-from . import _ranks, telemetry
+from . import _ranks, _state, telemetry
 from .errors import LoaderTimeoutError, StateError
 from .pipeline import Pipeline, Work, run_inline
 from .prefetch import END as _END
@@ -360,6 +360,7 @@ class Loader:
         self._clock = telemetry.ConsumerClock()
         self._machine = _MachineFacts()
         self._pid = os.getpid()  # the owner: a forked child must not stop its workers
+        self._last_error: BaseException | None = None  # what ended the last epoch early
         self._held: dict = {}  # what the finalizer closes when the loader is collected
         self._finalizer = weakref.finalize(self, Loader._cleanup, self._held, self._pid)
 
@@ -413,22 +414,18 @@ class Loader:
         state = self._progress.state()
         state["version"] = _STATE_VERSION
         state["units_state"] = self._units_state
+        state["fingerprint"] = _state.fingerprint(self.pipeline)
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Resume from ``state`` at the next ``iter()``: exactly the undelivered items.
 
         Raises:
-            StateError: ``state`` is not a loader state of this version.
+            StateError: ``state`` is not a loader state of this version, a field has the
+                wrong type or range (the message names it), or it was saved by another
+                pipeline or source (its fingerprint differs).
         """
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise StateError(
-                f"Loader.load_state_dict(): expected a state of version {_STATE_VERSION} from "
-                f"Loader.state_dict(), got {type(state).__name__}"
-            )
-        missing = {"epoch", "finished", "done", "partial", "delivered", "last_unit"} - set(state)
-        if missing:
-            raise StateError(f"Loader.load_state_dict(): state lacks {sorted(missing)}")
+        state = _state.check(state, _STATE_VERSION, _state.fingerprint(self.pipeline))
         self._end_active("was ended by load_state_dict(); iterate the loader again to resume")
         self._pending = dict(state)
 
@@ -438,8 +435,27 @@ class Loader:
         return self._tunable
 
     def observe(self) -> Observation | None:
-        """An observation of the running pipeline now (None when no executor runs)."""
-        return self._tunable.observe() if self._tunable is not None else None
+        """An observation of the running pipeline now (None when no executor runs yet).
+
+        Raises:
+            RuntimeError: the loader is closed, or its last epoch ended early (an error, a
+                ``break``) and stopped the workers; the error is chained.
+        """
+        if self._closed:
+            raise RuntimeError("Loader.observe(): the loader is closed; create a new one")
+        if self._tunable is None:
+            return None
+        if self._executor is None:
+            raise RuntimeError(
+                "Loader.observe(): no pipeline runs: the last epoch ended early"
+                + (
+                    f" with {type(self._last_error).__name__}: {self._last_error}"
+                    if self._last_error
+                    else ""
+                )
+                + " and stopped its workers; iterate the loader again to start them"
+            ) from self._last_error
+        return self._tunable.observe()
 
     def close(self) -> None:
         """Stop the iteration, the tuner, the workers; remove shared memory. Idempotent."""
@@ -504,11 +520,13 @@ class Loader:
         self._epoch = epoch
         units = source.units(epoch)
         self._units_state = source.units_state() if hasattr(source, "units_state") else None
-        bad = [u for u in list(progress.done) + list(progress.seen) if not 0 <= u < len(units)]
-        if bad:
-            raise StateError(
-                f"Loader: the state names units {bad[:5]} but epoch {epoch} has {len(units)} units"
-            )
+        for field, named in (("done", progress.done), ("partial", progress.seen)):
+            bad = sorted(u for u in named if not 0 <= u < len(units))
+            if bad:
+                raise StateError(
+                    f"Loader: state[{field!r}] names units {bad[:5]} but epoch {epoch} has "
+                    f"{len(units)} units: the state was saved by another pipeline or source"
+                )
         works = [
             Work(pos, u, frozenset(progress.seen.get(pos, ())))
             for pos, u in enumerate(units)
@@ -557,6 +575,9 @@ class Loader:
             self._epoch = epoch + 1
         except GeneratorExit:
             closed_by_consumer = True
+            raise
+        except BaseException as e:
+            self._last_error = e
             raise
         finally:
             # Collected in a forked child, nothing here is the child's to stop (and the
@@ -639,10 +660,27 @@ class Loader:
         try:
             return pre.get()
         except TimeoutError:
-            raise LoaderTimeoutError(
-                f"Loader: no item arrived within timeout_s={self.timeout_s} s; a stage may be "
-                "stuck (watch it with progress=True)"
-            ) from None
+            busy = self._stuck()
+            if busy:
+                where = "; ".join(str(b) for b in busy[:3])
+            elif self.inline:
+                where = "the pipeline runs inline, in the loader's prefetch thread"
+            else:
+                where = "no worker is inside its stage function (see progress=True)"
+            e = LoaderTimeoutError(
+                f"Loader: no item arrived within timeout_s={self.timeout_s} s: {where}"
+            )
+            e.stuck = tuple(busy)
+            raise e from None
+
+    def _stuck(self) -> list:
+        ex = self._executor
+        if ex is None:
+            return []
+        try:
+            return ex.busy()
+        except Exception:  # closed under us: the timeout is still the error to report
+            return []
 
     def _prefetcher(self, stream: Iterator[tuple]) -> Prefetcher | None:
         spec = self.pipeline.prefetch_spec
