@@ -51,6 +51,18 @@ class Skipped:
     where: str
 
 
+MAX_ERRORS_ARE = "must be None, an int >= 0 or a float share in (0, 1]"
+
+
+def valid_max_errors(m: Any) -> bool:
+    """Whether ``m`` is a bound :func:`too_many_errors` understands."""
+    return (
+        m is None
+        or (isinstance(m, int) and not isinstance(m, bool) and m >= 0)
+        or (isinstance(m, float) and 0 < m <= 1)
+    )
+
+
 def too_many_errors(errors: int, items_in: int, max_errors: int | float | None) -> bool:
     """Whether ``errors`` skipped out of ``items_in`` taken in exceed ``max_errors``: an int is
     a count, a float a share of the items taken in, of at least 100 (so that the first few
@@ -143,16 +155,8 @@ class StageSpec:
             )
         if self.on_error not in ("raise", "skip"):
             raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
-        m = self.max_errors
-        if not (
-            m is None
-            or (isinstance(m, int) and not isinstance(m, bool) and m >= 0)
-            or (isinstance(m, float) and 0 < m <= 1)
-        ):
-            raise SpecError(
-                f"{where}: max_errors must be None, an int >= 0 or a float share in (0, 1], "
-                f"got {m!r}"
-            )
+        if not valid_max_errors(self.max_errors):
+            raise SpecError(f"{where}: max_errors {MAX_ERRORS_ARE}, got {self.max_errors!r}")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise SpecError(f"{where}: timeout_s must be None or a number > 0, got {t!r}")

@@ -434,3 +434,121 @@ def test_a_script_that_never_closes_exits_silently_and_cleanly():
     code, err, left, segs = _subproc.leftovers(_NO_CLOSE, "done")
     assert code == 0 and err == "", err
     assert not left and not segs, (left, segs)
+
+
+class _BadAt:
+    """Items ``0..n-1`` of one unit per ``n``; reading item ``bad`` raises (a corrupt record)."""
+
+    def __init__(self, n_units=2, per_unit=200, bad=(100,)):
+        self.n_units, self.per_unit, self.bad = n_units, per_unit, set(bad)
+
+    def __len__(self):
+        return self.n_units * self.per_unit
+
+    def units(self, epoch=0):
+        return list(range(self.n_units))
+
+    def read(self, unit):
+        for i in range(unit * self.per_unit, (unit + 1) * self.per_unit):
+            if i in self.bad:
+                raise ValueError(f"corrupt record {i}")
+            yield i
+
+
+class _BadAtIndexed(_BadAt):
+    """The same, read by position: skipped positions are never produced (as a map-style
+    dataset's indices)."""
+
+    def read_from(self, unit, skip):
+        for i in range(unit * self.per_unit, (unit + 1) * self.per_unit):
+            k = i - unit * self.per_unit
+            if k in skip:
+                continue
+            if i in self.bad:
+                raise ValueError(f"corrupt record {i}")
+            yield k, i
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_a_failing_source_item_is_skipped_exactly(inline, caplog):
+    bad = (100, 250, 251)
+    pipe = Pipeline.from_source(_BadAtIndexed(bad=bad), on_error="skip")
+    with pipe.loader(inline=inline) as loader:
+        assert sorted(loader) == [i for i in range(400) if i not in bad]
+        if not inline:
+            assert loader._executor.snapshot().stages[0].errors == 3
+    assert "skipped an item" in caplog.text and "corrupt record 100" in caplog.text
+    # A generator cannot go on after raising: what it made stays, the rest of its unit goes.
+    plain = Pipeline.from_source(_BadAt(bad=bad), on_error="skip")
+    with plain.loader(inline=inline) as loader:
+        assert sorted(loader) == list(range(100)) + list(range(200, 250))
+    assert "the rest of the unit" in caplog.text
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_skips_past_max_errors_raise_with_counts(inline):
+    from multiproc import TooManyErrorsError
+
+    bad = range(0, 400, 3)  # a third of the items
+    pipe = Pipeline.from_source(_BadAtIndexed(bad=bad), on_error="skip", max_errors=0.1)
+    with pipe.loader(inline=inline) as loader, pytest.raises(TooManyErrorsError) as e:
+        list(loader)
+    assert "items skipped of" in str(e.value) and "corrupt record" in str(e.value)
+
+
+def test_load_state_dict_checks_fields_and_the_pipeline_that_saved_it():
+    pipe = Pipeline.from_source(Ids(n_units=5, per_unit=10)).batch(4)
+    with pipe.loader(ordered=True) as loader:
+        it = iter(loader)
+        _take(it, 3)
+        state = loader.state_dict()
+    other = Pipeline.from_source(Ids(n_units=5, per_unit=7)).batch(4)  # same unit count
+    with other.loader() as loader, pytest.raises(StateError, match="fingerprint"):
+        loader.load_state_dict(state)
+    for field, value, match in [
+        ("epoch", -1, r"state\['epoch'\]"),
+        ("finished", "no", r"state\['finished'\]"),
+        ("done", [0, "x"], r"state\['done'\]"),
+        ("partial", [1, 2], r"state\['partial'\]"),
+        ("partial", {"u": [1]}, r"state\['partial'\] has a key"),
+        ("partial", {4: [1, -2]}, r"state\['partial'\]\[4\]"),
+        ("delivered", 1.5, r"state\['delivered'\]"),
+    ]:
+        with pipe.loader() as loader, pytest.raises(StateError, match=match):
+            loader.load_state_dict({**state, field: value})
+    with pipe.loader() as loader:  # positions past a unit's end: found when it is read
+        loader.load_state_dict({**state, "partial": {3: range(1000)}})
+        with pytest.raises(StateError, match="position 999 of a unit of 10"):
+            list(loader)
+    with pipe.loader(ordered=True) as loader:  # the state as JSON gives it back still loads
+        import json
+
+        loader.load_state_dict(json.loads(json.dumps(state)))
+        assert len(_flat(list(loader))) == 50 - 12
+
+
+def test_observe_after_close_or_a_failed_epoch_says_why():
+    pipe = Pipeline.from_source(Ids()).map(_explode)
+    loader = pipe.loader()
+    with pytest.raises(KeyError):
+        list(loader)
+    with pytest.raises(RuntimeError, match="ended early with KeyError"):
+        loader.observe()
+    loader.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        loader.observe()
+
+
+def _stuck_on_3(x):
+    if x == 3:
+        time.sleep(30)
+    return x
+
+
+def test_timeout_names_the_stuck_stage_worker_and_item():
+    pipe = Pipeline.from_source(Ids(n_units=1, per_unit=8)).map(_stuck_on_3, name="udf")
+    with pipe.loader(timeout_s=1.0) as loader, pytest.raises(LoaderTimeoutError) as e:
+        list(loader)
+    msg = str(e.value)
+    assert "stage 'udf' worker" in msg and "in its function for" in msg and "item 3 of frame" in msg
+    assert e.value.stuck and e.value.stuck[0].stage == "udf"

@@ -44,19 +44,20 @@ def fingerprint(pipeline: Any) -> str:
 
 
 def _int(value: Any, field: str, low: int) -> int:
+    """``field`` as it reads after ``state``: ``['epoch']``, ``['partial'][3]``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise StateError(f"{_WHERE}: state[{field!r}] must be an int >= {low}, got {value!r}")
+        raise StateError(f"{_WHERE}: state{field} must hold ints >= {low}, got {value!r}")
     return value
 
 
 def _positions(value: Any, field: str) -> list[int]:
     if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__iter__"):
         raise StateError(
-            f"{_WHERE}: state[{field}] must be a list of positions, got {type(value).__name__}"
+            f"{_WHERE}: state{field} must be a list of positions, got {type(value).__name__}"
         )
     out = [_int(v, field, 0) for v in value]
     if len(set(out)) != len(out):
-        raise StateError(f"{_WHERE}: state[{field}] lists a position twice")
+        raise StateError(f"{_WHERE}: state{field} lists a position twice")
     return out
 
 
@@ -84,12 +85,12 @@ def check(state: Any, version: int, expected_fingerprint: str) -> dict:
             "(stages, batch sizes, shuffle seeds or the source's type or length differ)"
         )
     out = dict(state)
-    _int(state["epoch"], "epoch", 0)
+    _int(state["epoch"], "['epoch']", 0)
     if not isinstance(state["finished"], bool):
         raise StateError(f"{_WHERE}: state['finished'] must be a bool, got {state['finished']!r}")
-    done = _positions(state["done"], "'done'")
-    _int(state["delivered"], "delivered", 0)
-    _int(state["last_unit"], "last_unit", -1)
+    done = _positions(state["done"], "['done']")
+    _int(state["delivered"], "['delivered']", 0)
+    _int(state["last_unit"], "['last_unit']", -1)
     if not isinstance(state["partial"], Mapping):
         raise StateError(
             f"{_WHERE}: state['partial'] must map units to positions, got "
@@ -103,8 +104,8 @@ def check(state: Any, version: int, expected_fingerprint: str) -> dict:
             raise StateError(
                 f"{_WHERE}: state['partial'] has a key {u!r} that is no unit"
             ) from None
-        field = f"'partial'][{unit}"
-        _int(unit, "partial", 0)
+        field = f"['partial'][{unit}]"
+        _int(unit, "['partial'] keys", 0)
         if unit in done:
             raise StateError(f"{_WHERE}: unit {unit} is both in state['done'] and state['partial']")
         partial[unit] = _positions(ks, field)

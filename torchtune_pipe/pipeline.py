@@ -33,7 +33,7 @@ import cloudpickle
 
 from multiproc import Batcher, ExecutorSpec, Shuffler, Skipped, StageSpec, TooManyErrorsError
 from multiproc.reducers import DROPPED
-from multiproc.spec import too_many_errors
+from multiproc.spec import MAX_ERRORS_ARE, too_many_errors, valid_max_errors
 
 from .errors import PipelineError, StateError
 from .sources import as_source, read_indexed
@@ -149,9 +149,10 @@ class Pipeline:
         """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
         map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
 
-        With ``on_error="skip"`` an item the source fails to produce is skipped exactly: the
-        unit is read on from the item after it (re-reading what comes before, or skipping it
-        with ``read_from``); ``max_errors`` bounds the skips.
+        With ``on_error="skip"`` an item the source fails to produce is skipped: exactly that
+        item for sources with ``read_from`` (map-style datasets), the rest of its unit for a
+        plain ``read()`` generator (which cannot go on after raising); ``max_errors`` bounds
+        the skips. See :class:`ReadTagged`.
 
         Raises:
             PipelineError: ``source`` is none of these, or a knob is invalid.
@@ -357,16 +358,9 @@ class Pipeline:
 
 
 def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:
-    m = max_errors
-    if not (
-        m is None
-        or (isinstance(m, int) and not isinstance(m, bool) and m >= 0)
-        or (isinstance(m, float) and 0 < m <= 1)
-    ):
-        raise PipelineError(
-            f"{method}: max_errors must be None, an int >= 0 or a float share in (0, 1], got {m!r}"
-        )
-    return dataclasses.replace(stage, max_errors=m)
+    if not valid_max_errors(max_errors):
+        raise PipelineError(f"{method}: max_errors {MAX_ERRORS_ARE}, got {max_errors!r}")
+    return dataclasses.replace(stage, max_errors=max_errors)
 
 
 def _check_pickles(method: str, arg: str, fn: Any) -> None:
@@ -402,13 +396,12 @@ class ReadTagged:
     """Source stage function: the unit's items tagged ``(pos, k, item)``, then its end.
 
     With ``skip``, an item the source fails to produce is reported as
-    :class:`multiproc.Skipped` and the unit is read on from the next position (the source
-    re-opened with the positions before it skipped); a unit that fails twice in a row without
-    producing an item in between is given up on from there (one more ``Skipped``).
+    :class:`multiproc.Skipped`. A source with ``read_from`` is read on from the next position
+    (re-opened with the positions up to the failure skipped, which it does without producing
+    them), so exactly the failing item is lost; a unit that fails again with the same error
+    before producing another item (it fails to open, not on an item) is given up on there. A plain ``read()`` generator cannot go on
+    after raising: the rest of its unit is skipped (one ``Skipped`` says from where).
     """
-
-    # Failures in a row without an item in between before the rest of the unit is given up.
-    GIVE_UP_AFTER = 2
 
     def __init__(self, source: Any, skip: bool = False):
         self.source = source
@@ -417,14 +410,14 @@ class ReadTagged:
     def __call__(self, work: Work) -> Iterator[Any]:
         count = len(work.skip)  # items delivered before a resume count towards the unit
         skip = set(work.skip)
-        in_a_row = 0
+        repeat = None  # the last error, while no item came after it
         while True:
             last = -1
             try:
                 for k, item in read_indexed(self.source, work.unit, frozenset(skip)):
                     last = k
                     count += 1
-                    in_a_row = 0
+                    repeat = None
                     yield (work.pos, k, item)
                 break
             except Exception as e:
@@ -433,10 +426,14 @@ class ReadTagged:
                 failed = last + 1
                 while failed in skip:
                     failed += 1
-                in_a_row += 1
-                if in_a_row >= self.GIVE_UP_AFTER:
+                if not hasattr(self.source, "read_from"):
+                    yield Skipped(e, f"item {failed} and the rest of the unit (a source without "
+                                     "read_from cannot read on past a failure)")  # fmt: skip
+                    break
+                if repeat == (type(e), str(e)):
                     yield Skipped(e, f"item {failed} and the rest of the unit (it keeps failing)")
                     break
+                repeat = (type(e), str(e))
                 yield Skipped(e, f"item {failed}")
                 skip.update(range(failed + 1))  # delivered before it, and itself
         yield (work.pos, -1 - count, None)
