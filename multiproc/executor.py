@@ -208,6 +208,7 @@ class Executor:
             dict.fromkeys(m for s in spec.stages for m in _modules_of(s.fn) if m != "__main__")
         )
         self._names = [s.name for s in spec.stages]
+        self._timeouts = {i: s.timeout_s for i, s in enumerate(spec.stages) if s.timeout_s}
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
@@ -400,7 +401,7 @@ class Executor:
             return "its current work"
         held = h.inflight.get(work_id - 1)
         if isinstance(held, _Unit):
-            at = f", item {item - 1}" if item else ""
+            at = f", at or after its item {item - 1}" if item > 1 else ""
             return f"work unit {short_repr(held.unit)}{at}"
         at = f"item {item - 1} of " if item else ""
         return f"{at}frame {work_id - 1}"
@@ -1034,12 +1035,12 @@ class Executor:
 
     def _next_deadline_s(self, handles: list) -> float | None:
         """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
-        if self._error is not None:
+        if not self._timeouts or self._error is not None:
             return None
         now = time.monotonic_ns()
         soonest = None
         for h in handles:
-            limit = self.spec.stages[h.stage].timeout_s
+            limit = self._timeouts.get(h.stage)
             if limit is None or not h.inflight:
                 continue
             since = int(self._counters.row(h.slot)[stats.IN_FN_SINCE_NS])
@@ -1048,7 +1049,7 @@ class Executor:
         return None if soonest is None else max(soonest, 0.005)
 
     def _check_timeouts(self) -> None:
-        limits = {i: s.timeout_s for i, s in enumerate(self.spec.stages) if s.timeout_s}
+        limits = self._timeouts
         if not limits or self._error is not None:
             return
         busy = self._busy(time.monotonic_ns(), min(limits.values()), set(limits))
