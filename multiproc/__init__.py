@@ -11,15 +11,18 @@ from .errors import (
     RemoteTraceback,
     SpecError,
     StageError,
+    StageTimeoutError,
+    TooManyErrorsError,
     WorkerDiedError,
 )
-from .executor import Executor
+from .executor import Busy, Executor
 from .reducers import Batcher, Shuffler
-from .spec import ExecutorSpec, Reducer, StageSpec
+from .spec import ExecutorSpec, Reducer, Skipped, StageSpec
 from .stats import Snapshot, StageSnapshot, WorkerStats
 
 __all__ = [
     "Batcher",
+    "Busy",
     "Executor",
     "ExecutorClosedError",
     "ExecutorError",
@@ -27,11 +30,14 @@ __all__ = [
     "Reducer",
     "RemoteTraceback",
     "Shuffler",
+    "Skipped",
     "Snapshot",
     "SpecError",
     "StageError",
     "StageSnapshot",
+    "TooManyErrorsError",
     "StageSpec",
+    "StageTimeoutError",
     "WorkerDiedError",
     "WorkerStats",
 ]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import serialize
+from . import lifetime, serialize
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64
@@ -64,21 +64,21 @@ class Segment:
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
+        if create:
+            lifetime.track(name)
         self.view = memoryview(self.mm)
 
     def unlink(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        """Remove the segment created here (see :func:`remove_segment`)."""
+        remove_segment(self.name)
 
 
 def sweep_stale_segments(prefix: str = "ttp_") -> list[str]:
     """Remove segments left by executors whose process no longer exists.
 
-    Segments are named ``ttp_<pid>_...`` after the process that created them; an executor
-    cleans up after itself on every exit path except being killed outright (SIGKILL, OOM
-    kill), which leaves its arenas in /dev/shm. Returns the names removed.
+    Segments are named ``ttp_<pid>_...`` after the process that created them. The resource
+    tracker unlinks the segments of a killed owner (:mod:`multiproc.lifetime`); this sweep is
+    the fallback for a tracker that was killed too. Returns the names removed.
     """
     removed = []
     try:
@@ -103,10 +103,28 @@ def sweep_stale_segments(prefix: str = "ttp_") -> list[str]:
 
 
 def unlink_segment(name: str) -> None:
+    """Unlink a segment this process did not create (e.g. a dead process's)."""
     try:
         os.unlink(os.path.join(SHM_DIR, name))
     except FileNotFoundError:
         pass
+
+
+def create_segment(name: str, size: int) -> None:
+    """Create a sparse segment of ``size`` bytes, registered with the resource tracker so it
+    is unlinked even if this process is killed; remove it with :func:`remove_segment`."""
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, size)
+    finally:
+        os.close(fd)
+    lifetime.track(name)
+
+
+def remove_segment(name: str) -> None:
+    """Unlink a segment made by :func:`create_segment` (or ``Segment(create=True)``)."""
+    unlink_segment(name)
+    lifetime.untrack(name)
 
 
 class Allocator:

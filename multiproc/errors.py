@@ -33,3 +33,18 @@ class RemoteTraceback(Exception):
 
 class ExecutorClosedError(ExecutorError):
     """The executor was closed; create a new one (or a new iterator) to continue."""
+
+
+class TooManyErrorsError(StageError):
+    """A stage with ``on_error='skip'`` skipped more than its ``max_errors``. The message has
+    the counts and the last errors; fix the data or the stage function, or raise the bound."""
+
+
+class StageTimeoutError(ExecutorError):
+    """A worker stayed in its stage function longer than the stage's ``timeout_s``. The message
+    names the stage, the worker, the time and the item or unit; ``stuck`` holds the same as
+    :class:`~multiproc.executor.Busy` records."""
+
+    def __init__(self, message: str, stuck: tuple = ()):
+        super().__init__(message)
+        self.stuck = stuck

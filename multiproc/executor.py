@@ -31,16 +31,19 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from . import channel, pool, stats
+from . import channel, lifetime, pool, stats
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
     RemoteTraceback,
     SpecError,
     StageError,
+    StageTimeoutError,
+    TooManyErrorsError,
     WorkerDiedError,
 )
-from .spec import ExecutorSpec, check_picklable
+from .spec import ExecutorSpec, check_picklable, too_many_errors
+from .worker import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +150,25 @@ class _StageState:
     out_counter: int = 0
     slots: set = field(default_factory=set)
     retired: Any = None  # counters of workers that are gone, summed
+    skipped: int = 0  # items dropped under on_error="skip"
+    last_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=3))
+
+
+@dataclass(frozen=True)
+class Busy:
+    """A worker inside its stage function now (see :meth:`Executor.busy`)."""
+
+    stage: str
+    worker: int
+    pid: int
+    seconds: float  # in the function, on this frame or unit
+    work: str  # the item, frame or unit, in words
+
+    def __str__(self) -> str:
+        return (
+            f"stage {self.stage!r} worker {self.worker} (pid {self.pid}) has been in its "
+            f"function for {self.seconds:.1f} s on {self.work}"
+        )
 
 
 class _Run:
@@ -186,17 +208,12 @@ class Executor:
             dict.fromkeys(m for s in spec.stages for m in _modules_of(s.fn) if m != "__main__")
         )
         self._names = [s.name for s in spec.stages]
+        self._timeouts = {i: s.timeout_s for i, s in enumerate(spec.stages) if s.timeout_s}
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._commands: collections.deque = collections.deque()
         self._sink_frees: collections.deque = collections.deque()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_w, False)
-        # Guards the write end: a finalizer may wake a closed executor from any thread, and a
-        # write to a closed descriptor number could land in whatever file reused it.
-        self._wake_guard: list = [threading.Lock(), True]  # lock, open
-        self._counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
         self._free_slots = list(range(_MAX_SLOTS - 1, -1, -1))
         self._wids = itertools.count()
         self._frame_ids = itertools.count()
@@ -204,10 +221,27 @@ class Executor:
         self._by_seg: dict[str, int] = {}
         self._seg_refs: collections.Counter = collections.Counter()
         self._segments: set[str] = set()
+        self._cache = channel.MappingCache()
+        # Everything to give back, reachable by the finalizer from the first resource on: a
+        # Ctrl-C anywhere below still releases what was made before it.
+        self._res = pool.Resources(os.getpid(), self._workers, self._segments, self._cache)
+        self._finalizer = weakref.finalize(self, self._res.release)
+        try:
+            self._start()
+        except BaseException:
+            self._finalizer()
+            raise
+
+    def _start(self) -> None:
+        spec = self.spec
+        res = self._res
+        res.wake_r, res.wake_w = os.pipe()
+        os.set_blocking(res.wake_w, False)
+        res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
+        self._counters = res.counters
         self._stages = [
             _StageState(i, s.workers, s.buffer_bytes) for i, s in enumerate(spec.stages)
         ]
-        self._cache = channel.MappingCache()
         self._run: _Run | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -218,10 +252,15 @@ class Executor:
         self._sizes: dict = {}  # (segment, offset) -> bytes
         self._pending_free: dict = {}  # wid -> offsets to send
         self._pending_count: collections.Counter = collections.Counter()  # wid -> frames queued
+        # The router holds the executor weakly (see _route): an executor nobody references is
+        # collected, and its finalizer stops the workers.
         self._thread = threading.Thread(
-            target=self._router, name=f"multiproc-router-{self._tag}", daemon=True
+            target=Executor._route,
+            args=(weakref.ref(self), res.stop),
+            name=f"multiproc-router-{self._tag}",
+            daemon=True,
         )
-        self._finalizer = weakref.finalize(self, Executor._finalize, self._shutdown_state())
+        res.router = self._thread
         with self._lock:
             for st in self._stages:
                 for _ in range(st.target):
@@ -297,6 +336,8 @@ class Executor:
         """All counters now, without stopping anything."""
         now = time.monotonic_ns()
         with self._lock:
+            if self._closed:
+                raise self._closed_error("snapshot()")
             stages = []
             for st in self._stages:
                 rows = [
@@ -333,8 +374,48 @@ class Executor:
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
 
+    def busy(self, min_s: float = 0.0) -> list[Busy]:
+        """The workers inside their stage function for at least ``min_s`` now, longest
+        first: which stage, worker, for how long, on which item or unit. What to look at when
+        nothing comes out."""
+        with self._lock:
+            if self._closed:
+                raise self._closed_error("busy()")
+            return self._busy(time.monotonic_ns(), min_s)
+
+    def _busy(self, now: int, min_s: float, stages: set | None = None) -> list[Busy]:
+        out = []
+        for h in self._workers.values():
+            if not h.alive() or (stages is not None and h.stage not in stages):
+                continue
+            row = self._counters.row(h.slot)
+            since, work_id, item = (int(v) for v in row[stats.IN_FN_SINCE_NS : stats.WORK_ITEM + 1])
+            secs = (now - since) / 1e9
+            if not since or secs < min_s:
+                continue
+            out.append(Busy(self._names[h.stage], h.wid, h.pid, secs, self._work(h, work_id, item)))
+        return sorted(out, key=lambda b: -b.seconds)
+
+    def _work(self, h: pool.WorkerHandle, work_id: int, item: int) -> str:
+        if not work_id:
+            return "its current work"
+        held = h.inflight.get(work_id - 1)
+        if isinstance(held, _Unit):
+            at = f", at or after its item {item - 1}" if item > 1 else ""
+            return f"work unit {short_repr(held.unit)}{at}"
+        at = f"item {item - 1} of " if item else ""
+        return f"{at}frame {work_id - 1}"
+
     def close(self, timeout_s: float = 2.0) -> None:
-        """Stop every worker (within ``timeout_s``) and remove every shared-memory segment."""
+        """Stop every worker (within ``timeout_s``) and remove every shared-memory segment.
+
+        Does nothing in a process forked from the owner (which shares none of its threads).
+        """
+        if self._res.stop.is_set():
+            self._closed = True  # released already (at interpreter exit, module globals may
+            return  # be gone by the time a leftover run iterator is collected)
+        if not lifetime.is_owner(self._res.pid):
+            return
         with self._lock:
             if self._closed:
                 return
@@ -353,12 +434,13 @@ class Executor:
 
     # ---------------------------------------------------------------- consumer side
     def _iterate(self, run: _Run) -> Iterator[Any]:
+        release = self._sink_release()
         try:
             while True:
                 payload = self._next_frame(run)
                 if payload is None:
                     return
-                items = channel.decode(payload, self._cache, self._release_sink)
+                items = channel.decode(payload, self._cache, release)
                 self._delivered_frames += 1
                 for x in items:
                     self._delivered_items += 1
@@ -375,6 +457,9 @@ class Executor:
     def _next_frame(self, run: _Run):
         with self._cond:
             while True:
+                if self._closed and not run.finished:
+                    # Its frames live in segments the close removed.
+                    raise self._closed_error("iterating a run")
                 if self._error is not None:
                     raise self._error
                 if run.sink:
@@ -386,17 +471,25 @@ class Executor:
                     return frame.payload
                 if run.finished:
                     return None
-                if self._closed:
-                    raise ExecutorClosedError("the executor was closed while iterating")
                 # Woken by the router on every delivery; the timeout only re-checks liveness.
                 self._cond.wait(1.0)
                 if not self._thread.is_alive() and self._error is None and not run.finished:
                     self._error = ExecutorError("the executor's router thread ended unexpectedly")
 
-    def _release_sink(self, ref: channel.ShmRef) -> None:
-        # Called by a finalizer in whatever thread dropped the last reference.
-        self._sink_frees.append((ref.segment, ref.offset))
-        self._wake()
+    def _sink_release(self):
+        """The release callback of delivered frames: holds the executor weakly (a tensor the
+        user keeps must not keep the workers alive) and ignores a forked child's releases."""
+        me = weakref.ref(self)
+        frees, res = self._sink_frees, self._res
+
+        def release(ref: channel.ShmRef) -> None:
+            # Runs from a finalizer in whatever thread dropped the last reference.
+            if me() is None or not lifetime.is_owner(res.pid):
+                return
+            frees.append((ref.segment, ref.offset))
+            res.wake()
+
+        return release
 
     # ---------------------------------------------------------------- helpers
     def _stage_index(self, stage: str | int) -> int:
@@ -409,9 +502,17 @@ class Executor:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise ExecutorClosedError("the executor is closed; create a new one")
+            raise self._closed_error("this call")
         if self._error is not None:
             raise self._error
+
+    def _closed_error(self, what: str) -> ExecutorClosedError:
+        why = f" after {type(self._error).__name__}: {self._error}" if self._error else ""
+        e = ExecutorClosedError(
+            f"Executor: {what} after close(): the executor was closed{why}; create a new one"
+        )
+        e.__cause__ = self._error
+        return e
 
     def _command(self, cmd) -> None:
         with self._lock:
@@ -420,57 +521,10 @@ class Executor:
         self._wake()
 
     def _wake(self) -> None:
-        lock, _ = self._wake_guard
-        with lock:
-            if not self._wake_guard[1]:
-                return  # closed
-            try:
-                os.write(self._wake_w, b"x")
-            except (BlockingIOError, OSError):
-                pass  # pipe full: already woken
+        self._res.wake()
 
     def _send(self, h: pool.WorkerHandle, msg) -> None:
         h.post(msg)
-
-    def _shutdown_state(self):
-        return (
-            self._workers,
-            self._segments,
-            self._counters,
-            self._wake_r,
-            self._wake_w,
-            self._wake_guard,
-            self._cache,
-        )
-
-    @staticmethod
-    def _finalize(state) -> None:
-        workers, segments, counters, wake_r, wake_w, wake_guard, cache = state
-        for h in list(workers.values()):
-            if h.alive():
-                h.post(("exit",))
-            h.post(None)  # the sender thread ends after delivering "exit"
-        deadline = time.monotonic() + 1.5
-        for h in list(workers.values()):
-            pool.stop_worker(h, max(0.0, deadline - time.monotonic()))
-            if h.sender is not None:
-                h.sender.join(max(0.0, deadline - time.monotonic()))
-            try:
-                h.conn.close()
-            except Exception:
-                pass
-        for name in list(segments):
-            channel.unlink_segment(name)
-        segments.clear()
-        cache.clear()
-        counters.close(unlink=True)
-        with wake_guard[0]:
-            wake_guard[1] = False
-            for fd in (wake_r, wake_w):
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
 
     # ---------------------------------------------------------------- worker lifecycle
     def _spawn(self, stage: int) -> None:
@@ -482,13 +536,7 @@ class Executor:
         slot = self._free_slots.pop()
         seg_name = f"ttp_{self._tag}_w{wid}"
         size = s.max_buffer_bytes
-        fd = os.open(
-            os.path.join(channel.SHM_DIR, seg_name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600
-        )
-        try:
-            os.ftruncate(fd, size)
-        finally:
-            os.close(fd)
+        channel.create_segment(seg_name, size)
         self._segments.add(seg_name)
         index = sum(1 for h in self._workers.values() if h.stage == stage)
         h = pool.WorkerHandle(wid, stage, index, slot, seg_name, thread=s.worker_type == "thread")
@@ -633,7 +681,7 @@ class Executor:
         wid = self._by_seg.get(seg)
         h = self._workers.get(wid)
         if h is not None and not h.alive() and self._seg_refs[seg] <= 0:
-            channel.unlink_segment(seg)
+            channel.remove_segment(seg)
             self._segments.discard(seg)
             self._cache.drop(seg)
             # Consumers still map it; their mapping keeps its pages alive until dropped.
@@ -880,8 +928,31 @@ class Executor:
         elif kind == "error":
             _, _, fid, exc_bytes, tname, text, tb, where = msg
             self._error = self._make_error(s.name, h, exc_bytes, tname, text, tb, where)
+        elif kind == "skipped":
+            self._on_skipped(h, *msg[2:])
         else:
             raise ExecutorError(f"unknown message {kind!r} from stage {s.name!r} worker {h.wid}")
+
+    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str) -> None:
+        """Count a skip (on_error='skip'); log the first; past max_errors, fail the run."""
+        s = self.spec.stages[h.stage]
+        st = self._stages[h.stage]
+        st.skipped += 1
+        st.last_errors.append(f"worker {h.wid}, {where}: {tname}: {text}")
+        if st.skipped == 1:
+            log.warning(
+                "stage %r skipped an item (on_error='skip'; more are counted in the stage's "
+                "errors): worker %d, %s: %s: %s", s.name, h.wid, where, tname, text,
+            )  # fmt: skip
+        items_in = sum(int(self._counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
+        if st.retired is not None:
+            items_in += int(st.retired[stats.ITEMS_IN])
+        if self._error is None and too_many_errors(st.skipped, items_in, s.max_errors):
+            last = "; ".join(st.last_errors)
+            self._error = TooManyErrorsError(
+                f"stage {s.name!r}: {st.skipped} items skipped of {items_in} taken in, more "
+                f"than max_errors={s.max_errors!r} allows; last errors: {last}"
+            )
 
     def _drain_all_reorders(self) -> None:
         run = self._run
@@ -917,73 +988,127 @@ class Executor:
         return exc
 
     # ---------------------------------------------------------------- the router loop
-    def _router(self) -> None:
+    @staticmethod
+    def _route(ref: weakref.ref, stop: threading.Event) -> None:
+        """The router thread: holds the executor only while it handles events, never while it
+        waits, so that dropping the last reference elsewhere collects the executor."""
+        ex = ref()
         try:
-            self._router_loop()
+            while ex is not None and not stop.is_set():
+                waitables, handles, timeout = ex._waitables()
+                if waitables is None:
+                    return
+                del ex  # may run the finalizer here, in this thread: it sets ``stop``
+                if stop.is_set():
+                    return
+                # Every event that matters (a message, a death, a command, a release by the
+                # consumer, the finalizer) makes one of these ready; the timeout is only the
+                # deadline of a stage's timeout_s.
+                ready = mp_wait(waitables, timeout)
+                if stop.is_set():
+                    return
+                ex = ref()
+                if ex is None or not ex._on_ready(ready, handles):
+                    return
         except BaseException as e:  # make the consumer see it instead of hanging
+            ex = ref()
+            if ex is None or stop.is_set():
+                return
             log.debug("router failed", exc_info=True)
-            with self._cond:
-                if self._error is None:
-                    self._error = e
-                self._cond.notify_all()
+            with ex._cond:
+                if ex._error is None:
+                    ex._error = e
+                ex._cond.notify_all()
 
-    def _router_loop(self) -> None:
-        while True:
-            with self._lock:
-                if self._closed:
-                    return
-                handles = [h for h in self._workers.values() if h.alive()]
-            waitables = [self._wake_r]
-            for h in handles:
-                waitables.append(h.conn)
-                if h.sentinel is not None:
-                    waitables.append(h.sentinel)
-            # No timeout: every event that matters (a message, a death, a command, a release
-            # by the consumer) makes one of these ready.
-            ready = mp_wait(waitables)
-            with self._cond:
-                if self._closed:
-                    return
-                if self._wake_r in ready:
-                    try:
-                        os.read(self._wake_r, 65536)
-                    except BlockingIOError:
-                        pass
-                conn_of = {id(h.conn): h for h in handles}
-                sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
-                dead = []
-                for r in ready:
-                    if r == self._wake_r:
-                        continue
-                    h = conn_of.get(id(r))
-                    if h is not None:
-                        self._drain_conn(h, dead)
-                        continue
-                    h = sent_of.get(r)
-                    if h is not None:
-                        # Read what it sent before dying: committed work counts.
-                        self._drain_conn(h, dead)
-                        if h not in dead:
-                            dead.append(h)
-                for h in dead:
-                    if h.alive() or h.state == "gone":
-                        self._finish_worker(h)
-                while self._commands:
-                    cmd = self._commands.popleft()
-                    if cmd[0] == "resize":
-                        self._resize(cmd[1], cmd[2])
-                    elif cmd[0] == "budget":
-                        self._stages[cmd[1]].budget = cmd[2]
-                        self._rebudget(cmd[1])
-                while self._sink_frees:
-                    seg, off = self._sink_frees.popleft()
-                    self._free(seg, off)
-                if self._error is None:
-                    self._dispatch()
-                    self._check_progress()
-                self._flush_frees()
-                if self._error is not None:
-                    self._cond.notify_all()
+    def _waitables(self) -> tuple[list | None, list, float | None]:
+        with self._lock:
+            if self._closed:
+                return None, [], None
+            handles = [h for h in self._workers.values() if h.alive()]
+            timeout = self._next_deadline_s(handles)
+        waitables = [self._res.wake_r]
+        for h in handles:
+            waitables.append(h.conn)
+            if h.sentinel is not None:
+                waitables.append(h.sentinel)
+        return waitables, handles, timeout
+
+    def _next_deadline_s(self, handles: list) -> float | None:
+        """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
+        if not self._timeouts or self._error is not None:
+            return None
+        now = time.monotonic_ns()
+        soonest = None
+        for h in handles:
+            limit = self._timeouts.get(h.stage)
+            if limit is None or not h.inflight:
+                continue
+            since = int(self._counters.row(h.slot)[stats.IN_FN_SINCE_NS])
+            left = limit - (now - since) / 1e9 if since else limit
+            soonest = left if soonest is None else min(soonest, left)
+        return None if soonest is None else max(soonest, 0.005)
+
+    def _check_timeouts(self) -> None:
+        limits = self._timeouts
+        if not limits or self._error is not None:
+            return
+        busy = self._busy(time.monotonic_ns(), min(limits.values()), set(limits))
+        stuck = [b for b in busy if b.seconds > limits[self._names.index(b.stage)]]
+        if stuck:
+            b = stuck[0]
+            limit = limits[self._names.index(b.stage)]
+            self._error = StageTimeoutError(
+                f"{b} (timeout_s={limit:g}); it is stopped when the executor closes", tuple(stuck)
+            )
+
+    def _on_ready(self, ready: list, handles: list) -> bool:
+        """Handle what woke the router; False when the executor is closed."""
+        wake_r = self._res.wake_r
+        with self._cond:
+            if self._closed:
+                return False
+            if wake_r in ready:
+                try:
+                    os.read(wake_r, 65536)
+                except BlockingIOError:
+                    pass
+            conn_of = {id(h.conn): h for h in handles}
+            sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
+            dead = []
+            for r in ready:
+                if r == wake_r:
+                    continue
+                h = conn_of.get(id(r))
+                if h is not None:
+                    self._drain_conn(h, dead)
+                    continue
+                h = sent_of.get(r)
+                if h is not None:
+                    # Read what it sent before dying: committed work counts.
+                    self._drain_conn(h, dead)
+                    if h not in dead:
+                        dead.append(h)
+            for h in dead:
+                if h.alive() or h.state == "gone":
+                    self._finish_worker(h)
+            while self._commands:
+                cmd = self._commands.popleft()
+                if cmd[0] == "resize":
+                    self._resize(cmd[1], cmd[2])
+                elif cmd[0] == "budget":
+                    self._stages[cmd[1]].budget = cmd[2]
+                    self._rebudget(cmd[1])
+            while self._sink_frees:
+                seg, off = self._sink_frees.popleft()
+                self._free(seg, off)
+            self._check_timeouts()
+            if self._error is None:
+                self._dispatch()
+                self._check_progress()
+            self._flush_frees()
+            if self._error is not None:
+                self._cond.notify_all()
+        return True
 
     def _drain_conn(self, h: pool.WorkerHandle, dead: list) -> None:
         try:
@@ -1010,6 +1135,6 @@ class Executor:
         if h.state == "retiring" and not h.inflight and not h.held:
             self._on_gone(h, died=False)
             return
-        if self._closed:
+        if self._closed or self._res.stop.is_set():
             return
         self._on_gone(h, died=True, why=why)

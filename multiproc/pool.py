@@ -14,10 +14,12 @@ import os
 import queue
 import signal
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
+from . import channel, lifetime
 from . import worker as _worker
 
 _PRELOAD = ["multiproc.worker", "torch", "numpy", "cloudpickle"]
@@ -162,6 +164,7 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
     p = _WorkerProcess(
         target=_worker.worker_main,
         args=(child, *args),
+        kwargs={"owner_pid": os.getpid()},
         daemon=True,
         name=f"multiproc-worker-{h.wid}",
     )
@@ -202,3 +205,77 @@ def stop_worker(h: WorkerHandle, timeout_s: float) -> None:
     if p.is_alive():
         p.kill()
         p.join(1.0)
+
+
+@dataclass
+class Resources:
+    """What an executor must give back, reachable without the executor itself (its finalizer
+    runs when the executor is unreferenced, and must not hold it alive).
+
+    ``pid`` is the owner: in a forked child :meth:`release` does nothing (the owner's workers,
+    segments and locks are not the child's to touch).
+    """
+
+    pid: int
+    workers: dict
+    segments: set
+    cache: object
+    stop: threading.Event = field(default_factory=threading.Event)
+    counters: object = None
+    wake_r: int = -1
+    wake_w: int = -1
+    # Guards the write end: a finalizer may wake a closed executor from any thread, and a
+    # write to a closed descriptor number could land in whatever file reused it.
+    wake_lock: threading.Lock = field(default_factory=threading.Lock)
+    router: threading.Thread | None = None
+
+    def wake(self) -> None:
+        """Wake the router (a no-op once released)."""
+        with self.wake_lock:
+            if self.wake_w < 0:
+                return
+            try:
+                os.write(self.wake_w, b"x")
+            except (BlockingIOError, OSError):
+                pass  # pipe full: already woken
+
+    def release(self, timeout_s: float = 1.5) -> None:
+        """Stop the router and every worker; remove every segment. Idempotent; owner only."""
+        if not lifetime.is_owner(self.pid):
+            return
+        self.stop.set()
+        self.wake()
+        r = self.router
+        if r is not None and r.is_alive() and r is not threading.current_thread():
+            r.join(timeout_s + 2.0)
+        for h in list(self.workers.values()):
+            if h.outbox is None:
+                continue  # interrupted before its start: nothing to tell
+            if h.alive():
+                h.post(("exit",))
+            h.post(None)  # the sender thread ends after delivering "exit"
+        deadline = time.monotonic() + timeout_s
+        for h in list(self.workers.values()):
+            stop_worker(h, max(0.0, deadline - time.monotonic()))
+            if h.sender is not None:
+                h.sender.join(max(0.0, deadline - time.monotonic()))
+            if h.conn is not None:
+                try:
+                    h.conn.close()
+                except OSError:
+                    pass
+        for name in list(self.segments):
+            channel.remove_segment(name)
+        self.segments.clear()
+        self.cache.clear()
+        if self.counters is not None:
+            self.counters.close(unlink=True)
+            self.counters = None
+        with self.wake_lock:
+            for fd in (self.wake_r, self.wake_w):
+                if fd >= 0:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            self.wake_r = self.wake_w = -1

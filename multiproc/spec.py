@@ -37,6 +37,44 @@ class Reducer(Protocol):
 
 
 @dataclass(frozen=True)
+class Skipped:
+    """Yielded by a source function in place of an item it could not produce but got past
+    (the source recovered, e.g. by reading on after a bad record). The worker counts it as
+    a skipped error (``on_error='skip'``) or reports ``error`` (``'raise'``).
+
+    Attributes:
+        error: what went wrong.
+        where: the item, in words (``"item 17"``).
+    """
+
+    error: BaseException
+    where: str
+
+
+MAX_ERRORS_ARE = "must be None, an int >= 0 or a float share in (0, 1]"
+
+
+def valid_max_errors(m: Any) -> bool:
+    """Whether ``m`` is a bound :func:`too_many_errors` understands."""
+    return (
+        m is None
+        or (isinstance(m, int) and not isinstance(m, bool) and m >= 0)
+        or (isinstance(m, float) and 0 < m <= 1)
+    )
+
+
+def too_many_errors(errors: int, items_in: int, max_errors: int | float | None) -> bool:
+    """Whether ``errors`` skipped out of ``items_in`` taken in exceed ``max_errors``: an int is
+    a count, a float a share of the items taken in, of at least 100 (so that the first few
+    items failing is not read as a 100% failure rate)."""
+    if max_errors is None:
+        return False
+    if isinstance(max_errors, float):
+        return errors > max_errors * max(items_in, 100)
+    return errors > max_errors
+
+
+@dataclass(frozen=True)
 class StageSpec:
     """One pipeline stage.
 
@@ -55,7 +93,14 @@ class StageSpec:
         frame_items: items grouped per frame (the unit of transfer and of recovery) by
             source and stateful stages; map stages keep their input's framing.
         worker_type: ``process`` or ``thread``.
-        on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop and count).
+        on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop, count, log
+            the first; a source that raises loses the rest of its unit, see :class:`Skipped`).
+        max_errors: the most items ``skip`` may drop before the executor raises
+            :class:`~multiproc.errors.TooManyErrorsError` with the counts and last errors: an
+            int is a count, a float in (0, 1] a share (see :func:`too_many_errors`), None no
+            bound.
+        timeout_s: raise :class:`~multiproc.errors.StageTimeoutError` when a worker stays in
+            the stage function longer than this on one frame or unit (None: no limit).
         init: optional ``init(stage_name, worker_index)`` run once in every new worker.
         torch_threads: torch intra-op threads per worker process (as torch's DataLoader,
             default 1: N workers each running N-thread kernels oversubscribe the cores).
@@ -74,6 +119,8 @@ class StageSpec:
     on_error: Literal["raise", "skip"] = "raise"
     init: Callable[[str, int], None] | None = None
     torch_threads: int = 1
+    max_errors: int | float | None = 0.1
+    timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
@@ -108,6 +155,11 @@ class StageSpec:
             )
         if self.on_error not in ("raise", "skip"):
             raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
+        if not valid_max_errors(self.max_errors):
+            raise SpecError(f"{where}: max_errors {MAX_ERRORS_ARE}, got {self.max_errors!r}")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
+            raise SpecError(f"{where}: timeout_s must be None or a number > 0, got {t!r}")
 
     @property
     def stateful(self) -> bool:

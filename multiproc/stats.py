@@ -29,8 +29,11 @@ from .channel import Segment
     STARTED_NS,
     CPU_NS,
     RUNQ_NS,
-) = range(14)
-N_COUNTERS = 16
+    IN_FN_SINCE_NS,  # monotonic ns since which the worker runs its function; 0: it does not
+    WORK_ID,  # the frame or unit it works on, plus one (0: none)
+    WORK_ITEM,  # the item of that frame or unit it is at, plus one
+) = range(17)
+N_COUNTERS = 24
 
 
 class CounterTable:
@@ -132,7 +135,9 @@ def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats
         items_out=int(r[ITEMS_OUT]),
         frames_in=int(r[FRAMES_IN]),
         frames_out=int(r[FRAMES_OUT]),
-        busy_ns=int(r[BUSY_NS]),
+        # A call still running counts as busy now (a stuck stage reads 100% busy, not 0%).
+        busy_ns=int(r[BUSY_NS])
+        + (max(0, now_ns - int(r[IN_FN_SINCE_NS])) if r[IN_FN_SINCE_NS] else 0),
         blocked_in_ns=int(r[BLOCKED_IN_NS]),
         blocked_out_ns=int(r[BLOCKED_OUT_NS]),
         bytes_out=int(r[BYTES_OUT]),

@@ -16,18 +16,31 @@ from __future__ import annotations
 import collections
 import os
 import pickle
+import reprlib
 import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 
 import cloudpickle
 
-from . import channel, reducers, stats
+from . import channel, lifetime, reducers, stats
 from .channel import Allocator, MappingCache, Segment
+from .errors import StageError
+from .spec import Skipped
 
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
+_mono_ns = time.monotonic_ns  # the clock of IN_FN_SINCE_NS, shared with the executor
+
+_short = reprlib.Repr()
+_short.maxstring = _short.maxother = 120
+
+
+def short_repr(x) -> str:
+    """A bounded repr for error messages (a unit may hold a million ids)."""
+    return _short.repr(x)
 
 
 class _Exit(Exception):
@@ -106,6 +119,8 @@ class _Worker:
         self.counters = stats.CounterTable(stats_name, n_slots, create=False)
         self.row = self.counters.row(slot)
         self.row[:] = 0
+        # Written per item: a memoryview store costs a fraction of a numpy one.
+        self.cell = memoryview(self.row)
         self.row[stats.PID] = os.getpid()
         self.row[stats.STARTED_NS] = time.monotonic_ns()
         self.seg = Segment(seg_name, seg_size, create=False)
@@ -114,6 +129,7 @@ class _Worker:
         self.pending_frees: list = []
         self.deferred: collections.deque = collections.deque()
         self.retiring = False
+        self.started = False
         self.reducer = None
         self.epoch = 0
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
@@ -174,6 +190,8 @@ class _Worker:
             payload, nbytes = channel.encode(obj, None, None)
             return payload, nbytes
         self.conn.send(("blocked", self.wid, self._take_frees()))
+        since = self.cell[stats.IN_FN_SINCE_NS]
+        self.cell[stats.IN_FN_SINCE_NS] = 0  # waiting for room is not being stuck in fn
         try:
             while True:
                 msg = self.conn.recv()
@@ -191,13 +209,19 @@ class _Worker:
                         self.conn.send(("unblocked", self.wid))
                         return payload, nbytes
         finally:
-            self.row[stats.BLOCKED_OUT_NS] += _ns() - t0
+            waited = _ns() - t0
+            self.row[stats.BLOCKED_OUT_NS] += waited
+            if since:
+                self.cell[stats.IN_FN_SINCE_NS] = since + waited
 
-    def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list:
+    def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list | None:
+        """Encode outputs of a stateful stage; None when an error was reported instead."""
         outs = []
         for i in range(0, len(items), frame_items):
-            chunk = items[i : i + frame_items]
-            payload, nbytes = self._encode(chunk)
+            encoded = self._encode_items(None, items[i : i + frame_items], lambda: "output")
+            if encoded is None:
+                return None
+            payload, nbytes, chunk = encoded
             outs.append((payload, len(chunk)))
             if count:
                 self.row[stats.BYTES_OUT] += nbytes
@@ -205,10 +229,38 @@ class _Worker:
                 self.row[stats.ITEMS_OUT] += len(chunk)
         return outs
 
+    def _encode_items(self, frame_id, items: list, where: Callable[[], str]):
+        """Encode a frame of items; an item that does not pickle is reported, naming it and
+        its type, or dropped under ``on_error='skip'``. Returns ``(payload, nbytes, items)``,
+        or None when the error was reported (the stage stops). ``where()`` names the frame
+        (called only on failure: a repr per frame would cost every frame)."""
+        try:
+            payload, nbytes = self._encode(items)
+            return payload, nbytes, items
+        except Exception as e:
+            bad = _unpicklable(items)
+            if not bad:
+                raise
+            where = where()
+            for i, (path, tname, err) in bad.items():
+                exc = StageError(
+                    f"{where}, item {i}: the stage returned {tname} (at item{path}) that does "
+                    f"not pickle ({type(err).__name__}: {err}); return plain data, tensors or "
+                    "arrays, or make the type picklable"
+                )
+                exc.__cause__ = e
+                if not self._error(frame_id, exc, f"{where}, item {i}"):
+                    return None
+            keep = [x for i, x in enumerate(items) if i not in bad]
+            payload, nbytes = self._encode(keep)
+            return payload, nbytes, keep
+
     def _error(self, frame_id, exc: BaseException, where: str) -> bool:
         """Report or count a stage-function failure; True when processing may go on."""
         self.row[stats.ERRORS] += 1
         if self.stage.on_error == "skip":
+            # The executor counts, logs and bounds skips (max_errors); only errors cost this.
+            self.conn.send(("skipped", self.wid, where, type(exc).__name__, str(exc)[:300]))
             return True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         self.conn.send(
@@ -230,36 +282,61 @@ class _Worker:
         fi = self.stage.frame_items
         k = 0
         buf: list = []
+        cell = self.cell
         t0, c0 = _ns(), _cpu_ns()
+        cell[stats.WORK_ID] = unit_id + 1
+        cell[stats.WORK_ITEM] = 1  # per frame, not per item: a store per item costs ~30 ns
+        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
         try:
             for item in self.stage.fn(unit):
+                if type(item) is Skipped:  # the source recovered from a failing item
+                    if not self._error(
+                        unit_id, item.error, f"work unit {short_repr(unit)}, {item.where}"
+                    ):
+                        return
+                    continue
                 buf.append(item)
                 if len(buf) == fi:
-                    if k >= skip_frames:
-                        self._send_unit_frame(unit_id, k, buf)
+                    if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
+                        return
                     k += 1
                     buf = []
+                    cell[stats.WORK_ITEM] = k * fi + 1
             if buf:
-                if k >= skip_frames:
-                    self._send_unit_frame(unit_id, k, buf)
+                if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
+                    return
                 k += 1
         except Exception as e:
-            if not self._error(unit_id, e, f"work unit {unit!r}"):
+            # A generator that raised cannot go on: keep what it made, skip the rest.
+            n = k * fi + len(buf)
+            where = f"work unit {short_repr(unit)}, after item {n}: the rest of the unit"
+            if buf and k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
+                return
+            if buf:
+                k += 1
+            if not self._error(unit_id, e, where):
                 return
         finally:
+            cell[stats.IN_FN_SINCE_NS] = 0
+            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
             self.row[stats.BUSY_NS] += _ns() - t0
             self.row[stats.CPU_NS] += _cpu_ns() - c0
             self.runq.update(self.row)
         self.row[stats.FRAMES_IN] += 1
         self.conn.send(("unit_done", self.wid, unit_id, k, self._take_frees()))
 
-    def _send_unit_frame(self, unit_id, k: int, items: list) -> None:
-        payload, nbytes = self._encode(items)
+    def _send_unit_frame(self, unit_id, k: int, items: list, unit) -> bool:
+        """Commit frame ``k`` of a unit; False when an error was reported instead."""
+        out = self._encode_items(unit_id, items, lambda: f"work unit {short_repr(unit)}, frame {k}")
+        if out is None:
+            return False
+        payload, nbytes, items = out
         self.row[stats.BYTES_OUT] += nbytes
         self.row[stats.FRAMES_OUT] += 1
         self.row[stats.ITEMS_OUT] += len(items)
         self.row[stats.ITEMS_IN] += len(items)
         self.conn.send(("emit", self.wid, unit_id, k, payload, len(items)))
+        return True
 
     def run_frame(self, frame_id, payload, skip: frozenset) -> None:
         t0, c0 = _ns(), _cpu_ns()
@@ -267,6 +344,9 @@ class _Worker:
         self.row[stats.FRAMES_IN] += 1
         self.row[stats.ITEMS_IN] += len(items)
         st = self.stage
+        cell = self.cell
+        cell[stats.WORK_ID] = frame_id + 1
+        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
         try:
             if st.kind == "stateful":
                 self._run_stateful(frame_id, items, skip)
@@ -282,6 +362,7 @@ class _Worker:
                 fn = st.fn
                 flat = st.kind == "flat_map"
                 for i, x in enumerate(items):
+                    cell[stats.WORK_ITEM] = i + 1
                     try:
                         if flat:
                             out.extend(fn(x))
@@ -291,7 +372,10 @@ class _Worker:
                         if not self._error(frame_id, e, f"item {i} of frame {frame_id}"):
                             return
             del items
-            payload_out, nbytes = self._encode(out)
+            encoded = self._encode_items(frame_id, out, lambda: f"frame {frame_id}")
+            if encoded is None:
+                return
+            payload_out, nbytes, out = encoded
             self.row[stats.BYTES_OUT] += nbytes
             self.row[stats.FRAMES_OUT] += 1
             self.row[stats.ITEMS_OUT] += len(out)
@@ -299,6 +383,8 @@ class _Worker:
                 ("done", self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees())
             )
         finally:
+            cell[stats.IN_FN_SINCE_NS] = 0
+            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
             self.row[stats.BUSY_NS] += _ns() - t0
             self.row[stats.CPU_NS] += _cpu_ns() - c0
             self.runq.update(self.row)
@@ -311,6 +397,7 @@ class _Worker:
         for i, x in enumerate(items):
             if i in skip:
                 continue
+            self.cell[stats.WORK_ITEM] = i + 1
             try:
                 ready.extend(self.reducer.push((frame_id, i), x))
             except Exception as e:
@@ -329,6 +416,8 @@ class _Worker:
                 consumed.setdefault(fid, []).append(i)
         outs = self._emit_frames(outs_items, self.stage.frame_items) if outs_items else []
         del ready, outs_items
+        if outs is None:
+            return
         self.conn.send((kind, self.wid, frame_id, outs, consumed, self._take_frees()))
 
     def flush(self) -> None:
@@ -347,6 +436,8 @@ class _Worker:
             consumed.setdefault(fid, []).append(i)
         # Handed-over items are not outputs; undo their input count, the taker counts them.
         outs = self._emit_frames(items, max(len(items), 1), count=False) if items else []
+        if outs is None:
+            return
         self.row[stats.ITEMS_IN] -= len(items)
         self.conn.send(("handoff", self.wid, None, outs, consumed, self._take_frees()))
 
@@ -359,6 +450,7 @@ class _Worker:
         if self.stage.init is not None:
             self.stage.init(self.stage.name, self.index)
         self.runq = _RunQueue()
+        self.started = True
         self.conn.send(("hello", self.wid, os.getpid()))
         while True:
             msg = self._recv()
@@ -385,12 +477,15 @@ class _Worker:
         self.counters.close(unlink=False)
 
 
-def worker_main(conn, *args, is_thread: bool = False) -> None:
-    """Entry point of a worker (process target or thread target)."""
+def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> None:
+    """Entry point of a worker (process target or thread target); a process worker ends
+    when the executor's process ``owner_pid`` does, however that one ends."""
     if not is_thread:
         # Ctrl-C goes to the whole process group; the consumer decides what happens, and the
         # executor stops workers. A worker dying of SIGINT would look like a crash.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if owner_pid:
+            lifetime.die_with_owner(owner_pid)
     w = None
     try:
         w = _Worker(conn, *args)
@@ -410,7 +505,7 @@ def worker_main(conn, *args, is_thread: bool = False) -> None:
                     type(e).__name__,
                     str(e),
                     tb,
-                    "worker start",
+                    "worker start" if w is None or not w.started else "the worker's loop",
                 )
             )
         except Exception:
@@ -422,3 +517,40 @@ def worker_main(conn, *args, is_thread: bool = False) -> None:
             conn.close()
         except Exception:
             pass
+
+
+def _unpicklable(items: list) -> dict[int, tuple[str, str, BaseException]]:
+    """The items of a frame that do not pickle: index -> (path to the first part that does
+    not, its type name, the error). Runs only after a frame failed to encode."""
+    bad = {}
+    for i, x in enumerate(items):
+        err = _pickle_error(x)
+        if err is not None:
+            path, part, err = _culprit(x, err)
+            bad[i] = (path, f"a {type(part).__module__}.{type(part).__qualname__}", err)
+    return bad
+
+
+def _pickle_error(x) -> BaseException | None:
+    try:
+        channel.encode([x], None, None)
+        return None
+    except Exception as e:
+        return e
+
+
+def _culprit(x, err: BaseException, depth: int = 0) -> tuple[str, object, BaseException]:
+    """Descend into containers to the innermost part that does not pickle."""
+    if depth < 6:
+        if isinstance(x, (list, tuple)):
+            parts = enumerate(x)
+        elif isinstance(x, dict):
+            parts = x.items()
+        else:
+            parts = ()
+        for key, part in parts:
+            e = _pickle_error(part)
+            if e is not None:
+                path, inner, e = _culprit(part, e, depth + 1)
+                return f"[{key!r}]{path}", inner, e
+    return "", x, err

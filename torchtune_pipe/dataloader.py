@@ -54,6 +54,12 @@ class _Collated:
     def units(self, epoch: int = 0) -> list:
         return self.source.units(epoch)
 
+    def fingerprint(self) -> str:
+        """The wrapped source's: a state saved with the collate fused in loads without it."""
+        from ._state import source_fingerprint
+
+        return source_fingerprint(self.source)
+
     def units_state(self) -> Any:
         return getattr(self.source, "units_state", lambda: None)()
 

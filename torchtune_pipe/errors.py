@@ -73,8 +73,11 @@ class PipelineError(TorchtunePipeError, ValueError):
 
 
 class LoaderTimeoutError(TorchtunePipeError, RuntimeError):
-    """No item arrived within the loader's ``timeout``; raise it, or look for a stuck stage
-    with ``Loader(progress=True)``."""
+    """No item arrived within the loader's ``timeout_s``. The message names the workers inside
+    their stage function the longest (stage, worker, seconds, item or unit); ``stuck`` holds
+    them as :class:`multiproc.Busy`. Fix the stage, or raise the timeout."""
+
+    stuck: tuple = ()
 
 
 class StateError(TorchtunePipeError, ValueError):

@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
+import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any
 
 from multiproc import Executor
 
-from . import _ranks, telemetry
+from . import _ranks, _state, telemetry
 from .errors import LoaderTimeoutError, StateError
 from .pipeline import Pipeline, Work, run_inline
 from .prefetch import END as _END
@@ -191,6 +193,74 @@ class RunningPipeline:
         )
 
 
+class _MachineFacts:
+    """Machine facts for a Meter: the slow probe once, free CPUs and memory at every call.
+
+    An object of its own, not a bound method of the Loader: a Meter holding the Loader would
+    put the Loader in a reference cycle, and an unreferenced Loader would keep its workers
+    until the garbage collector happens to run.
+    """
+
+    def __init__(self) -> None:
+        self._probed: telemetry.Machine | None = None
+
+    def __call__(self) -> telemetry.Machine:
+        if self._probed is None:
+            self._probed = telemetry.Machine.probe()
+        m = self._probed
+        return telemetry.Machine(
+            telemetry.cpus_available(), telemetry.memory_available_bytes(), m.dram_gbps, m.cpu_ghz
+        )
+
+
+class EpochIterator:
+    """What ``iter(loader)`` returns: one epoch's items, for one consumer thread.
+
+    As torch's DataLoader, a new ``iter()`` on the loader starts a new epoch; this iterator
+    then raises ``RuntimeError`` if used again (never a silent stop). Two threads calling
+    ``next()`` on it at once get ``RuntimeError`` as well.
+    """
+
+    def __init__(self, gen: Generator[Any, None, None], epoch: int):
+        self._gen = gen
+        self._epoch = epoch
+        self._busy = threading.Lock()
+        self._ended: str | None = None
+
+    def __iter__(self) -> EpochIterator:
+        return self
+
+    def __next__(self) -> Any:
+        if self._ended is not None:
+            raise RuntimeError(f"Loader: this iterator of epoch {self._epoch} {self._ended}")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                "Loader: two threads iterate the same loader at once; one loader feeds one "
+                "consumer thread (create a loader per thread, or hand items over a queue)"
+            )
+        try:
+            return next(self._gen)
+        finally:
+            self._busy.release()
+
+    def close(self) -> None:
+        """End the epoch early (as ``break`` does)."""
+        self._gen.close()
+
+    def _end(self, why: str) -> None:
+        """Ended from outside (a new ``iter()``, ``load_state_dict``, ``close``)."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(
+                f"Loader: {why.split(';')[0]} while another thread is inside next() of the "
+                "current epoch; one loader feeds one consumer thread"
+            )
+        try:
+            self._ended = why
+            self._gen.close()
+        finally:
+            self._busy.release()
+
+
 def _make_tuner(tuner: Any) -> Any:
     if tuner is None or tuner == "static":
         return None  # the stages' own knobs, unchanged
@@ -291,16 +361,19 @@ class Loader:
         self._active: weakref.ref | None = None
         self._closed = False
         self._clock = telemetry.ConsumerClock()
-        self._machine_facts: telemetry.Machine | None = None
+        self._machine = _MachineFacts()
+        self._pid = os.getpid()  # the owner: a forked child must not stop its workers
+        self._last_error: BaseException | None = None  # what ended the last epoch early
         self._held: dict = {}  # what the finalizer closes when the loader is collected
-        self._finalizer = weakref.finalize(self, Loader._cleanup, self._held)
+        self._finalizer = weakref.finalize(self, Loader._cleanup, self._held, self._pid)
 
     # ------------------------------------------------------------------------ public API
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("Loader: iterated after close(); create a new loader")
-        self._end_active()  # one epoch at a time: a new iter() ends the previous one
-        it = self._iterate()
+        # One epoch at a time: a new iter() ends the previous one, which says so if used again.
+        self._end_active("was ended by a new iter() on the loader, which starts a new epoch")
+        it = EpochIterator(self._iterate(), self._epoch)
         # Held weakly: an iterator the caller drops (``break``) is collected at once, and its
         # cleanup stops the workers, as when torch's DataLoader iterator goes away.
         self._active = weakref.ref(it)
@@ -344,23 +417,19 @@ class Loader:
         state = self._progress.state()
         state["version"] = _STATE_VERSION
         state["units_state"] = self._units_state
+        state["fingerprint"] = _state.fingerprint(self.pipeline)
         return state
 
     def load_state_dict(self, state: Mapping) -> None:
         """Resume from ``state`` at the next ``iter()``: exactly the undelivered items.
 
         Raises:
-            StateError: ``state`` is not a loader state of this version.
+            StateError: ``state`` is not a loader state of this version, a field has the
+                wrong type or range (the message names it), or it was saved by another
+                pipeline or source (its fingerprint differs).
         """
-        if not isinstance(state, Mapping) or state.get("version") != _STATE_VERSION:
-            raise StateError(
-                f"Loader.load_state_dict(): expected a state of version {_STATE_VERSION} from "
-                f"Loader.state_dict(), got {type(state).__name__}"
-            )
-        missing = {"epoch", "finished", "done", "partial", "delivered", "last_unit"} - set(state)
-        if missing:
-            raise StateError(f"Loader.load_state_dict(): state lacks {sorted(missing)}")
-        self._end_active()
+        state = _state.check(state, _STATE_VERSION, _state.fingerprint(self.pipeline))
+        self._end_active("was ended by load_state_dict(); iterate the loader again to resume")
         self._pending = dict(state)
 
     def release_tuner(self) -> Any:
@@ -384,15 +453,34 @@ class Loader:
         return self._tunable
 
     def observe(self) -> Observation | None:
-        """An observation of the running pipeline now (None when no executor runs)."""
-        return self._tunable.observe() if self._tunable is not None else None
+        """An observation of the running pipeline now (None when no executor runs yet).
+
+        Raises:
+            RuntimeError: the loader is closed, or its last epoch ended early (an error, a
+                ``break``) and stopped the workers; the error is chained.
+        """
+        if self._closed:
+            raise RuntimeError("Loader.observe(): the loader is closed; create a new one")
+        if self._tunable is None:
+            return None
+        if self._executor is None:
+            raise RuntimeError(
+                "Loader.observe(): no pipeline runs: the last epoch ended early"
+                + (
+                    f" with {type(self._last_error).__name__}: {self._last_error}"
+                    if self._last_error
+                    else ""
+                )
+                + " and stopped its workers; iterate the loader again to start them"
+            ) from self._last_error
+        return self._tunable.observe()
 
     def close(self) -> None:
         """Stop the iteration, the tuner, the workers; remove shared memory. Idempotent."""
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:
             return
         self._closed = True
-        self._end_active()
+        self._end_active("was ended by close()")
         self._finalizer()
 
     def __enter__(self) -> Loader:
@@ -402,25 +490,19 @@ class Loader:
         self.close()
 
     # ------------------------------------------------------------------------ internals
-    def _end_active(self) -> None:
+    def _end_active(self, why: str) -> None:
         it = self._active() if self._active is not None else None
-        self._active = None
         if it is not None:
-            it.close()
+            it._end(why)
+        self._active = None
 
     @staticmethod
-    def _cleanup(held: dict) -> None:
+    def _cleanup(held: dict, pid: int) -> None:
+        if os.getpid() != pid:
+            return  # a forked child: the workers and memory are the parent's
         ex = held.pop("executor", None)
         if ex is not None:
             ex.close()
-
-    def _machine(self) -> telemetry.Machine:
-        if self._machine_facts is None:
-            self._machine_facts = telemetry.Machine.probe()
-        m = self._machine_facts
-        return telemetry.Machine(
-            telemetry.cpus_available(), telemetry.memory_available_bytes(), m.dram_gbps, m.cpu_ghz
-        )
 
     def _ensure_executor(self) -> Executor:
         if self._executor is None:
@@ -456,11 +538,13 @@ class Loader:
         self._epoch = epoch
         units = source.units(epoch)
         self._units_state = source.units_state() if hasattr(source, "units_state") else None
-        bad = [u for u in list(progress.done) + list(progress.seen) if not 0 <= u < len(units)]
-        if bad:
-            raise StateError(
-                f"Loader: the state names units {bad[:5]} but epoch {epoch} has {len(units)} units"
-            )
+        for field, named in (("done", progress.done), ("partial", progress.seen)):
+            bad = sorted(u for u in named if not 0 <= u < len(units))
+            if bad:
+                raise StateError(
+                    f"Loader: state[{field!r}] names units {bad[:5]} but epoch {epoch} has "
+                    f"{len(units)} units: the state was saved by another pipeline or source"
+                )
         works = [
             Work(pos, u, frozenset(progress.seen.get(pos, ())))
             for pos, u in enumerate(units)
@@ -468,7 +552,7 @@ class Loader:
         ]
         return epoch, progress, works
 
-    def _iterate(self) -> Iterator[Any]:
+    def _iterate(self) -> Generator[Any, None, None]:
         sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
         epoch, progress, works = self._plan()
         self._progress = progress
@@ -510,42 +594,50 @@ class Loader:
         except GeneratorExit:
             closed_by_consumer = True
             raise
+        except BaseException as e:
+            self._last_error = e
+            raise
         finally:
-            self._clock.pause()
-            if closed_by_consumer and not self.inline and self._took_everything(progress):
-                # Consumers that stop at len() (Lightning) never ask for the end of the stream:
-                # read what is left (end-of-unit markers) so the epoch counts as complete and
-                # the workers are kept for the next one.
-                complete = self._drain_tail(pre, stream, progress, drop_items=sync is not None)
-                if sync is not None and self.last_epoch_dropped:
-                    self._report_dropped(sync, epoch)
-                if complete:
-                    progress.finished = True
-                    self._epoch = epoch + 1
-            loop_error = None
-            self._tuning = None
-            if loop is not None:
-                # Before the executor goes: a tick must not resize a closed executor.
-                try:
-                    loop.stop(raise_error=complete)
-                except BaseException as e:
-                    loop_error = e
-                loop = None
-            if not complete and not self.inline:
-                self._drop_executor()  # wakes a prefetch thread waiting on the executor
-            if pre is not None:
-                # After a timeout the thread is stuck in a stage: do not wait for it (daemon).
-                pre.stop(
-                    timeout_s=0.1 if isinstance(sys.exc_info()[1], LoaderTimeoutError) else 10.0
-                )
-                if pre.alive:
-                    log.warning("Loader: the prefetch thread is still busy in a stage; left behind")
-            if hasattr(stream, "close") and (pre is None or not pre.alive):
-                stream.close()
-            if watcher is not None:
-                watcher.stop()
-            if loop_error is not None:
-                raise loop_error
+            # Collected in a forked child, nothing here is the child's to stop (and the
+            # executor's locks may be held by threads that do not exist there).
+            if os.getpid() == self._pid:
+                self._clock.pause()
+                if closed_by_consumer and not self.inline and self._took_everything(progress):
+                    # Consumers that stop at len() (Lightning) never ask for the end of the
+                    # stream: read what is left (end-of-unit markers) so the epoch counts as
+                    # complete and the workers are kept for the next one.
+                    complete = self._drain_tail(pre, stream, progress, drop_items=sync is not None)
+                    if sync is not None and self.last_epoch_dropped:
+                        self._report_dropped(sync, epoch)
+                    if complete:
+                        progress.finished = True
+                        self._epoch = epoch + 1
+                loop_error = None
+                self._tuning = None
+                if loop is not None:
+                    # Before the executor goes: a tick must not resize a closed executor.
+                    try:
+                        loop.stop(raise_error=complete)
+                    except BaseException as e:
+                        loop_error = e
+                    loop = None
+                if not complete and not self.inline:
+                    self._drop_executor()  # wakes a prefetch thread waiting on the executor
+                if pre is not None:
+                    # After a timeout the thread is stuck in a stage: do not wait for it.
+                    pre.stop(
+                        timeout_s=0.1 if isinstance(sys.exc_info()[1], LoaderTimeoutError) else 10.0
+                    )
+                    if pre.alive:
+                        log.warning(
+                            "Loader: the prefetch thread is still busy in a stage; left behind"
+                        )
+                if hasattr(stream, "close") and (pre is None or not pre.alive):
+                    stream.close()
+                if watcher is not None:
+                    watcher.stop()
+                if loop_error is not None:
+                    raise loop_error
 
     def _took_everything(self, progress: _Progress) -> bool:
         try:
@@ -587,10 +679,27 @@ class Loader:
         try:
             return pre.get()
         except TimeoutError:
-            raise LoaderTimeoutError(
-                f"Loader: no item arrived within timeout_s={self.timeout_s} s; a stage may be "
-                "stuck (watch it with progress=True)"
-            ) from None
+            busy = self._stuck()
+            if busy:
+                where = "; ".join(str(b) for b in busy[:3])
+            elif self.inline:
+                where = "the pipeline runs inline, in the loader's prefetch thread"
+            else:
+                where = "no worker is inside its stage function (see progress=True)"
+            e = LoaderTimeoutError(
+                f"Loader: no item arrived within timeout_s={self.timeout_s} s: {where}"
+            )
+            e.stuck = tuple(busy)
+            raise e from None
+
+    def _stuck(self) -> list:
+        ex = self._executor
+        if ex is None:
+            return []
+        try:
+            return ex.busy()
+        except Exception:  # closed under us: the timeout is still the error to report
+            return []
 
     def _prefetcher(self, stream: Iterator[tuple]) -> Prefetcher | None:
         spec = self.pipeline.prefetch_spec

@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -31,14 +32,17 @@ from typing import TYPE_CHECKING, Any, Literal
 import cloudpickle
 from torch.utils.data import default_collate
 
-from multiproc import Batcher, ExecutorSpec, Shuffler, StageSpec
+from multiproc import Batcher, ExecutorSpec, Shuffler, Skipped, StageSpec, TooManyErrorsError
 from multiproc.reducers import DROPPED
+from multiproc.spec import MAX_ERRORS_ARE, too_many_errors, valid_max_errors
 
-from .errors import PipelineError
+from .errors import PipelineError, StateError
 from .sources import as_source, read_indexed
 
 if TYPE_CHECKING:
     from .loader import Loader
+
+log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 _MIN_BUFFER = 64 * 1024
@@ -59,7 +63,10 @@ class Stage:
         buffer_bytes: initial byte budget of the stage's outbound buffer; the tuner moves it
             up to ``max_buffer_bytes``.
         worker_type: ``process`` or ``thread``.
-        on_error: ``raise`` or ``skip`` (drop the failing item and count it).
+        on_error: ``raise`` or ``skip`` (drop the failing item, count it, log the first).
+        max_errors: the most items ``skip`` may drop before the loader raises: an int is a
+            count, a float a share of the items the stage took in (of at least 100), None no
+            bound (see :class:`multiproc.StageSpec`).
         size: items per batch (batch stages).
         drop_last: drop an incomplete last batch (batch stages).
         buffer: shuffle buffer size in items (shuffle stages).
@@ -82,6 +89,7 @@ class Stage:
     buffer: int = 0
     seed: int = 0
     init: Callable[[str, int], None] | None = None
+    max_errors: int | float | None = 0.1
 
     @property
     def stateful(self) -> bool:
@@ -137,9 +145,15 @@ class Pipeline:
         worker_type: Literal["process", "thread"] = "process",
         on_error: Literal["raise", "skip"] = "raise",
         init: Callable[[str, int], None] | None = None,
+        max_errors: int | float | None = 0.1,
     ) -> Pipeline:
         """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
         map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
+
+        With ``on_error="skip"`` an item the source fails to produce is skipped: exactly that
+        item for sources with ``read_from`` (map-style datasets), the rest of its unit for a
+        plain ``read()`` generator (which cannot go on after raising); ``max_errors`` bounds
+        the skips. See :class:`ReadTagged`.
 
         Raises:
             PipelineError: ``source`` is none of these, or a knob is invalid.
@@ -152,7 +166,7 @@ class Pipeline:
             "from_source()", (), name, "source", None, workers, min_workers, max_workers,
             buffer_bytes, worker_type, on_error, init,
         )  # fmt: skip
-        return cls(src, (stage,))
+        return cls(src, (_with_max_errors("from_source()", stage, max_errors),))
 
     def map(
         self,
@@ -166,6 +180,7 @@ class Pipeline:
         worker_type: Literal["process", "thread"] = "process",
         on_error: Literal["raise", "skip"] = "raise",
         init: Callable[[str, int], None] | None = None,
+        max_errors: int | float | None = 0.1,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
 
@@ -178,6 +193,7 @@ class Pipeline:
             worker_type: ``process`` (default) or ``thread`` (for GIL-free functions).
             on_error: ``raise`` or ``skip``.
             init: ``init(stage_name, worker_index)`` run once in every new worker.
+            max_errors: the bound on skipped items (see :class:`Stage`).
         """
         method = f"map({name!r})" if name else "map()"
         if not callable(fn):
@@ -190,7 +206,7 @@ class Pipeline:
         )  # fmt: skip
         if worker_type == "process":
             _check_pickles(method, "fn", fn)
-        return self._add(stage, method)
+        return self._add(_with_max_errors(method, stage, max_errors), method)
 
     def shuffle(
         self, buffer: int, *, seed: int = 0, name: str = "shuffle", buffer_bytes: int = 64 * MiB
@@ -273,10 +289,11 @@ class Pipeline:
                 workers=min(st.workers, max_w), min_workers=min(st.min_workers, max_w),
                 max_workers=max_w, buffer_bytes=st.buffer_bytes,
                 max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
-                on_error=st.on_error, init=st.init,
+                on_error=st.on_error, init=st.init, max_errors=st.max_errors,
             )  # fmt: skip
             if st.kind == "source":
-                specs.append(StageSpec(st.name, "source", ReadTagged(self.source), **common))
+                read = ReadTagged(self.source, skip=st.on_error == "skip")
+                specs.append(StageSpec(st.name, "source", read, **common))
             elif st.kind == "map":
                 specs.append(StageSpec(st.name, "map", MapTagged(_fn(st)), **common))
             else:
@@ -343,6 +360,12 @@ class Pipeline:
         return f"{base}_{i}"
 
 
+def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:
+    if not valid_max_errors(max_errors):
+        raise PipelineError(f"{method}: max_errors {MAX_ERRORS_ARE}, got {max_errors!r}")
+    return dataclasses.replace(stage, max_errors=max_errors)
+
+
 def _check_pickles(method: str, arg: str, fn: Any) -> None:
     try:
         cloudpickle.dumps(fn)
@@ -373,16 +396,49 @@ class Work:
 
 
 class ReadTagged:
-    """Source stage function: the unit's items tagged ``(pos, k, item)``, then its end."""
+    """Source stage function: the unit's items tagged ``(pos, k, item)``, then its end.
 
-    def __init__(self, source: Any):
+    With ``skip``, an item the source fails to produce is reported as
+    :class:`multiproc.Skipped`. A source with ``read_from`` is read on from the next position
+    (re-opened with the positions up to the failure skipped, which it does without producing
+    them), so exactly the failing item is lost; a unit that fails again with the same error
+    before producing another item (it fails to open, not on an item) is given up on there. A plain ``read()`` generator cannot go on
+    after raising: the rest of its unit is skipped (one ``Skipped`` says from where).
+    """
+
+    def __init__(self, source: Any, skip: bool = False):
         self.source = source
+        self.skip = skip
 
-    def __call__(self, work: Work) -> Iterator[tuple]:
+    def __call__(self, work: Work) -> Iterator[Any]:
         count = len(work.skip)  # items delivered before a resume count towards the unit
-        for k, item in read_indexed(self.source, work.unit, work.skip):
-            count += 1
-            yield (work.pos, k, item)
+        skip = set(work.skip)
+        repeat = None  # the last error, while no item came after it
+        while True:
+            last = -1
+            try:
+                for k, item in read_indexed(self.source, work.unit, frozenset(skip)):
+                    last = k
+                    count += 1
+                    repeat = None
+                    yield (work.pos, k, item)
+                break
+            except Exception as e:
+                if not self.skip or isinstance(e, StateError):
+                    raise
+                failed = last + 1
+                while failed in skip:
+                    failed += 1
+                if not hasattr(self.source, "read_from"):
+                    yield Skipped(e, f"item {failed} and the rest of the unit (a source without "
+                                     "read_from cannot read on past a failure)")  # fmt: skip
+                    break
+                if repeat == (type(e), str(e)):
+                    yield Skipped(e, f"item {failed} and the rest of the unit (it keeps failing)")
+                    break
+                repeat = (type(e), str(e))
+                yield Skipped(e, f"item {failed}")
+                skip.update(range(failed + 1))  # delivered before it, and itself
         yield (work.pos, -1 - count, None)
 
 
@@ -452,22 +508,62 @@ def _fn(st: Stage) -> Callable[[Any], Any]:
 
 def run_inline(pipeline: Pipeline, works: list[Work], epoch: int) -> Iterator[tuple]:
     """Run the pipeline in the calling thread (no workers): the tagged stream of items."""
-    read = ReadTagged(pipeline.source)
-    stream: Iterator[tuple] = (t for w in works for t in read(w))
+    src = pipeline.stages[0]
+    read = ReadTagged(pipeline.source, skip=src.on_error == "skip")
+    stream: Iterator[tuple] = _inline_source(src, (t for w in works for t in read(w)))
     for st in pipeline.stages[1:]:
         stream = _inline_stage(st, stream, epoch)
     return stream
 
 
+class _Skips:
+    """Skipped items of an inline stage: the first logged, the count bounded by max_errors
+    (what the executor does for worker stages)."""
+
+    def __init__(self, st: Stage):
+        self.st = st
+        self.items_in = 0
+        self.count = 0
+        self.last: list[str] = []
+
+    def skipped(self, exc: BaseException, where: str) -> None:
+        self.count += 1
+        self.last = (self.last + [f"{where}: {type(exc).__name__}: {exc}"])[-3:]
+        if self.count == 1:
+            log.warning(
+                "stage %r skipped an item (on_error='skip'): %s", self.st.name, self.last[0]
+            )
+        if too_many_errors(self.count, self.items_in, self.st.max_errors):
+            raise TooManyErrorsError(
+                f"stage {self.st.name!r}: {self.count} items skipped of {self.items_in} taken in, "
+                f"more than max_errors={self.st.max_errors!r} allows; last errors: "
+                + "; ".join(self.last)
+            )
+
+
+def _inline_source(st: Stage, stream: Iterator[Any]) -> Iterator[tuple]:
+    skips = _Skips(st)
+    for t in stream:
+        if type(t) is Skipped:
+            skips.items_in += 1
+            skips.skipped(t.error, t.where)
+            continue
+        skips.items_in += 1
+        yield t
+
+
 def _inline_stage(st: Stage, stream: Iterator[tuple], epoch: int) -> Iterator[tuple]:
     if st.kind == "map":
         fn = MapTagged(_fn(st))
+        skips = _Skips(st)
         for t in stream:
+            skips.items_in += 1
             try:
                 yield fn(t)
-            except Exception:
+            except Exception as e:
                 if st.on_error == "raise":
                     raise
+                skips.skipped(e, f"item {t[1]} of unit {t[0]}")
         return
     reducer = TaggedReducer(_factory(st))(epoch, 0)
     for t in stream:

@@ -417,9 +417,19 @@ def read_indexed(source: Any, unit: Any, skip: frozenset) -> Iterator[tuple[int,
     if read_from is not None:
         yield from read_from(unit, skip)
         return
+    n = 0
     for k, item in enumerate(source.read(unit)):
+        n = k + 1
         if k not in skip:
             yield k, item
+    if skip and max(skip) >= n:
+        from .errors import StateError
+
+        raise StateError(
+            f"the loaded state (state['partial']) marks position {max(skip)} of a unit of {n} "
+            "items as delivered: it was saved by another pipeline or source; load a state "
+            "saved by this one"
+        )
 
 
 def _seed_all(seed: int) -> None:

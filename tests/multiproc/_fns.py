@@ -86,3 +86,43 @@ class DieOnceOnFirst:
             return x
         os.close(fd)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def read_fail_at_100(unit):
+    """A source whose unit breaks at its 101st item (a generator cannot go on after that)."""
+    lo, hi = unit
+    for i in range(lo, hi):
+        if i - lo == 100:
+            raise ValueError(f"corrupt record {i}")
+        yield i
+
+
+def fail_every_5th(x):
+    if x % 5 == 0:
+        raise ValueError(f"bad {x}")
+    return x
+
+
+def lock_on_13(x):
+    import threading
+
+    return {"id": x, "state": threading.Lock()} if x == 13 else {"id": x}
+
+
+def read_big_unit(unit):
+    raise ValueError("cannot open")
+    yield
+
+
+def sleep_on_7(x):
+    if x == 7:
+        time.sleep(30)
+    return x
+
+
+def read_stuck_at_3(unit):
+    lo, hi = unit
+    for i in range(lo, hi):
+        if i == 3:
+            time.sleep(30)
+        yield i

@@ -1,0 +1,81 @@
+"""What ties an executor's processes and shared memory to the process that owns it.
+
+Three ways the owner stops without running ``close()``, and what covers each:
+
+- **It forks** (torch DataLoader workers of another loader, a user's ``multiprocessing``
+  fork). The child inherits the executor's objects but none of its threads, and possibly a
+  lock some thread held at the fork. Every finalizer and ``close()`` checks
+  :func:`is_owner` first and does nothing in another process: the child must not stop the
+  owner's workers, unlink its segments or wait on its locks.
+- **It is killed** (SIGTERM from a scheduler, SIGKILL, the OOM killer). Workers die with it:
+  :func:`die_with_owner` (run in every worker) sets ``PR_SET_PDEATHSIG`` towards the fork
+  server, which exits as soon as the owner does, and watches the owner itself through a
+  pidfd. Segments are registered with multiprocessing's resource tracker (:func:`track`),
+  a process that ignores SIGINT/SIGTERM and, once the last process holding its pipe has
+  exited, unlinks whatever is still registered.
+- **It drops the executor** without closing it: the router thread holds the executor weakly,
+  so an unreferenced executor is collected and its finalizer stops everything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import select
+import signal
+import sys
+import threading
+from multiprocessing import resource_tracker
+
+_PR_SET_PDEATHSIG = 1
+_RTYPE = "shared_memory"  # the tracker unlinks these with shm_unlink, i.e. /dev/shm/<name>
+
+
+def is_owner(pid: int) -> bool:
+    """Whether this process is ``pid`` (False in a child forked from it)."""
+    return os.getpid() == pid
+
+
+def track(name: str) -> None:
+    """Have the resource tracker unlink segment ``name`` if this process dies holding it."""
+    resource_tracker.register("/" + name, _RTYPE)
+
+
+def untrack(name: str) -> None:
+    """The segment was unlinked here; the tracker forgets it (call once per :func:`track`)."""
+    resource_tracker.unregister("/" + name, _RTYPE)
+
+
+def die_with_owner(owner_pid: int) -> None:
+    """In a worker process: end this process when ``owner_pid`` (the executor's) ends.
+
+    Two mechanisms, because a worker's parent is the fork server, not the owner: the kernel
+    kills it when the fork server exits (which the fork server does as soon as the owner
+    does), and a daemon thread blocked on a pidfd of the owner exits it directly (this also
+    covers a fork server kept alive by some other child of the owner). Both are events, no
+    polling; either may be missing on a platform, the other still works.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        except (OSError, AttributeError):
+            pass
+    pidfd_open = getattr(os, "pidfd_open", None)
+    if pidfd_open is None:
+        return
+    try:
+        fd = pidfd_open(owner_pid)
+    except ProcessLookupError:
+        os._exit(1)  # the owner is already gone: nobody will read what this worker makes
+    except OSError:
+        return  # kernel without pidfds: the parent-death signal still applies
+    threading.Thread(
+        target=_exit_when_readable, args=(fd,), name="multiproc-owner", daemon=True
+    ).start()
+
+
+def _exit_when_readable(fd: int) -> None:
+    # A pidfd becomes readable when its process exits.
+    select.select([fd], [], [])
+    os._exit(1)

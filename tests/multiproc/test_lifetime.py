@@ -1,0 +1,127 @@
+"""The executor's lifetime tied to its owner: killed, interrupted while starting, exiting
+without close(), or just dropped, it leaves no process and no shared-memory segment."""
+
+from __future__ import annotations
+
+import gc
+import signal
+import time
+
+import psutil
+import pytest
+
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+from .. import _subproc
+from . import _fns
+
+_BUSY = """
+import sys, time
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+def read(unit):
+    yield from range(*unit)
+
+def spin(x):
+    while True:  # a UDF that never returns (and never reads its pipe)
+        pass
+
+ex = Executor(ExecutorSpec((StageSpec("read", "source", read, workers=2),
+                            StageSpec("udf", "map", spin, workers=2))))
+it = ex.run([(0, 100), (100, 200)])
+deadline = time.monotonic() + 20
+while ex.snapshot().stage("udf").items_in == 0 and time.monotonic() < deadline:
+    time.sleep(0.01)
+print("ready", flush=True)
+next(it)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killed_owner_leaves_no_process_and_no_segment(sig):
+    """Killed while a UDF spins: the workers, the fork server and the resource tracker end,
+    and the tracker unlinks every segment, with no other executor starting."""
+    _, err, left, segs = _subproc.leftovers(_BUSY, "ready", sig)
+    assert not left, f"still running 5 s after {sig.name}: {left}"
+    assert not segs, f"segments left 5 s after {sig.name}: {sorted(segs)}"
+
+
+_STARTING = """
+import sys
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+def read(unit):
+    yield from range(*unit)
+
+spec = ExecutorSpec((StageSpec("read", "source", read, workers=3),
+                     StageSpec("a", "map", abs, workers=3),
+                     StageSpec("b", "map", abs, workers=3)))
+print("go", flush=True)
+while True:
+    Executor(spec).close()
+"""
+
+
+@pytest.mark.parametrize("delay_s", [0.3, 0.7])
+def test_ctrl_c_while_starting_releases_everything(delay_s):
+    """SIGINT lands in Executor() (which starts nine workers) or in close(): the owner exits
+    with KeyboardInterrupt and nothing else, and leaves nothing behind."""
+    p = _subproc.start(_STARTING)
+    pids: set[int] = set()
+    try:
+        assert p.stdout.readline().strip() == "go", p.stderr.read()
+        deadline = time.monotonic() + delay_s
+        while time.monotonic() < deadline:  # the tree changes as executors come and go
+            pids |= _subproc.tree(p.pid)
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=20)
+        assert "KeyboardInterrupt" in err, err
+        for noise in ("Exception ignored", "AttributeError", "leaked"):
+            assert noise not in err, err
+        left, segs = _subproc.wait_gone(pids, p.pid, within_s=5.0)
+        assert not left and not segs, (left, segs)
+    finally:
+        _subproc.cleanup(pids | {p.pid}, p.pid)
+
+
+_NO_CLOSE = """
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+def read(unit):
+    yield from range(*unit)
+
+ex = Executor(ExecutorSpec((StageSpec("read", "source", read, workers=2),
+                            StageSpec("a", "map", abs, workers=2))))
+assert sorted(ex.run([(0, 500), (500, 1000)])) == list(range(1000))
+it = ex.run([(0, 500)])
+next(it)  # a run left half-way, never closed
+print("done", flush=True)
+"""
+
+
+def test_exit_without_close_is_silent_and_clean():
+    code, err, left, segs = _subproc.leftovers(_NO_CLOSE, "done")
+    assert code == 0 and err == "", err
+    assert not left and not segs, (left, segs)
+
+
+def test_an_unreferenced_executor_stops_its_workers():
+    ex = Executor(
+        ExecutorSpec(
+            (
+                StageSpec("read", "source", _fns.read_range, workers=2),
+                StageSpec("a", "map", _fns.identity, workers=2),
+            )
+        )
+    )
+    items = list(ex.run([(0, 100), (100, 200)]))
+    assert sorted(items) == list(range(200))
+    pids = {w.pid for s in ex.snapshot(per_worker=True).stages for w in s.per_worker}
+    gc.disable()  # no collector: dropping the last reference must be enough
+    try:
+        del ex
+        gone, alive = psutil.wait_procs(_subproc.processes(pids), timeout=5)
+        assert not alive, f"workers of a dropped executor still run: {alive}"
+    finally:
+        gc.enable()
