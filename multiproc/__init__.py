@@ -5,6 +5,8 @@ shared-memory channels with byte budgets; every worker exports lock-free counter
 nothing about tuning or any model: ``torchtune_pipe`` builds on it.
 """
 
+from . import concurrency
+from .concurrency import CallPool
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
@@ -22,6 +24,8 @@ from .stats import Snapshot, StageSnapshot, WorkerStats
 
 __all__ = [
     "Batcher",
+    "CallPool",
+    "concurrency",
     "Busy",
     "Executor",
     "ExecutorClosedError",

@@ -141,6 +141,7 @@ class _StageState:
     index: int
     target: int
     budget: int
+    concurrency: int = 1
     ready: _Queue = field(default_factory=_Queue)
     order: _Order = field(default_factory=_Order)
     restarts: int = 0
@@ -240,7 +241,8 @@ class Executor:
         res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
         self._counters = res.counters
         self._stages = [
-            _StageState(i, s.workers, s.buffer_bytes) for i, s in enumerate(spec.stages)
+            _StageState(i, s.workers, s.buffer_bytes, s.concurrency)
+            for i, s in enumerate(spec.stages)
         ]
         self._run: _Run | None = None
         self._error: BaseException | None = None
@@ -316,6 +318,23 @@ class Executor:
             )
         self._command(("budget", i, budget_bytes))
 
+    def set_concurrency(self, stage: str | int, n: int) -> None:
+        """Set the calls in flight per worker of a stage while running (see
+        :mod:`multiproc.concurrency`), within ``1..max_concurrency``."""
+        i = self._stage_index(stage)
+        s = self.spec.stages[i]
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= s.max_concurrency:
+            raise SpecError(
+                f"set_concurrency(): stage {s.name!r}: n must be an int in "
+                f"[1, {s.max_concurrency}] (max_concurrency), got {n!r}"
+            )
+        self._stages[i].concurrency = n  # read by concurrency(); the router tells the workers
+        self._command(("concurrency", i, n))
+
+    def concurrency(self, stage: str | int) -> int:
+        """Calls in flight per worker of the stage."""
+        return self._stages[self._stage_index(stage)].concurrency
+
     def workers(self, stage: str | int) -> int:
         """The stage's target worker count."""
         return self._stages[self._stage_index(stage)].target
@@ -370,6 +389,7 @@ class Executor:
                         queued_frames=queued,
                         per_worker=tuple(rows) if per_worker else (),
                         runq_ns=sum(r.runq_ns for r in rows),
+                        concurrency=st.concurrency,
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
@@ -559,6 +579,8 @@ class Executor:
         pool.start_worker(h, args, self._preload)
         if self._run is not None:
             self._send(h, ("epoch", self._run.epoch))  # stateful stages seed by epoch
+        if st.concurrency != s.concurrency:
+            self._send(h, ("concurrency", st.concurrency))
         self._rebudget(stage)
 
     def _n_active(self, stage: int) -> int:
@@ -1098,6 +1120,10 @@ class Executor:
                 elif cmd[0] == "budget":
                     self._stages[cmd[1]].budget = cmd[2]
                     self._rebudget(cmd[1])
+                elif cmd[0] == "concurrency":
+                    for h in self._workers.values():
+                        if h.stage == cmd[1] and h.state in ("starting", "ready"):
+                            self._send(h, ("concurrency", cmd[2]))
             while self._sink_frees:
                 seg, off = self._sink_frees.popleft()
                 self._free(seg, off)

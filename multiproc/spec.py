@@ -104,6 +104,10 @@ class StageSpec:
         init: optional ``init(stage_name, worker_index)`` run once in every new worker.
         torch_threads: torch intra-op threads per worker process (as torch's DataLoader,
             default 1: N workers each running N-thread kernels oversubscribe the cores).
+        concurrency: calls of the stage function in flight per worker (threads of the worker
+            running one frame's items, or a source's reads through
+            :func:`multiproc.concurrency.current`); ``set_concurrency`` changes it while
+            running, up to ``max_concurrency``. For calls that wait (I/O), not compute.
     """
 
     name: str
@@ -121,6 +125,8 @@ class StageSpec:
     torch_threads: int = 1
     max_errors: int | float | None = 0.1
     timeout_s: float | None = None
+    concurrency: int = 1
+    max_concurrency: int = 64
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
@@ -130,10 +136,18 @@ class StageSpec:
             raise SpecError(f"{where}: kind must be one of {KINDS}, got {self.kind!r}")
         if not callable(self.fn):
             raise SpecError(f"{where}: fn must be callable, got {type(self.fn).__name__}")
-        for arg in ("workers", "min_workers", "max_workers", "frame_items", "torch_threads"):
+        for arg in (
+            "workers", "min_workers", "max_workers", "frame_items", "torch_threads",
+            "concurrency", "max_concurrency",
+        ):  # fmt: skip
             v = getattr(self, arg)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise SpecError(f"{where}: {arg} must be a positive int, got {v!r}")
+        if self.concurrency > self.max_concurrency:
+            raise SpecError(
+                f"{where}: concurrency ({self.concurrency}) > max_concurrency "
+                f"({self.max_concurrency})"
+            )
         if not self.min_workers <= self.workers <= self.max_workers:
             raise SpecError(
                 f"{where}: need min_workers <= workers <= max_workers, got "

@@ -86,6 +86,8 @@ class StageSnapshot:
 
     ``runq_ns`` is the time its workers were runnable but waiting for a CPU (the kernel's
     run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it).
+    ``cpu_ns`` counts the CPU of every thread that ran the stage's calls, so with
+    ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function).
     """
 
     name: str
@@ -107,6 +109,7 @@ class StageSnapshot:
     queued_frames: int
     per_worker: tuple[WorkerStats, ...] = field(default=())
     runq_ns: int = 0
+    concurrency: int = 1  # calls in flight per worker
 
 
 @dataclass(frozen=True)

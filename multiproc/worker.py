@@ -7,7 +7,7 @@ results into its own arena, and commits them with one message. Releasing an inpu
 after the outputs made from it are committed, so the executor can re-deliver whatever a dead
 worker held.
 
-Messages in:  run, unit, free, budget, spill_ok, drop, flush, retire, exit.
+Messages in:  run, unit, free, budget, concurrency, spill_ok, drop, flush, retire, exit.
 Messages out: hello, emit, unit_done, done, flushed, handoff, blocked, frees, error, bye.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import cloudpickle
 
-from . import channel, lifetime, reducers, stats
+from . import channel, concurrency, lifetime, reducers, stats
 from .channel import Allocator, MappingCache, Segment
 from .errors import StageError
 from .spec import Skipped
@@ -132,6 +132,7 @@ class _Worker:
         self.started = False
         self.reducer = None
         self.epoch = 0
+        self.calls = concurrency.CallPool(self.stage.concurrency, self.stage.max_concurrency)
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
         self.runq = _RunQueue(enabled=False)  # opened by loop(), in the worker's thread
 
@@ -165,6 +166,8 @@ class _Worker:
                 self.alloc.free(off)
         elif kind == "budget":
             self.alloc.limit = min(self.alloc.size, msg[1])
+        elif kind == "concurrency":
+            self.calls.set_width(msg[1])
         elif kind == "drop":
             self.cache.drop(msg[1])
         elif kind == "exit":
@@ -320,7 +323,7 @@ class _Worker:
             cell[stats.IN_FN_SINCE_NS] = 0
             cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
             self.row[stats.BUSY_NS] += _ns() - t0
-            self.row[stats.CPU_NS] += _cpu_ns() - c0
+            self.row[stats.CPU_NS] += _cpu_ns() - c0 + self.calls.take_cpu_ns()
             self.runq.update(self.row)
         self.row[stats.FRAMES_IN] += 1
         self.conn.send(("unit_done", self.wid, unit_id, k, self._take_frees()))
@@ -358,6 +361,18 @@ class _Worker:
                 except Exception as e:
                     if not self._error(frame_id, e, f"frame of {len(items)} items"):
                         return
+            elif self.calls.width > 1 and len(items) > 1:
+                # Calls that wait run side by side on the worker's threads, in order.
+                flat = st.kind == "flat_map"
+                cell[stats.WORK_ITEM] = 1
+                for i, o in enumerate(self.calls.map(st.fn, items)):
+                    if o.error is not None:
+                        if not self._error(frame_id, o.error, f"item {i} of frame {frame_id}"):
+                            return
+                    elif flat:
+                        out.extend(o.value)
+                    else:
+                        out.append(o.value)
             else:
                 fn = st.fn
                 flat = st.kind == "flat_map"
@@ -386,7 +401,7 @@ class _Worker:
             cell[stats.IN_FN_SINCE_NS] = 0
             cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
             self.row[stats.BUSY_NS] += _ns() - t0
-            self.row[stats.CPU_NS] += _cpu_ns() - c0
+            self.row[stats.CPU_NS] += _cpu_ns() - c0 + self.calls.take_cpu_ns()
             self.runq.update(self.row)
 
     def _run_stateful(self, frame_id, items: list, skip: frozenset) -> None:
@@ -450,6 +465,7 @@ class _Worker:
         if self.stage.init is not None:
             self.stage.init(self.stage.name, self.index)
         self.runq = _RunQueue()
+        concurrency._install(self.calls)  # sources reach it through concurrency.current()
         self.started = True
         self.conn.send(("hello", self.wid, os.getpid()))
         while True:
@@ -472,6 +488,8 @@ class _Worker:
                 raise RuntimeError(f"worker got unknown message {kind!r}")
 
     def close(self) -> None:
+        concurrency._install(None)
+        self.calls.close()
         self.runq.close()
         self.cache.clear()
         self.counters.close(unlink=False)

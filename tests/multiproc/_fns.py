@@ -126,3 +126,29 @@ def read_stuck_at_3(unit):
         if i == 3:
             time.sleep(30)
         yield i
+
+
+def wait_10ms_thread(x):
+    """A call that waits (a remote read): returns the id and the thread that ran it."""
+    import threading
+
+    time.sleep(0.01)
+    return (x, threading.get_ident())
+
+
+def wait_then_fail_on_5(x):
+    time.sleep(0.005)
+    if x % 10 == 5:
+        raise KeyError(f"missing record {x}")
+    return x
+
+
+def read_range_concurrently(unit):
+    """A source that fetches its unit's records through the worker's call pool."""
+    from multiproc import concurrency
+
+    lo, hi = unit
+    for o in concurrency.current().map(wait_10ms_thread, range(lo, hi)):
+        if o.error is not None:
+            raise o.error
+        yield o.value

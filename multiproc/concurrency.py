@@ -1,0 +1,119 @@
+"""Calls in flight per worker: a stage that waits (remote reads, RPCs) on a few processes.
+
+A worker process runs one call of its stage function at a time unless its stage's
+*concurrency* is above 1: then the calls of one frame (a map stage's items, a source's reads
+of one unit) run on up to ``concurrency`` threads of the worker, in order. A stage whose calls
+wait on I/O then keeps dozens of reads in flight with a few processes, where one process per
+concurrent read costs a process's memory and start-up each (torch's DataLoader arrangement).
+Threads share the GIL, so this helps calls that wait, not calls that compute; the tuners raise
+it only where the measured wall time of a call far exceeds its CPU time.
+
+Sources cooperate through :func:`current`: ``current().map(fn, xs)`` runs ``fn`` over ``xs``
+on the calling worker's threads (serially outside a worker or at concurrency 1), the way
+``torch.utils.data.get_worker_info()`` tells a dataset where it runs.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+DEFAULT_MAX_CONCURRENCY = 64
+
+
+class Outcome:
+    """The result of one call: ``value``, or the exception it raised in ``error``."""
+
+    __slots__ = ("value", "error")
+
+    def __init__(self, value: Any = None, error: BaseException | None = None):
+        self.value = value
+        self.error = error
+
+
+class CallPool:
+    """Runs calls up to ``width`` at a time on threads of this process, results in order.
+
+    The threads are started on first use and kept; ``width`` may change at any time (the
+    next :meth:`map` uses it). CPU time spent on the threads is added to ``cpu_ns`` (a worker
+    adds it to its own CPU counter: the calling thread's clock does not see it).
+    """
+
+    def __init__(self, width: int = 1, max_width: int = DEFAULT_MAX_CONCURRENCY):
+        if not isinstance(max_width, int) or max_width < 1:
+            raise ValueError(f"CallPool: max_width must be an int >= 1, got {max_width!r}")
+        self.max_width = max_width
+        self.width = 1
+        self.set_width(width)
+        self.cpu_ns = 0
+        self._lock = threading.Lock()
+        self._threads: ThreadPoolExecutor | None = None
+
+    def set_width(self, width: int) -> None:
+        """Calls in flight from now on (clamped to ``1..max_width``)."""
+        if not isinstance(width, int) or isinstance(width, bool):
+            raise ValueError(f"CallPool: width must be an int, got {width!r}")
+        self.width = max(1, min(self.max_width, width))
+
+    def map(self, fn: Callable[[Any], Any], xs: Iterable[Any]) -> list[Outcome]:
+        """``fn(x)`` for every ``x``, ``width`` at a time; one :class:`Outcome` per ``x``, in
+        order. An exception in one call does not stop the others."""
+        xs = list(xs)
+        if self.width <= 1 or len(xs) <= 1:
+            return [_call(fn, x) for x in xs]
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(self.max_width, thread_name_prefix="multiproc-call")
+        # At most ``width`` calls are submitted at once: the executor's own queue would run
+        # up to max_width of them.
+        out: list[Outcome] = []
+        for i in range(0, len(xs), self.width):
+            futures = [self._threads.submit(self._timed, fn, x) for x in xs[i : i + self.width]]
+            out.extend(f.result() for f in futures)
+        return out
+
+    def _timed(self, fn: Callable[[Any], Any], x: Any) -> Outcome:
+        c0 = time.thread_time_ns()
+        try:
+            return _call(fn, x)
+        finally:
+            spent = time.thread_time_ns() - c0
+            with self._lock:
+                self.cpu_ns += spent
+
+    def take_cpu_ns(self) -> int:
+        """CPU time of the pool's threads since the last call (and reset it)."""
+        with self._lock:
+            spent, self.cpu_ns = self.cpu_ns, 0
+        return spent
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+
+
+def _call(fn: Callable[[Any], Any], x: Any) -> Outcome:
+    try:
+        return Outcome(fn(x))
+    except Exception as e:
+        return Outcome(error=e)
+
+
+_SERIAL = CallPool(1, 1)
+_local = threading.local()
+
+
+def current() -> CallPool:
+    """The call pool of the stage worker running in this thread (a serial one elsewhere)."""
+    return getattr(_local, "pool", _SERIAL)
+
+
+def _install(pool: CallPool | None) -> None:
+    """Make ``pool`` this thread's :func:`current` (done by the worker loop at its start)."""
+    _local.pool = pool if pool is not None else _SERIAL
+
+
+__all__ = ["CallPool", "Outcome", "current", "DEFAULT_MAX_CONCURRENCY"]
