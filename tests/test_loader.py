@@ -506,12 +506,14 @@ def test_skips_past_max_errors_raise_with_counts(inline):
 
 
 def test_load_state_dict_checks_fields_and_the_pipeline_that_saved_it():
-    pipe = Pipeline.from_source(Ids(n_units=5, per_unit=10)).batch(4)
+    pipe = Pipeline.from_source(Ids(n_units=5, per_unit=10)).batch(4, collate=None)
     with pipe.loader(ordered=True) as loader:
         it = iter(loader)
         _take(it, 3)
         state = loader.state_dict()
-    other = Pipeline.from_source(Ids(n_units=5, per_unit=7)).batch(4)  # same unit count
+    other = Pipeline.from_source(Ids(n_units=5, per_unit=7)).batch(
+        4, collate=None
+    )  # same unit count
     with other.loader() as loader, pytest.raises(StateError, match="fingerprint"):
         loader.load_state_dict(state)
     for field, value, match in [
