@@ -137,7 +137,7 @@ def _tuner(tuner: Any, auto: bool, weights: Any, options: Mapping[str, Any] | No
         tuner = "intune"
         options = {**(options or {}), "weights": weights}
     if tuner is None and auto:
-        tuner = "heuristic"
+        tuner = "intune"
     if options:
         if not isinstance(tuner, str):
             raise ValueError(f"DataLoader: tuner_options= needs the tuner by name, got {tuner!r}")
@@ -152,10 +152,10 @@ class DataLoader:
 
     Args: those of ``torch.utils.data.DataLoader`` (same defaults, same validation), plus:
         num_workers: an int (as torch), or ``"auto"``: separate fetch and collate stages whose
-            workers ``tuner`` moves (default tuner ``"heuristic"``).
+            workers ``tuner`` moves (default tuner ``"intune"``).
         tuner: a name from :data:`~torchtune_pipe.tuning.TUNERS` or a
             :class:`~torchtune_pipe.tuning.Tuner`, with any ``num_workers`` > 0 (None: fixed
-            workers, or ``"heuristic"`` with ``"auto"``). An integer ``num_workers`` is one
+            workers, or ``"intune"`` with ``"auto"``). An integer ``num_workers`` is one
             stage; ``"intune"`` has no agent for one stage, so the planner tunes it.
         weights: InTune's weights (a file, a directory of ``intune_{n}stages.pt``, or a state
             dict); implies ``tuner="intune"``.
@@ -333,6 +333,9 @@ class DataLoader:
             timeout_s=float(timeout),
             interleave=iterable and workers > 1,
             progress=progress,
+            # The first batches are fetched in this process while the workers start, where
+            # that gives the batches workers would: map-style, per-batch seeds, no init.
+            fast_start=not iterable and workers > 0 and worker_init_fn is None and seed_each_batch,
         )
 
     def __iter__(self) -> Iterator[Any]:

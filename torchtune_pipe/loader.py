@@ -34,6 +34,7 @@ from typing import Any
 from multiproc import Executor
 
 from . import _ranks, _state, telemetry
+from ._faststart import FastStart
 from .errors import LoaderTimeoutError, StateError
 from .pipeline import Pipeline, Work, run_inline
 from .prefetch import END as _END
@@ -163,6 +164,7 @@ class RunningPipeline:
 
     def apply(self, allocation: Allocation) -> None:
         """Resize stages and buffers to ``allocation`` (clamped to the limits)."""
+        from .tuning.concurrency import plan_concurrency
         from .tuning.safety import oversubscribe_factor
 
         obs = self._last or self.observe()
@@ -174,10 +176,13 @@ class RunningPipeline:
             min_buffer_bytes=_MIN_BUDGET,
         )
         a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
+        a = plan_concurrency(obs, a)
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):
                 ex.resize(i, a.workers[i])
+            if a.concurrency[i] != ex.concurrency(i):
+                ex.set_concurrency(i, a.concurrency[i])
             budget = max(a.buffer_bytes[i], _MIN_BUDGET)
             if st.max_buffer_bytes is not None:
                 budget = min(budget, st.max_buffer_bytes)
@@ -302,6 +307,11 @@ class Loader:
             in :attr:`last_epoch_dropped` and log it. None: on when the source is sharded
             (``world_size``) for the process group's world size; ``len()`` is then the
             shortest rank's length where the source can tell it.
+        fast_start: read the first units of the first epoch in the calling thread while the
+            workers start, so the first items come at once (see
+            :mod:`torchtune_pipe._faststart`); only for pipelines without shuffle or batch
+            stages, prefetch thread or timeout, whose items do not depend on where they are
+            read (no ``init`` that a read needs).
 
     Example:
         >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
@@ -325,6 +335,7 @@ class Loader:
         interleave: bool = False,
         max_restarts: int = 16,
         even_ranks: bool | None = None,
+        fast_start: bool = False,
     ):
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
@@ -348,6 +359,7 @@ class Loader:
         self.interleave = interleave
         self.max_restarts = max_restarts
         self.even_ranks = even_ranks
+        self.fast_start = fast_start
         self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
         self._epoch = epoch
@@ -358,6 +370,7 @@ class Loader:
         self._tunable: RunningPipeline | None = None
         self._tuner_started = False  # the tuner has made its first (reset) decision
         self._tuning: Any = None  # the tuning loop of the epoch being iterated
+        self._watcher: Any = None  # the progress display of the epoch being iterated
         self._active: weakref.ref | None = None
         self._closed = False
         self._clock = telemetry.ConsumerClock()
@@ -511,7 +524,10 @@ class Loader:
             ex = Executor(spec)
             self._executor = ex
             self._held["executor"] = ex
-            bounds = [telemetry.Bounds(s.min_workers, s.max_workers) for s in spec.stages]
+            bounds = [
+                telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency)
+                for s in spec.stages
+            ]
             meter = telemetry.Meter(
                 ex.snapshot, self._machine, bounds, self._clock, self.memory_limit_bytes
             )
@@ -556,8 +572,14 @@ class Loader:
         sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
         epoch, progress, works = self._plan()
         self._progress = progress
+        faststart = None
         if self.inline:
             stream = run_inline(self.pipeline, works, epoch)
+        elif self._fast_start_applies():
+            faststart = FastStart(
+                self.pipeline, works, epoch, self._ensure_executor, self._on_started
+            )
+            stream = faststart.stream()
         else:
             stream = self._ensure_executor().run(works, epoch)
         if self.interleave:
@@ -565,8 +587,8 @@ class Loader:
             stream = _interleave(stream, starts, progress.last_unit)
         self.last_epoch_dropped = 0
         pre = self._prefetcher(stream)
-        loop = self._tuning = self._start_tuning()
-        watcher = self._start_watch()
+        self._tuning = self._start_tuning()  # None until the executor runs (fast start)
+        self._watcher = self._start_watch()
         complete = False
         closed_by_consumer = False
         try:
@@ -613,7 +635,10 @@ class Loader:
                         progress.finished = True
                         self._epoch = epoch + 1
                 loop_error = None
-                self._tuning = None
+                loop, self._tuning = self._tuning, None
+                watcher, self._watcher = self._watcher, None
+                if faststart is not None:
+                    faststart.join()  # an executor still being built is closed, not leaked
                 if loop is not None:
                     # Before the executor goes: a tick must not resize a closed executor.
                     try:
@@ -638,6 +663,27 @@ class Loader:
                     watcher.stop()
                 if loop_error is not None:
                     raise loop_error
+
+    def _fast_start_applies(self) -> bool:
+        """Whether this epoch's first units may run inline while the workers start: only for
+        the first epoch of a loader that asked for it, with no shuffle or batch stage (they
+        group items across units), no interleaving and no prefetch thread (inline reads
+        reseed the global generators, which only the consumer's own thread may touch)."""
+        return (
+            self.fast_start
+            and self._executor is None
+            and not self.interleave
+            and self.pipeline.prefetch_spec is None
+            and not self.timeout_s
+            and not any(st.stateful for st in self.pipeline.stages)
+        )
+
+    def _on_started(self) -> None:
+        """The executor took over from a fast start: tune and watch it from now on."""
+        if self._tuning is None:
+            self._tuning = self._start_tuning()
+        if self._watcher is None:
+            self._watcher = self._start_watch()
 
     def _took_everything(self, progress: _Progress) -> bool:
         try:

@@ -72,6 +72,9 @@ class Stage:
         buffer: shuffle buffer size in items (shuffle stages).
         seed: shuffle seed (shuffle stages).
         init: ``init(stage_name, worker_index)`` run in every new worker.
+        concurrency: calls in flight per worker (threads of the worker run one frame's calls,
+            or a map-style dataset's reads of one batch); for calls that wait on I/O. The
+            tuner moves it in ``[1, max_concurrency]``.
     """
 
     name: str
@@ -90,6 +93,8 @@ class Stage:
     seed: int = 0
     init: Callable[[str, int], None] | None = None
     max_errors: int | float | None = 0.1
+    concurrency: int = 1
+    max_concurrency: int = 64
 
     @property
     def stateful(self) -> bool:
@@ -146,6 +151,7 @@ class Pipeline:
         on_error: Literal["raise", "skip"] = "raise",
         init: Callable[[str, int], None] | None = None,
         max_errors: int | float | None = 0.1,
+        concurrency: int = 1,
     ) -> Pipeline:
         """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
         map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
@@ -166,6 +172,7 @@ class Pipeline:
             "from_source()", (), name, "source", None, workers, min_workers, max_workers,
             buffer_bytes, worker_type, on_error, init,
         )  # fmt: skip
+        stage = _with_concurrency("from_source()", stage, concurrency)
         return cls(src, (_with_max_errors("from_source()", stage, max_errors),))
 
     def map(
@@ -181,6 +188,7 @@ class Pipeline:
         on_error: Literal["raise", "skip"] = "raise",
         init: Callable[[str, int], None] | None = None,
         max_errors: int | float | None = 0.1,
+        concurrency: int = 1,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
 
@@ -194,6 +202,8 @@ class Pipeline:
             on_error: ``raise`` or ``skip``.
             init: ``init(stage_name, worker_index)`` run once in every new worker.
             max_errors: the bound on skipped items (see :class:`Stage`).
+            concurrency: calls of ``fn`` in flight per worker, on threads (for functions
+                that wait on I/O; see :class:`Stage`).
         """
         method = f"map({name!r})" if name else "map()"
         if not callable(fn):
@@ -206,6 +216,7 @@ class Pipeline:
         )  # fmt: skip
         if worker_type == "process":
             _check_pickles(method, "fn", fn)
+        stage = _with_concurrency(method, stage, concurrency)
         return self._add(_with_max_errors(method, stage, max_errors), method)
 
     def shuffle(
@@ -290,6 +301,7 @@ class Pipeline:
                 max_workers=max_w, buffer_bytes=st.buffer_bytes,
                 max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
                 on_error=st.on_error, init=st.init, max_errors=st.max_errors,
+                concurrency=st.concurrency, max_concurrency=st.max_concurrency,
             )  # fmt: skip
             if st.kind == "source":
                 read = ReadTagged(self.source, skip=st.on_error == "skip")
@@ -358,6 +370,15 @@ class Pipeline:
         while f"{base}_{i}" in names:
             i += 1
         return f"{base}_{i}"
+
+
+def _with_concurrency(method: str, stage: Stage, concurrency: Any) -> Stage:
+    _positive_int(method, "concurrency", concurrency)
+    if concurrency > stage.max_concurrency:
+        raise PipelineError(
+            f"{method}: concurrency must be <= {stage.max_concurrency}, got {concurrency}"
+        )
+    return dataclasses.replace(stage, concurrency=concurrency)
 
 
 def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:

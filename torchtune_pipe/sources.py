@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from multiproc import concurrency
 from torchtune_pipe.linefiles import FileRange, LineFileSource, SkippedLine, UnitStats
 
 __all__ = [
@@ -170,6 +171,7 @@ class MapDatasetSource:
         self.base_seed = 0
         self._rng_state: dict | None = None
         self._replay: dict | None = None
+        self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
 
     def __len__(self) -> int:
         """This rank's items per epoch (batches when batched), as ``len(DataLoader)`` counts
@@ -239,7 +241,27 @@ class MapDatasetSource:
             elif getitems:
                 yield k, getitems(entry)
             else:
-                yield k, [ds[i] for i in entry]
+                yield k, self._fetch_batch(entry)
+
+    def _fetch_batch(self, entry: list) -> list:
+        """One batch's samples; on the worker's threads when its stage's concurrency is above
+        1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
+        generators: threads would interleave the draws, and batches would differ run to run.
+        The first batch a process reads is read serially to find that out."""
+        ds = self.dataset
+        if self._draws is None:
+            before = _rng_states()
+            out = [ds[i] for i in entry]
+            self._draws = not _same_rng_states(before, _rng_states())
+            return out
+        pool = concurrency.current()
+        if pool.width <= 1 or self._draws:
+            return [ds[i] for i in entry]
+        outs = pool.map(ds.__getitem__, entry)
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+        return [o.value for o in outs]
 
 
 @dataclass(frozen=True)
@@ -430,6 +452,21 @@ def read_indexed(source: Any, unit: Any, skip: frozenset) -> Iterator[tuple[int,
             "items as delivered: it was saved by another pipeline or source; load a state "
             "saved by this one"
         )
+
+
+def _rng_states() -> tuple:
+    """The global generators' states (``random``, ``numpy``, ``torch``)."""
+    import numpy as np
+    import torch
+
+    state: Any = np.random.get_state()
+    return random.getstate(), state[1].tobytes(), state[2], torch.get_rng_state()
+
+
+def _same_rng_states(a: tuple, b: tuple) -> bool:
+    import torch
+
+    return a[:3] == b[:3] and torch.equal(a[3], b[3])
 
 
 def _seed_all(seed: int) -> None:

@@ -173,10 +173,11 @@ class Machine:
 # ---------------------------------------------------------------------------- rates
 @dataclass(frozen=True)
 class Bounds:
-    """The worker bounds of one stage (from its spec)."""
+    """The worker and concurrency bounds of one stage (from its spec)."""
 
     min_workers: int = 1
     max_workers: int = 1 << 16
+    max_concurrency: int = 1
 
 
 def observe(
@@ -240,6 +241,8 @@ def observe(
                 idle=out <= 0 and ran_ns == 0 and s.items_out > 0,
                 items_in_per_s=max(0, d("items_in")) / dt,
                 runqueue=min(1.0, max(0, d("runq_ns")) / capacity) if _RUNQUEUE else None,
+                concurrency=s.concurrency,
+                max_concurrency=b.max_concurrency,
             )
         )
     if consumer_items is not None:

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
+from torchtune_pipe.tuning.concurrency import plan_concurrency
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
 
@@ -84,6 +85,9 @@ class StageModel:
         max_workers: upper bound of the worker knob.
         drift: optional cost drift; a ``(period_s, amplitude[, phase])`` tuple is accepted.
         resident_bytes: memory the stage holds regardless of its knobs (a shuffle buffer).
+        max_concurrency: calls in flight per worker the stage allows (1: none). A worker with
+            ``k`` calls in flight overlaps their waits on one core: per input item it costs
+            ``max(c, (c + d) / k)`` seconds of wall time, of which ``c`` are CPU.
     """
 
     name: str
@@ -97,9 +101,12 @@ class StageModel:
     max_workers: int = 256
     drift: Drift | None = None
     resident_bytes: int = 0
+    max_concurrency: int = 1
 
     def __post_init__(self) -> None:
         where = f"StageModel {self.name!r}"
+        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
+            raise ValueError(f"{where}: max_concurrency must be an int >= 1")
         if self.kind not in STAGE_KINDS:
             raise ValueError(f"{where}: kind must be one of {STAGE_KINDS}, got {self.kind!r}")
         if self.cpu_s_per_item < 0 or self.io_s_per_item < 0:
@@ -184,6 +191,14 @@ class SteadyState:
     gap: tuple[float, ...] = ()
 
 
+def _overlapped(c: Sequence[float], d: Sequence[float], k: Sequence[int]) -> list[float]:
+    """Waits per item once ``k`` calls are in flight per worker: they overlap on one core, so
+    a worker spends ``max(c, (c + d) / k)`` seconds of wall time per item, ``c`` of it CPU."""
+    return [
+        max(0.0, (ci + di) / ki - ci) if ki > 1 else di for ci, di, ki in zip(c, d, k, strict=True)
+    ]
+
+
 def _mm1n(rho: float, n: float) -> tuple[float, float, float, float]:
     """M/M/1/N queue at load ``rho``: (efficiency, mean fill, P(empty), P(full))."""
     q = rho if rho <= 1.0 else 1.0 / rho
@@ -225,6 +240,7 @@ class _State:
     levels: list[float] = field(default_factory=list)
     oom: bool = False
     last_x: float = 0.0
+    last_obs: Observation | None = None
 
 
 class SimPipeline:
@@ -291,11 +307,18 @@ class SimPipeline:
 
     def apply(self, allocation: Allocation) -> None:
         """Set workers and buffer bytes per stage; workers are clamped to each stage's bounds.
+        Calls in flight per worker follow the allocation, or where it leaves them open the
+        rule a live pipeline follows (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
 
         Raises:
             ValueError: when the allocation has the wrong number of stages.
         """
-        self._s.alloc = self._checked(allocation)
+        a = self._checked(allocation)
+        if self._s.last_obs is not None:
+            a = plan_concurrency(self._s.last_obs, a)
+        elif not a.concurrency and self._s.alloc is not None:
+            a = a.replace(concurrency=self._concurrency(self._s.alloc))
+        self._s.alloc = a
 
     def observe(self) -> Observation:
         """Advance simulated time by ``interval_s`` and return that interval's statistics."""
@@ -314,6 +337,8 @@ class SimPipeline:
         )
         s.prev_workers = alloc.workers
         c, d = self._costs(t0 + dt / 2)
+        calls = self._concurrency(alloc)
+        d = _overlapped(c, d, calls)
         if self.noise > 0:
             rng = self._rng
             x_ref = max(s.last_x, 1.0)
@@ -363,13 +388,15 @@ class SimPipeline:
                     buffer_fill=fills[i],
                     cpu_s_per_item=noisy(c[i] * sm.ratio),
                     io_bound=d[i] > c[i],
+                    concurrency=calls[i],
+                    max_concurrency=sm.max_concurrency,
                 )
             )
         latency = 0.0
         if x > 0:
             latency = sum(s.levels[i] / (x * self._S[i]) for i in range(n))
             latency += sum(self._R[i] * (c[i] / ss.phi + d[i]) for i in range(n))
-        return Observation(
+        obs = Observation(
             stages=tuple(stages),
             throughput=noisy(x),
             cpus=cpus,
@@ -381,6 +408,8 @@ class SimPipeline:
             cpu_ghz=wl.cpu_ghz,
             t=s.t,
         )
+        s.last_obs = obs
+        return obs
 
     # -- simulator extras --------------------------------------------------------------------
 
@@ -405,6 +434,7 @@ class SimPipeline:
         a = self._checked(allocation)
         at = self._when(t)
         c, d = self._costs(at)
+        d = _overlapped(c, d, self._concurrency(a))
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         return self._solve(tuple(map(float, a.workers)), a.buffer_bytes, c, d, cpus)
 
@@ -472,6 +502,14 @@ class SimPipeline:
         w = tuple(min(st[i].max_workers, max(st[i].min_workers, a.workers[i])) for i in range(n))
         b = tuple(max(0, x) for x in a.buffer_bytes)
         return a if (w == a.workers and b == a.buffer_bytes) else Allocation(w, b)
+
+    def _concurrency(self, a: Allocation) -> tuple[int, ...]:
+        st = self.workload.stages
+        if not a.concurrency:
+            return (1,) * self.n_stages
+        return tuple(
+            max(1, min(k, s.max_concurrency)) for k, s in zip(a.concurrency, st, strict=True)
+        )
 
     def _costs(self, t: float) -> tuple[list[float], list[float]]:
         c, d = list(self._c0), list(self._d0)

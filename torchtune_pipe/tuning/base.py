@@ -38,6 +38,11 @@ class StageStats:
         idle: True when the stage emitted items before but neither emitted nor computed in
             this interval: it has no work (its share of the epoch is done), which is not the
             same as "not measured yet".
+        concurrency: calls of the stage function in flight per worker (threads of a worker
+            running calls that wait); ``busy`` counts wall time in the function, so a worker
+            with several calls in flight is busy once, and ``cpu_s_per_item`` counts the CPU
+            of all of them.
+        max_concurrency: upper bound of the concurrency knob (1: the stage has none).
     """
 
     name: str
@@ -55,6 +60,8 @@ class StageStats:
     idle: bool = False
     items_in_per_s: float = 0.0
     runqueue: float | None = None
+    concurrency: int = 1
+    max_concurrency: int = 1
 
 
 @dataclass(frozen=True)
@@ -95,26 +102,45 @@ class Observation:
     def buffer_bytes(self) -> tuple[int, ...]:
         return tuple(s.buffer_bytes for s in self.stages)
 
+    @property
+    def concurrency(self) -> tuple[int, ...]:
+        return tuple(s.concurrency for s in self.stages)
+
     def allocation(self) -> Allocation:
-        """The allocation the pipeline runs with now."""
+        """The allocation the pipeline runs with now (concurrency left to the pipeline)."""
         return Allocation(self.workers, self.buffer_bytes)
 
 
 @dataclass(frozen=True)
 class Allocation:
-    """Workers per stage and outbound buffer bytes per stage, in pipeline order."""
+    """Workers per stage, outbound buffer bytes per stage and, optionally, calls in flight per
+    worker of each stage, in pipeline order.
+
+    ``concurrency`` empty means "not decided by the tuner": the pipeline sets it from its own
+    measurements (:func:`torchtune_pipe.tuning.concurrency.plan_concurrency`), live and in the
+    simulator alike.
+    """
 
     workers: tuple[int, ...]
     buffer_bytes: tuple[int, ...]
+    concurrency: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
         object.__setattr__(self, "buffer_bytes", tuple(int(b) for b in self.buffer_bytes))
+        object.__setattr__(self, "concurrency", tuple(int(c) for c in self.concurrency))
         if len(self.workers) != len(self.buffer_bytes):
             raise ValueError(
                 f"Allocation: workers has {len(self.workers)} stages but buffer_bytes has "
                 f"{len(self.buffer_bytes)}"
             )
+        if self.concurrency and len(self.concurrency) != len(self.workers):
+            raise ValueError(
+                f"Allocation: concurrency has {len(self.concurrency)} stages, workers "
+                f"{len(self.workers)}"
+            )
+        if any(c < 1 for c in self.concurrency):
+            raise ValueError(f"Allocation: concurrency must be >= 1, got {self.concurrency}")
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
@@ -164,7 +190,7 @@ def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allo
     if total > limits.memory_bytes > 0:
         scale = limits.memory_bytes / total
         buffers = [max(limits.min_buffer_bytes, int(b * scale)) for b in buffers]
-    return Allocation(tuple(workers), tuple(buffers))
+    return Allocation(tuple(workers), tuple(buffers), alloc.concurrency)
 
 
 @runtime_checkable

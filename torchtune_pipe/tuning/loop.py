@@ -63,7 +63,8 @@ def run_episode(
 
 _STAGE_FIELDS = (
     "name", "workers", "min_workers", "max_workers", "items_per_s", "busy", "blocked_in",
-    "blocked_out", "buffer_bytes", "buffer_fill",
+    "blocked_out", "buffer_bytes", "buffer_fill", "cpu_s_per_item", "concurrency",
+    "max_concurrency",
 )  # fmt: skip
 
 
@@ -270,9 +271,10 @@ class TuningLoop:
             obs = self.tunable.observe()
             alloc = _decide(self.tuner, obs, first, self.limits_fn)
             changed = alloc != self._applied
-            if changed:
-                self.tunable.apply(alloc)
-                self._applied = alloc
+            # Applied every tick, changed or not: the pipeline sets what the tuner leaves open
+            # (calls in flight per worker) from this tick's observation.
+            self.tunable.apply(alloc)
+            self._applied = alloc
             self._steps += 1
             if out is not None:
                 self._write(out, self._record(obs, alloc, changed, time.perf_counter() - wall0))
@@ -300,6 +302,7 @@ class TuningLoop:
             "allocation": {
                 "workers": list(alloc.workers),
                 "buffer_bytes": list(alloc.buffer_bytes),
+                "concurrency": list(alloc.concurrency),  # [] : left to the pipeline
             },
             "applied": applied,
             "step_s": step_s,

@@ -1,0 +1,68 @@
+"""Calls in flight per worker for stages that wait: one measured rule below every tuner.
+
+A worker whose calls spend most of their wall time waiting (remote reads, RPCs) uses little of
+its core; running several of its calls at once on threads fills that core without another
+process. The rule compares a stage's wall time in its function with the CPU time of its calls,
+per item (:func:`wait_ratio`): near 1 the calls compute and threads cannot help (the GIL), far
+above 1 they wait and the stage gets ``ratio / WAIT_RATIO_TARGET`` times the calls in flight,
+at most ``MAX_STEP`` times more per decision. It reads only :class:`StageStats` fields that the
+simulator reports with the same meaning, so the live pipeline and the simulator follow it
+alike, whatever tuner decides the workers and buffers.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .base import Allocation, Observation, StageStats
+
+# Wall time per CPU time a worker settles at: a little waiting left over keeps its core busy
+# when call times vary.
+WAIT_RATIO_TARGET = 1.25
+# Raise only past this ratio: below it a worker already keeps its core mostly busy.
+RAISE_ABOVE = 2.0
+# Halve when calls stop waiting (the threads then only contend for the GIL).
+LOWER_BELOW = 1.1
+MAX_STEP = 8
+# A stage that mostly waits for input or for room downstream would not go faster.
+MIN_BUSY = 0.3
+
+
+def wait_ratio(st: StageStats) -> float | None:
+    """Wall seconds in the stage function per CPU second of its calls, per item (1: the calls
+    compute all the time; 5: they wait four fifths of it); None when not measured."""
+    if st.items_per_s <= 0.0 or st.cpu_s_per_item <= 0.0 or st.workers <= 0:
+        return None
+    wall_s_per_item = st.busy * st.workers / st.items_per_s
+    return wall_s_per_item / st.cpu_s_per_item
+
+
+def next_concurrency(st: StageStats) -> int:
+    """The stage's calls in flight per worker for the next interval."""
+    c = st.concurrency
+    if st.max_concurrency <= 1:
+        return c
+    r = wait_ratio(st)
+    if r is None:
+        return c
+    if r > RAISE_ABOVE and st.busy >= MIN_BUSY:
+        return max(c, min(st.max_concurrency, c * MAX_STEP, math.ceil(c * r / WAIT_RATIO_TARGET)))
+    if r < LOWER_BELOW and c > 1:
+        return max(1, c // 2)
+    return c
+
+
+def plan_concurrency(obs: Observation, alloc: Allocation) -> Allocation:
+    """``alloc`` with its concurrency decided: the tuner's where it set one, else the rule's
+    for every stage, bounded by each stage's ``max_concurrency``."""
+    if alloc.concurrency:
+        cs = tuple(
+            max(1, min(c, s.max_concurrency))
+            for c, s in zip(alloc.concurrency, obs.stages, strict=True)
+        )
+    else:
+        cs = tuple(next_concurrency(s) for s in obs.stages)
+    return alloc.replace(concurrency=cs)
+
+
+__all__ = ["next_concurrency", "plan_concurrency", "wait_ratio", "WAIT_RATIO_TARGET"]
