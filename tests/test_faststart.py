@@ -117,3 +117,35 @@ def test_an_error_in_an_inline_read_reaches_the_caller_with_its_type():
     with DataLoader(Broken(), batch_size=4, num_workers=2) as dl:
         with pytest.raises(IndexError, match="record 3 is corrupt"):
             list(dl)
+
+
+class Cheap(Dataset):
+    """Rows that cost far less than a hop between processes: torch's best is num_workers=0."""
+
+    def __init__(self, n=60_000):
+        self.x = torch.arange(n * 4, dtype=torch.float32).reshape(n, 4)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], i
+
+
+def test_auto_reads_cheap_rows_inline_once_that_measures_faster_and_keeps_torchs_batches():
+    ds = Cheap()
+    g = torch.Generator().manual_seed(3)
+    want = list(torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, generator=g))
+    g = torch.Generator().manual_seed(3)
+    with DataLoader(ds, batch_size=64, shuffle=True, generator=g, num_workers="auto",
+                    tuning_interval_s=0.1) as dl:  # fmt: skip
+        for epoch in range(4):
+            got = list(dl)
+            if epoch == 0:
+                for a, b in zip(want, got, strict=True):
+                    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+            assert sorted(int(i) for b in got for i in b[1]) == list(range(len(ds)))
+            if dl.loader.inline:
+                break
+        assert dl.loader.inline, "cheap rows stayed on workers"
+        assert dl.loader.tunable is None  # the workers are gone

@@ -11,6 +11,15 @@ those of a run on workers alone.
 Per-unit seeds make an inline unit draw the numbers a worker would draw; the global generators
 of the calling thread are saved around each inline read and restored, so the training loop's
 own random draws are not disturbed.
+
+Where the loader may choose its shape (``num_workers="auto"``), the inline phase doubles as a
+measurement. Rows that cost less than a hop between processes (a few microseconds of CPU) are
+faster read in the calling thread than on workers; torch's best setting for them is
+``num_workers=0``. Once the tuner has had time to settle the workers, the delivered rate of the
+workers is compared, window by window, with the rate the inline reads would give with the
+consumer's measured step time. When inline is clearly faster twice in a row, the executor is
+closed and the rest of the epoch (and every later one) is read inline; the items the workers
+had in flight are read again, and the bookkeeping of what was delivered keeps it exactly once.
 """
 
 from __future__ import annotations
@@ -30,6 +39,21 @@ log = logging.getLogger(__name__)
 # How long a consumer that stops during the inline phase waits for the executor being built
 # (so that it can be closed rather than leaked).
 _JOIN_S = 120.0
+# Shape choice: tuning intervals given to the tuner before the workers are measured, windows
+# measured at most, and how much faster inline must be (twice in a row) to be chosen.
+SETTLE_INTERVALS = 2
+MAX_WINDOWS = 8
+INLINE_GAIN = 1.25
+
+
+def _runq_s() -> float:
+    """This thread's time runnable but waiting for a CPU (the kernel's run-queue delay), in
+    seconds; 0 where ``/proc/thread-self/schedstat`` is not exported."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
 
 
 @contextlib.contextmanager
@@ -47,7 +71,8 @@ def _isolated_rng() -> Iterator[None]:
 
 
 class FastStart:
-    """The stream of one epoch: inline units until the executor is ready, then the executor.
+    """The stream of one epoch: inline units until the executor is ready, then the executor
+    (and, where ``choose_shape``, back inline when that measures clearly faster).
 
     Args:
         pipeline: the pipeline (no shuffle or batch stages: those group items across units).
@@ -56,6 +81,19 @@ class FastStart:
         start: builds the executor (called once, on a background thread).
         on_started: called in the consumer's thread when the executor takes over (the loader
             starts its tuner there).
+        choose_shape: compare the workers with inline reads and keep the faster.
+        may_go_inline: asked before going inline (False: keep the workers, e.g. a training
+            callback tunes them now).
+        on_inline: called when inline was chosen, with the reason in words: the loader stops
+            its tuner and closes the executor (the run is closed after it).
+        delivered: the epoch's delivered positions by unit (``done`` units and ``seen``
+            items of partial ones), to know what is left when going back inline.
+        interval_s: the tuner's interval (measurement windows are this long).
+        inline_cost: ``(seconds, items)`` of inline reads measured in earlier epochs.
+
+    Attributes:
+        decided: ``"inline"`` or ``"workers"`` once the shape is chosen, else None (the epoch
+            ended first; the next one goes on measuring).
     """
 
     def __init__(
@@ -65,13 +103,26 @@ class FastStart:
         epoch: int,
         start: Callable[[], Any],
         on_started: Callable[[], None],
+        *,
+        choose_shape: bool = False,
+        may_go_inline: Callable[[], bool] = lambda: True,
+        on_inline: Callable[[str], None] | None = None,
+        delivered: Any = None,
+        interval_s: float = 1.0,
+        inline_cost: tuple[float, int] = (0.0, 0),
     ):
         self.pipeline = pipeline
         self.works = works
         self.epoch = epoch
         self.on_started = on_started
+        self.choose_shape = choose_shape and on_inline is not None and delivered is not None
+        self.on_inline = on_inline
+        self.may_go_inline = may_go_inline
+        self.delivered = delivered
+        self.interval_s = max(0.05, float(interval_s))
         self.inline_units = 0
-        self.inline_s = 0.0  # wall time spent reading inline units
+        self.inline_s, self.inline_items = inline_cost  # time reading inline (less CPU waits)
+        self.decided: str | None = None
         self._executor: Any = None
         self._error: BaseException | None = None
         self._built = threading.Event()
@@ -98,24 +149,94 @@ class FastStart:
         want = sum(ex.workers(i) for i in range(len(ex.spec.stages)))
         return len(ex.start_latencies_ms()) >= want
 
+    def _read_inline(self, work: Work) -> list:
+        t0, q0 = time.perf_counter(), _runq_s()
+        with _isolated_rng():
+            items = list(run_inline(self.pipeline, [work], self.epoch))
+        # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
+        # fork server and the workers' imports take the cores from this thread.
+        self.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+        self.inline_units += 1
+        self.inline_items += sum(1 for t in items if t[1] >= 0)
+        return items
+
     def stream(self) -> Iterator[tuple]:
         """The tagged items of the epoch (as ``Executor.run`` yields them)."""
         i = 0
         while i < len(self.works) and not self._ready():
-            t0 = time.perf_counter()
-            with _isolated_rng():
-                items = list(run_inline(self.pipeline, [self.works[i]], self.epoch))
-            self.inline_s += time.perf_counter() - t0
+            items = self._read_inline(self.works[i])
             i += 1
-            self.inline_units = i
             yield from items
         self.join()
         if self._error is not None:
             raise self._error
         log.debug("fast start: %d unit(s) read inline in %.3f s", i, self.inline_s)
         self.on_started()
-        if i < len(self.works):
-            yield from self._executor.run(self.works[i:], self.epoch)
+        if i >= len(self.works):
+            return
+        run = self._executor.run(self.works[i:], self.epoch)
+        if not self.choose_shape or not self.inline_items:
+            yield from run
+            return
+        yield from self._measured(run)
+        if self.decided == "inline":
+            for w in self._left():
+                yield from self._read_inline(w)
+
+    def _measured(self, run: Iterator[tuple]) -> Iterator[tuple]:
+        """The executor's stream, timed window by window until a shape is chosen; ends early
+        (closing the run) when inline is chosen."""
+        in_s_per_item = self.inline_s / self.inline_items
+        settle_until = time.perf_counter() + SETTLE_INTERVALS * self.interval_s
+        windows = wins = 0
+        t_start: float | None = None
+        items, waited_s = 0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                t = next(run)
+            except StopIteration:
+                return
+            now = time.perf_counter()
+            if windows < MAX_WINDOWS and now >= settle_until:
+                if t_start is None:
+                    t_start, items, waited_s = t0, 0, 0.0
+                waited_s += now - t0  # in here, waiting for the workers; the rest is the consumer's
+                items += t[1] >= 0
+                span = now - t_start
+                if span >= self.interval_s and items:
+                    consumer_s = max(0.0, span - waited_s)
+                    workers_rate = items / span
+                    inline_rate = items / (consumer_s + items * in_s_per_item)
+                    windows += 1
+                    wins = wins + 1 if inline_rate > INLINE_GAIN * workers_rate else 0
+                    log.debug("shape: workers %.1f items/s, inline %.1f", workers_rate, inline_rate)
+                    if wins >= 2 and self.may_go_inline():
+                        yield t
+                        self.decided = "inline"
+                        # The tuner stops before the executor closes (a tick must not observe
+                        # a closed executor); what the workers had in flight is read again.
+                        self.on_inline(
+                            f"inline reads ({inline_rate:.0f} items/s with the consumer's "
+                            f"{consumer_s / items * 1e3:.2f} ms per item) beat the workers "
+                            f"({workers_rate:.0f} items/s)"
+                        )
+                        run.close()
+                        return
+                    if inline_rate * INLINE_GAIN < workers_rate or windows >= MAX_WINDOWS:
+                        windows = MAX_WINDOWS  # the workers are faster, or as fast: keep them
+                        self.decided = "workers"
+                    t_start = None
+            yield t
+
+    def _left(self) -> list[Work]:
+        """The works not delivered yet, skipping the items of partial units already given."""
+        done, seen = self.delivered()
+        return [
+            Work(w.pos, w.unit, frozenset(w.skip) | frozenset(seen.get(w.pos, ())))
+            for w in self.works
+            if w.pos not in done
+        ]
 
     def join(self) -> None:
         """Wait until the executor is built (or failed), so that nothing is left half made."""

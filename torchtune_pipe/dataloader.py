@@ -336,6 +336,7 @@ class DataLoader:
             # The first batches are fetched in this process while the workers start, where
             # that gives the batches workers would: map-style, per-batch seeds, no init.
             fast_start=not iterable and workers > 0 and worker_init_fn is None and seed_each_batch,
+            choose_shape=auto,  # "auto" may read in this process when that is faster
         )
 
     def __iter__(self) -> Iterator[Any]:

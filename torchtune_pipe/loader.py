@@ -312,6 +312,9 @@ class Loader:
             :mod:`torchtune_pipe._faststart`); only for pipelines without shuffle or batch
             stages, prefetch thread or timeout, whose items do not depend on where they are
             read (no ``init`` that a read needs).
+        choose_shape: with ``fast_start``, compare the tuned workers with reading in the
+            calling thread and keep whichever delivers faster (rows cheaper than a hop
+            between processes are read inline, as torch's ``num_workers=0``); logged at INFO.
 
     Example:
         >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
@@ -336,6 +339,7 @@ class Loader:
         max_restarts: int = 16,
         even_ranks: bool | None = None,
         fast_start: bool = False,
+        choose_shape: bool = False,
     ):
         if not isinstance(pipeline, Pipeline):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
@@ -360,6 +364,9 @@ class Loader:
         self.max_restarts = max_restarts
         self.even_ranks = even_ranks
         self.fast_start = fast_start
+        self.choose_shape = choose_shape
+        self._shape: str | None = None  # "inline" or "workers" once chosen (choose_shape)
+        self._inline_cost = (0.0, 0)  # seconds and items of inline reads measured so far
         self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
         self._epoch = epoch
@@ -577,8 +584,11 @@ class Loader:
             stream = run_inline(self.pipeline, works, epoch)
         elif self._fast_start_applies():
             faststart = FastStart(
-                self.pipeline, works, epoch, self._ensure_executor, self._on_started
-            )
+                self.pipeline, works, epoch, self._ensure_executor, self._on_started,
+                choose_shape=self.choose_shape, may_go_inline=lambda: self.tuner is not None,
+                on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
+                interval_s=self.tuning_interval_s, inline_cost=self._inline_cost,
+            )  # fmt: skip
             stream = faststart.stream()
         else:
             stream = self._ensure_executor().run(works, epoch)
@@ -639,6 +649,8 @@ class Loader:
                 watcher, self._watcher = self._watcher, None
                 if faststart is not None:
                     faststart.join()  # an executor still being built is closed, not leaked
+                    self._shape = faststart.decided
+                    self._inline_cost = (faststart.inline_s, faststart.inline_items)
                 if loop is not None:
                     # Before the executor goes: a tick must not resize a closed executor.
                     try:
@@ -665,18 +677,33 @@ class Loader:
                     raise loop_error
 
     def _fast_start_applies(self) -> bool:
-        """Whether this epoch's first units may run inline while the workers start: only for
-        the first epoch of a loader that asked for it, with no shuffle or batch stage (they
-        group items across units), no interleaving and no prefetch thread (inline reads
-        reseed the global generators, which only the consumer's own thread may touch)."""
+        """Whether this epoch's first units may run inline while the workers start (until the
+        first epoch with workers, or until the shape is chosen), for a loader that asked for
+        it, with no shuffle or batch stage (they group items across units), no interleaving
+        and no prefetch thread (inline reads reseed the global generators, which only the
+        consumer's own thread may touch)."""
         return (
             self.fast_start
-            and self._executor is None
+            and (self._executor is None or (self.choose_shape and self._shape is None))
             and not self.interleave
             and self.pipeline.prefetch_spec is None
             and not self.timeout_s
             and not any(st.stateful for st in self.pipeline.stages)
         )
+
+    def _go_inline(self, why: str) -> None:
+        """Read inline from now on (this epoch's rest and every later one): stop tuning,
+        close the workers."""
+        log.info("Loader: reading in the calling thread from now on: %s", why)
+        loop, self._tuning = self._tuning, None
+        if loop is not None:
+            loop.stop(raise_error=False)
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.stop()
+        self._drop_executor()
+        self._tunable = None
+        self.inline = True
 
     def _on_started(self) -> None:
         """The executor took over from a fast start: tune and watch it from now on."""

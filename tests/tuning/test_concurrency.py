@@ -112,3 +112,4 @@ def test_a_live_loader_raises_concurrency_for_waiting_reads_and_keeps_torchs_bat
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert max(seen) > 1, f"fetch concurrency stayed at {seen}"
+    assert not loader.loader.inline  # waiting reads stay on workers
