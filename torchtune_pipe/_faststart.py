@@ -90,6 +90,10 @@ class FastStart:
             items of partial ones), to know what is left when going back inline.
         interval_s: the tuner's interval (measurement windows are this long).
         inline_cost: ``(seconds, items)`` of inline reads measured in earlier epochs.
+        on_built: called on the background thread once the executor is built (the loader
+            starts its progress display there).
+        inline_context: a context manager factory entered around every inline read, to make
+            the calling thread look like a worker to the source (``get_worker_info()``).
 
     Attributes:
         decided: ``"inline"`` or ``"workers"`` once the shape is chosen, else None (the epoch
@@ -110,6 +114,8 @@ class FastStart:
         delivered: Any = None,
         interval_s: float = 1.0,
         inline_cost: tuple[float, int] = (0.0, 0),
+        on_built: Callable[[], None] | None = None,
+        inline_context: Callable[[], Any] = contextlib.nullcontext,
     ):
         self.pipeline = pipeline
         self.works = works
@@ -118,6 +124,8 @@ class FastStart:
         self.choose_shape = choose_shape and on_inline is not None and delivered is not None
         self.on_inline = on_inline
         self.may_go_inline = may_go_inline
+        self.on_built = on_built
+        self.inline_context = inline_context
         self.delivered = delivered
         self.interval_s = max(0.05, float(interval_s))
         self.inline_units = 0
@@ -134,6 +142,8 @@ class FastStart:
     def _build(self, start: Callable[[], Any]) -> None:
         try:
             self._executor = start()
+            if self.on_built is not None:
+                self.on_built()
         except BaseException as e:  # raised in the consumer's thread by stream()
             self._error = e
         finally:
@@ -151,7 +161,7 @@ class FastStart:
 
     def _read_inline(self, work: Work) -> list:
         t0, q0 = time.perf_counter(), _runq_s()
-        with _isolated_rng():
+        with _isolated_rng(), self.inline_context():
             items = list(run_inline(self.pipeline, [work], self.epoch))
         # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
         # fork server and the workers' imports take the cores from this thread.

@@ -18,6 +18,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -100,6 +101,29 @@ class _WorkerInit:
         self.base_seed = base_seed
         self.seed_workers = seed_workers
 
+    @contextlib.contextmanager
+    def inline(self) -> Iterator[None]:
+        """Reads in the calling thread (a fast start) see the worker info of worker 0, as a
+        worker would; the caller's own worker info comes back after."""
+        from torch.utils.data._utils import worker as torch_worker
+
+        saved = torch_worker._worker_info
+        torch_worker._worker_info = self._info(0)
+        try:
+            yield
+        finally:
+            torch_worker._worker_info = saved
+
+    def _info(self, index: int) -> Any:
+        from torch.utils.data._utils import worker as torch_worker
+
+        return torch_worker.WorkerInfo(
+            id=index,
+            num_workers=self.num_workers,
+            seed=self.base_seed + index,
+            dataset=self.source.dataset,
+        )
+
     def __call__(self, stage_name: str, index: int) -> None:
         import random
 
@@ -108,9 +132,7 @@ class _WorkerInit:
         from torch.utils.data._utils import worker as torch_worker
 
         seed = self.base_seed + index
-        torch_worker._worker_info = torch_worker.WorkerInfo(
-            id=index, num_workers=self.num_workers, seed=seed, dataset=self.source.dataset
-        )
+        torch_worker._worker_info = self._info(index)
         if self.seed_workers:
             random.seed(seed)
             torch.manual_seed(seed)

@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -588,6 +589,7 @@ class Loader:
                 choose_shape=self.choose_shape, may_go_inline=lambda: self.tuner is not None,
                 on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
                 interval_s=self.tuning_interval_s, inline_cost=self._inline_cost,
+                on_built=self._on_built, inline_context=self._inline_context(),
             )  # fmt: skip
             stream = faststart.stream()
         else:
@@ -645,12 +647,12 @@ class Loader:
                         progress.finished = True
                         self._epoch = epoch + 1
                 loop_error = None
-                loop, self._tuning = self._tuning, None
-                watcher, self._watcher = self._watcher, None
                 if faststart is not None:
                     faststart.join()  # an executor still being built is closed, not leaked
                     self._shape = faststart.decided
                     self._inline_cost = (faststart.inline_s, faststart.inline_items)
+                loop, self._tuning = self._tuning, None
+                watcher, self._watcher = self._watcher, None
                 if loop is not None:
                     # Before the executor goes: a tick must not resize a closed executor.
                     try:
@@ -682,9 +684,11 @@ class Loader:
         it, with no shuffle or batch stage (they group items across units), no interleaving
         and no prefetch thread (inline reads reseed the global generators, which only the
         consumer's own thread may touch)."""
+        init = self.pipeline.stages[0].init
         return (
             self.fast_start
             and (self._executor is None or (self.choose_shape and self._shape is None))
+            and (init is None or hasattr(init, "inline"))  # an init a read may need
             and not self.interleave
             and self.pipeline.prefetch_spec is None
             and not self.timeout_s
@@ -705,12 +709,22 @@ class Loader:
         self._tunable = None
         self.inline = True
 
-    def _on_started(self) -> None:
-        """The executor took over from a fast start: tune and watch it from now on."""
-        if self._tuning is None:
-            self._tuning = self._start_tuning()
+    def _on_built(self) -> None:
+        """The executor of a fast start is built (background thread): show its progress."""
         if self._watcher is None:
             self._watcher = self._start_watch()
+
+    def _on_started(self) -> None:
+        """The executor took over from a fast start: tune it from now on."""
+        if self._tuning is None:
+            self._tuning = self._start_tuning()
+
+    def _inline_context(self) -> Any:
+        """What makes the calling thread stand in for a source worker during a fast start:
+        the source stage's ``init.inline`` where its init has one (the DataLoader's sets
+        torch's worker info), else nothing."""
+        init = self.pipeline.stages[0].init
+        return getattr(init, "inline", contextlib.nullcontext)
 
     def _took_everything(self, progress: _Progress) -> bool:
         try:
