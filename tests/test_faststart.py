@@ -139,7 +139,7 @@ def test_auto_reads_cheap_rows_inline_once_that_measures_faster_and_keeps_torchs
     g = torch.Generator().manual_seed(3)
     with DataLoader(ds, batch_size=64, shuffle=True, generator=g, num_workers="auto",
                     tuning_interval_s=0.1) as dl:  # fmt: skip
-        for epoch in range(4):
+        for epoch in range(12):  # the choice waits for the tuner to settle (over 1 s)
             got = list(dl)
             if epoch == 0:
                 for a, b in zip(want, got, strict=True):

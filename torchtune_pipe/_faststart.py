@@ -30,6 +30,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from .pipeline import Pipeline, Work, run_inline
@@ -42,8 +43,37 @@ _JOIN_S = 120.0
 # Shape choice: tuning intervals given to the tuner before the workers are measured, windows
 # measured at most, and how much faster inline must be (twice in a row) to be chosen.
 SETTLE_INTERVALS = 2
+SETTLE_MIN_S = 1.0
+WINDOW_MIN_ITEMS = 16
 MAX_WINDOWS = 8
 INLINE_GAIN = 1.25
+# Inline reads that wait (wall time well past their CPU time) cannot overlap their waits in the
+# calling thread, while workers and calls in flight can: such reads are never chosen inline.
+INLINE_MAX_WAIT_RATIO = 1.5
+
+
+@dataclass
+class ShapeProbe:
+    """What the shape choice has measured so far; kept by the loader from epoch to epoch (an
+    epoch may end before a choice is made, and the next goes on from where it stopped).
+
+    Attributes:
+        inline_s: time reading inline units, less the waits for a CPU.
+        inline_cpu_s: CPU time of those reads.
+        inline_items: items they gave.
+        settle_until: ``perf_counter`` time from which the workers are measured (None: they
+            have not run yet).
+        windows: windows measured; wins: consecutive windows inline won.
+        decided: ``"inline"`` or ``"workers"`` once chosen.
+    """
+
+    inline_s: float = 0.0
+    inline_cpu_s: float = 0.0
+    inline_items: int = 0
+    settle_until: float | None = None
+    windows: int = 0
+    wins: int = 0
+    decided: str | None = None
 
 
 def _runq_s() -> float:
@@ -89,15 +119,11 @@ class FastStart:
         delivered: the epoch's delivered positions by unit (``done`` units and ``seen``
             items of partial ones), to know what is left when going back inline.
         interval_s: the tuner's interval (measurement windows are this long).
-        inline_cost: ``(seconds, items)`` of inline reads measured in earlier epochs.
+        probe: the shape choice's measurements so far (updated in place).
         on_built: called on the background thread once the executor is built (the loader
             starts its progress display there).
         inline_context: a context manager factory entered around every inline read, to make
             the calling thread look like a worker to the source (``get_worker_info()``).
-
-    Attributes:
-        decided: ``"inline"`` or ``"workers"`` once the shape is chosen, else None (the epoch
-            ended first; the next one goes on measuring).
     """
 
     def __init__(
@@ -113,7 +139,7 @@ class FastStart:
         on_inline: Callable[[str], None] | None = None,
         delivered: Any = None,
         interval_s: float = 1.0,
-        inline_cost: tuple[float, int] = (0.0, 0),
+        probe: ShapeProbe | None = None,
         on_built: Callable[[], None] | None = None,
         inline_context: Callable[[], Any] = contextlib.nullcontext,
     ):
@@ -129,8 +155,7 @@ class FastStart:
         self.delivered = delivered
         self.interval_s = max(0.05, float(interval_s))
         self.inline_units = 0
-        self.inline_s, self.inline_items = inline_cost  # time reading inline (less CPU waits)
-        self.decided: str | None = None
+        self.probe = probe if probe is not None else ShapeProbe()
         self._executor: Any = None
         self._error: BaseException | None = None
         self._built = threading.Event()
@@ -160,14 +185,16 @@ class FastStart:
         return len(ex.start_latencies_ms()) >= want
 
     def _read_inline(self, work: Work) -> list:
-        t0, q0 = time.perf_counter(), _runq_s()
+        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
         with _isolated_rng(), self.inline_context():
             items = list(run_inline(self.pipeline, [work], self.epoch))
         # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
         # fork server and the workers' imports take the cores from this thread.
-        self.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+        p = self.probe
+        p.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+        p.inline_cpu_s += time.thread_time() - c0
+        p.inline_items += sum(1 for t in items if t[1] >= 0)
         self.inline_units += 1
-        self.inline_items += sum(1 for t in items if t[1] >= 0)
         return items
 
     def stream(self) -> Iterator[tuple]:
@@ -180,25 +207,32 @@ class FastStart:
         self.join()
         if self._error is not None:
             raise self._error
-        log.debug("fast start: %d unit(s) read inline in %.3f s", i, self.inline_s)
+        log.debug("fast start: %d unit(s) read inline", i)
         self.on_started()
         if i >= len(self.works):
             return
         run = self._executor.run(self.works[i:], self.epoch)
-        if not self.choose_shape or not self.inline_items:
+        p = self.probe
+        if p.settle_until is None:  # the tuner's first moves are not the workers' measure
+            p.settle_until = time.perf_counter() + max(
+                SETTLE_MIN_S, SETTLE_INTERVALS * self.interval_s
+            )
+        if self.choose_shape and p.decided is None and p.inline_items:
+            if p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s:
+                p.decided = "workers"  # the reads wait: only workers overlap their waits
+        if not self.choose_shape or p.decided is not None or not p.inline_items:
             yield from run
             return
         yield from self._measured(run)
-        if self.decided == "inline":
+        if p.decided == "inline":
             for w in self._left():
                 yield from self._read_inline(w)
 
     def _measured(self, run: Iterator[tuple]) -> Iterator[tuple]:
         """The executor's stream, timed window by window until a shape is chosen; ends early
         (closing the run) when inline is chosen."""
-        in_s_per_item = self.inline_s / self.inline_items
-        settle_until = time.perf_counter() + SETTLE_INTERVALS * self.interval_s
-        windows = wins = 0
+        p = self.probe
+        in_s_per_item = p.inline_s / p.inline_items
         t_start: float | None = None
         items, waited_s = 0, 0.0
         while True:
@@ -208,22 +242,22 @@ class FastStart:
             except StopIteration:
                 return
             now = time.perf_counter()
-            if windows < MAX_WINDOWS and now >= settle_until:
+            if p.decided is None and p.settle_until is not None and now >= p.settle_until:
                 if t_start is None:
                     t_start, items, waited_s = t0, 0, 0.0
                 waited_s += now - t0  # in here, waiting for the workers; the rest is the consumer's
                 items += t[1] >= 0
                 span = now - t_start
-                if span >= self.interval_s and items:
+                if span >= self.interval_s and items >= WINDOW_MIN_ITEMS:
                     consumer_s = max(0.0, span - waited_s)
                     workers_rate = items / span
                     inline_rate = items / (consumer_s + items * in_s_per_item)
-                    windows += 1
-                    wins = wins + 1 if inline_rate > INLINE_GAIN * workers_rate else 0
+                    p.windows += 1
+                    p.wins = p.wins + 1 if inline_rate > INLINE_GAIN * workers_rate else 0
                     log.debug("shape: workers %.1f items/s, inline %.1f", workers_rate, inline_rate)
-                    if wins >= 2 and self.may_go_inline():
+                    if p.wins >= 2 and self.may_go_inline():
                         yield t
-                        self.decided = "inline"
+                        p.decided = "inline"
                         # The tuner stops before the executor closes (a tick must not observe
                         # a closed executor); what the workers had in flight is read again.
                         self.on_inline(
@@ -233,9 +267,8 @@ class FastStart:
                         )
                         run.close()
                         return
-                    if inline_rate * INLINE_GAIN < workers_rate or windows >= MAX_WINDOWS:
-                        windows = MAX_WINDOWS  # the workers are faster, or as fast: keep them
-                        self.decided = "workers"
+                    if inline_rate * INLINE_GAIN < workers_rate or p.windows >= MAX_WINDOWS:
+                        p.decided = "workers"  # faster, or as fast: keep them
                     t_start = None
             yield t
 

@@ -35,7 +35,7 @@ from typing import Any
 from multiproc import Executor
 
 from . import _ranks, _state, telemetry
-from ._faststart import FastStart
+from ._faststart import FastStart, ShapeProbe
 from .errors import LoaderTimeoutError, StateError
 from .pipeline import Pipeline, Work, run_inline
 from .prefetch import END as _END
@@ -366,8 +366,7 @@ class Loader:
         self.even_ranks = even_ranks
         self.fast_start = fast_start
         self.choose_shape = choose_shape
-        self._shape: str | None = None  # "inline" or "workers" once chosen (choose_shape)
-        self._inline_cost = (0.0, 0)  # seconds and items of inline reads measured so far
+        self._shape_probe = ShapeProbe()  # what the shape choice measured (choose_shape)
         self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
         self._epoch = epoch
@@ -588,7 +587,7 @@ class Loader:
                 self.pipeline, works, epoch, self._ensure_executor, self._on_started,
                 choose_shape=self.choose_shape, may_go_inline=lambda: self.tuner is not None,
                 on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
-                interval_s=self.tuning_interval_s, inline_cost=self._inline_cost,
+                interval_s=self.tuning_interval_s, probe=self._shape_probe,
                 on_built=self._on_built, inline_context=self._inline_context(),
             )  # fmt: skip
             stream = faststart.stream()
@@ -649,8 +648,6 @@ class Loader:
                 loop_error = None
                 if faststart is not None:
                     faststart.join()  # an executor still being built is closed, not leaked
-                    self._shape = faststart.decided
-                    self._inline_cost = (faststart.inline_s, faststart.inline_items)
                 loop, self._tuning = self._tuning, None
                 watcher, self._watcher = self._watcher, None
                 if loop is not None:
@@ -687,7 +684,9 @@ class Loader:
         init = self.pipeline.stages[0].init
         return (
             self.fast_start
-            and (self._executor is None or (self.choose_shape and self._shape is None))
+            and (
+                self._executor is None or (self.choose_shape and self._shape_probe.decided is None)
+            )
             and (init is None or hasattr(init, "inline"))  # an init a read may need
             and not self.interleave
             and self.pipeline.prefetch_spec is None
