@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import sys
@@ -33,6 +34,7 @@ from multiproc import Executor
 
 from . import _ranks, telemetry
 from .errors import LoaderTimeoutError, StateError
+from .memory import MemoryProbe
 from .pipeline import Pipeline, Work, run_inline
 from .prefetch import END as _END
 from .prefetch import Prefetcher, Transfer, accelerator_available
@@ -140,6 +142,12 @@ def _skip_prefix(skip: set[int]) -> int:
     return n
 
 
+def _prefetched_bytes(slot: list[weakref.ref]) -> int:
+    """What the prefetcher in ``slot`` holds in this process for the pipeline."""
+    pre = slot[0]() if slot else None
+    return pre.held_bytes() if pre is not None else 0
+
+
 # ---------------------------------------------------------------------------- the Tunable
 class RunningPipeline:
     """A running pipeline as a :class:`~torchtune_pipe.tuning.base.Tunable`.
@@ -160,8 +168,11 @@ class RunningPipeline:
         return self._last
 
     def apply(self, allocation: Allocation) -> None:
-        """Resize stages and buffers to ``allocation`` (clamped to the limits)."""
-        from .tuning.safety import oversubscribe_factor
+        """Resize stages and buffers to ``allocation``, clamped to the limits: the CPU budget
+        and the memory limit with the pipeline's measured memory
+        (:func:`~torchtune_pipe.tuning.safety.fit_memory`: growth whose worst case passes the
+        limit is refused, and near the limit buffers are shed first, then workers)."""
+        from .tuning.safety import fit_memory, oversubscribe_factor
 
         obs = self._last or self.observe()
         limits = Limits(
@@ -172,6 +183,7 @@ class RunningPipeline:
             min_buffer_bytes=_MIN_BUDGET,
         )
         a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
+        a = fit_memory(a, obs, min_buffer_bytes=_MIN_BUDGET)
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):
@@ -219,7 +231,9 @@ class Loader:
         progress: show a live per-stage table while iterating.
         tuning_interval_s: seconds between tuning steps.
         tuning_log: file to append the tuner's decisions to (JSON lines).
-        memory_limit_bytes: memory the stage buffers may use in total (default: what is free).
+        memory_limit_bytes: memory the whole pipeline (buffers, worker processes, prefetched
+            copies) may use; default: the cgroup's limit, else the machine's, less what the
+            rest of the cgroup or machine uses (``Observation.memory_limit_bytes``).
         timeout_s: raise :class:`~torchtune_pipe.errors.LoaderTimeoutError` when no item
             arrives for this long (0: wait forever).
         length: items per epoch for ``len()`` when the source cannot say.
@@ -292,6 +306,7 @@ class Loader:
         self._closed = False
         self._clock = telemetry.ConsumerClock()
         self._machine_facts: telemetry.Machine | None = None
+        self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
         self._finalizer = weakref.finalize(self, Loader._cleanup, self._held)
 
@@ -430,8 +445,15 @@ class Loader:
             self._executor = ex
             self._held["executor"] = ex
             bounds = [telemetry.Bounds(s.min_workers, s.max_workers) for s in spec.stages]
+            # Through a list, not a bound method: the probe must not keep the loader alive.
+            probe = MemoryProbe(functools.partial(_prefetched_bytes, self._prefetch))
             meter = telemetry.Meter(
-                ex.snapshot, self._machine, bounds, self._clock, self.memory_limit_bytes
+                lambda: ex.snapshot(per_worker=True),
+                self._machine,
+                bounds,
+                self._clock,
+                self.memory_limit_bytes,
+                probe,
             )
             self._tunable = RunningPipeline(ex, meter)
         return self._executor
@@ -603,7 +625,9 @@ class Loader:
             pin = spec.pin_memory and accelerator_available()
             if pin or spec.device is not None:
                 convert = Transfer(pin, spec.device, spec.non_blocking)
-        return Prefetcher(stream, depth, convert, self.timeout_s)
+        pre = Prefetcher(stream, depth, convert, self.timeout_s)
+        self._prefetch[:] = [weakref.ref(pre)]
+        return pre
 
     def _start_tuning(self) -> Any:
         if self.tuner is None or self._tunable is None or self.inline:
@@ -624,5 +648,8 @@ class Loader:
         from .watch import Watcher
 
         meter = self._tunable.meter
-        own = telemetry.Meter(meter._snapshot, self._machine, meter.bounds, self._clock)
+        own = telemetry.Meter(
+            meter._snapshot, self._machine, meter.bounds, self._clock,
+            self.memory_limit_bytes, meter.memory,
+        )  # fmt: skip
         return Watcher(own.observe).start()
