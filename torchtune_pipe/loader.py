@@ -167,14 +167,16 @@ class RunningPipeline:
         self._last = self.meter.observe()
         return self._last
 
-    def apply(self, allocation: Allocation) -> None:
-        """Resize stages and buffers to ``allocation``, clamped to the limits: the CPU budget
-        and the memory limit with the pipeline's measured memory
+    def fit(self, allocation: Allocation, obs: Observation | None = None) -> Allocation:
+        """``allocation`` clamped to the limits of ``obs`` (default: the last observation):
+        the CPU budget, and the memory limit with the pipeline's measured memory
         (:func:`~torchtune_pipe.tuning.safety.fit_memory`: growth whose worst case passes the
-        limit is refused, and near the limit buffers are shed first, then workers)."""
+        limit is refused, and near the limit buffers are shed first, then workers). The tuning
+        loop applies what this returns, so shedding happens even when a tuner's decision
+        stays the same while memory grows."""
         from .tuning.safety import fit_memory, oversubscribe_factor
 
-        obs = self._last or self.observe()
+        obs = obs or self._last or self.observe()
         limits = Limits(
             cpus=obs.cpus,
             memory_bytes=obs.memory_limit_bytes,
@@ -183,7 +185,11 @@ class RunningPipeline:
             min_buffer_bytes=_MIN_BUDGET,
         )
         a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
-        a = fit_memory(a, obs, min_buffer_bytes=_MIN_BUDGET)
+        return fit_memory(a, obs, min_buffer_bytes=_MIN_BUDGET)
+
+    def apply(self, allocation: Allocation) -> None:
+        """Resize stages and buffers to ``allocation`` as :meth:`fit` clamps it."""
+        a = self.fit(allocation)
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):

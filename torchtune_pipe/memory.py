@@ -165,7 +165,7 @@ def memory_available_bytes(root: Path = CGROUP_ROOT, self_cgroup: Path = SELF_CG
 
 
 # ---------------------------------------------------------------------------- processes
-def _rollup(pid: int) -> dict[str, int] | None:
+def smaps_rollup(pid: int) -> dict[str, int] | None:
     """``/proc/<pid>/smaps_rollup`` in bytes by field, or None when it cannot be read."""
     try:
         with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
@@ -185,7 +185,7 @@ def process_bytes(pid: int) -> int | None:
     """Memory of one process without its shared-memory mappings: ``Pss - Pss_Shmem`` (pages it
     shares with other processes split between them); psutil's unique set size where
     ``smaps_rollup`` is missing; None when the process is gone."""
-    fields = _rollup(pid)
+    fields = smaps_rollup(pid)
     if fields is not None and "Pss" in fields:
         return max(0, fields["Pss"] - fields.get("Pss_Shmem", 0)) + fields.get("SwapPss", 0)
     try:
