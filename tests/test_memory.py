@@ -187,12 +187,21 @@ def test_live_and_simulated_pipelines_report_memory_alike():
 def test_probe_reads_at_most_once_per_interval_and_counts_its_cost():
     from multiproc import Snapshot
 
-    probe = MemoryProbe(lambda: 123, min_interval_s=60.0)
+    held = [123]
+    probe = MemoryProbe(lambda: held[0], min_interval_s=60.0)
     empty = Snapshot(0, (), 0, 0)
     first = probe.read(empty)
     assert probe.read(empty) is first and probe.reads == 1
     assert first.consumer_bytes == 123 and first.used_bytes == 123
     assert probe.mean_read_s == first.read_s > 0
+    # Stale: the old reading comes back at once and a fresh one follows.
+    probe.min_interval_s, held[0] = 0.0, 456
+    assert probe.read(empty) is first
+    deadline = time.monotonic() + DEADLINE_S
+    while probe.last.used_bytes != 456:
+        assert time.monotonic() < deadline, "the fresh reading never arrived"
+        time.sleep(0.01)  # polling with a deadline: the refresh thread has no event to wait on
+    assert probe.reads >= 2
 
 
 def test_process_memory_counts_this_process_and_skips_gone_ones():

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -252,7 +253,7 @@ class MemoryProbe:
         consumer_bytes: what the consumer's process holds for the pipeline now.
         min_interval_s: a reading younger than this is returned again (a tuner and a
             progress display each observe every interval; the reading costs milliseconds
-            per process).
+            per process); an older one is returned too while a fresh one is taken.
         cgroup_root, self_cgroup: where :func:`cgroup_memory` looks.
 
     Attributes:
@@ -271,6 +272,7 @@ class MemoryProbe:
         self._cgroup = (cgroup_root, self_cgroup)
         self._lock = threading.Lock()
         self._last: tuple[float, MemoryReading] | None = None
+        self._refreshing = False
         self.reads = 0
         self.read_s_total = 0.0
 
@@ -285,20 +287,45 @@ class MemoryProbe:
         return self.read_s_total / self.reads if self.reads else 0.0
 
     def read(self, snapshot: Snapshot) -> MemoryReading:
-        """The pipeline's memory now; ``snapshot`` must list its workers
-        (``Executor.snapshot(per_worker=True)``)."""
+        """The pipeline's memory; ``snapshot`` must list its workers
+        (``Executor.snapshot(per_worker=True)``).
+
+        The first call reads at once; later calls return the latest reading at once and,
+        when it is older than ``min_interval_s``, start a fresh one on a short-lived thread:
+        a tuning step never waits on ``/proc`` (tens of milliseconds for processes that hold
+        hundreds of megabytes), and a reading is at most one interval old.
+        """
         with self._lock:
-            now = time.monotonic()
-            if self._last is not None and now - self._last[0] < self.min_interval_s:
+            if self._last is None:
+                self._store(self._timed(snapshot))
+                assert self._last is not None
                 return self._last[1]
-            t0 = time.perf_counter()
-            reading = self._read(snapshot)
-            took = time.perf_counter() - t0
-            reading = MemoryReading(**{**reading.__dict__, "read_s": took})
-            self.reads += 1
-            self.read_s_total += took
-            self._last = (now, reading)
-            return reading
+            stale = time.monotonic() - self._last[0] >= self.min_interval_s
+            if stale and not self._refreshing:
+                self._refreshing = True
+                threading.Thread(
+                    target=self._refresh, args=(snapshot,), name="ttp-memory", daemon=True
+                ).start()
+            return self._last[1]
+
+    def _refresh(self, snapshot: Snapshot) -> None:
+        try:
+            reading = self._timed(snapshot)
+        finally:
+            with self._lock:
+                self._refreshing = False
+        with self._lock:
+            self._store(reading)
+
+    def _timed(self, snapshot: Snapshot) -> MemoryReading:
+        t0 = time.perf_counter()
+        reading = self._read(snapshot)
+        return dataclasses.replace(reading, read_s=time.perf_counter() - t0)
+
+    def _store(self, reading: MemoryReading) -> None:
+        self.reads += 1
+        self.read_s_total += reading.read_s
+        self._last = (time.monotonic(), reading)
 
     def _read(self, snapshot: Snapshot) -> MemoryReading:
         me = os.getpid()
