@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
 
 from multiproc import Snapshot, StageSnapshot
 from torchtune_pipe import telemetry
+from torchtune_pipe.memory import MemoryReading
 from torchtune_pipe.telemetry import Bounds, ConsumerClock, Machine, Meter, observe
 from torchtune_pipe.watch import render, watch
 
@@ -44,8 +46,29 @@ def test_observe_turns_two_snapshots_into_rates():
     assert abs(udf.cpu_s_per_item - 1.5 / 400) < 1e-12
     assert obs.throughput == 190 and obs.cpus == 4.0 and obs.dram_gbps == 10.0
     assert obs.memory_used_bytes == 1 << 19
-    assert obs.memory_limit_bytes == 2 * (1 << 20) + (1 << 30)
+    # No probe: only the buffers are counted; the limit is that plus what is available.
+    assert obs.memory_limit_bytes == (1 << 19) + (1 << 30) and not obs.oom
     assert obs.workers == (2, 1) and obs.t == 3.0
+
+
+def test_memory_reading_gives_the_memory_fields_and_a_kernel_kill_is_an_oom():
+    a = Snapshot(0, (_stage("read", 1, 0, 0, 0), _stage("udf", 2, 0, 0, 0)), 0, 0)
+    b = Snapshot(10**9, (_stage("read", 1, 10, 0, 0), _stage("udf", 2, 10, 0, 0)), 10, 1)
+    before = MemoryReading(300, 100, 200, 0, {"read": 50, "udf": 150}, oom_kills=0)
+    now = MemoryReading(400, 100, 300, 0, {"read": 50, "udf": 250}, oom_kills=0)
+    obs = observe(a, b, MACHINE, memory=now, memory_before=before, memory_limit_bytes=1000)
+    assert obs.memory_used_bytes == 400 and obs.memory_limit_bytes == 1000 and not obs.oom
+    assert [s.memory_bytes for s in obs.stages] == [50, 250]
+    assert observe(a, b, MACHINE, memory=now, memory_limit_bytes=399).oom  # past the limit
+    # A worker died and the cgroup's OOM killer acted in the same interval.
+    died = dataclasses.replace(b.stages[1], restarts=1)
+    b2 = dataclasses.replace(b, stages=(b.stages[0], died))
+    killed = dataclasses.replace(now, oom_kills=1)
+    assert observe(a, b2, MACHINE, memory=killed, memory_before=before, memory_limit_bytes=1000).oom
+    # A death without an OOM kill (a crash, a signal from elsewhere) is not one.
+    assert not observe(
+        a, b2, MACHINE, memory=now, memory_before=before, memory_limit_bytes=1000
+    ).oom
 
 
 def test_cgroup_quota_caps_cpus_and_memory(tmp_path):

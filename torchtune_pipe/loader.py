@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -37,6 +38,7 @@ from multiproc import Executor
 from . import _ranks, _state, telemetry
 from ._faststart import FastStart, ShapeProbe
 from .errors import LoaderTimeoutError, StateError
+from .memory import MemoryProbe
 from .pipeline import Pipeline, Work, run_inline
 from .prefetch import END as _END
 from .prefetch import Prefetcher, Transfer, accelerator_available
@@ -144,6 +146,12 @@ def _skip_prefix(skip: set[int]) -> int:
     return n
 
 
+def _prefetched_bytes(slot: list[weakref.ref]) -> int:
+    """What the prefetcher in ``slot`` holds in this process for the pipeline."""
+    pre = slot[0]() if slot else None
+    return pre.held_bytes() if pre is not None else 0
+
+
 # ---------------------------------------------------------------------------- the Tunable
 class RunningPipeline:
     """A running pipeline as a :class:`~torchtune_pipe.tuning.base.Tunable`.
@@ -163,12 +171,16 @@ class RunningPipeline:
         self._last = self.meter.observe()
         return self._last
 
-    def apply(self, allocation: Allocation) -> None:
-        """Resize stages and buffers to ``allocation`` (clamped to the limits)."""
-        from .tuning.concurrency import plan_concurrency
-        from .tuning.safety import oversubscribe_factor
+    def fit(self, allocation: Allocation, obs: Observation | None = None) -> Allocation:
+        """``allocation`` clamped to the limits of ``obs`` (default: the last observation):
+        the CPU budget, and the memory limit with the pipeline's measured memory
+        (:func:`~torchtune_pipe.tuning.safety.fit_memory`: growth whose worst case passes the
+        limit is refused, and near the limit buffers are shed first, then workers). The tuning
+        loop applies what this returns, so shedding happens even when a tuner's decision
+        stays the same while memory grows."""
+        from .tuning.safety import fit_memory, oversubscribe_factor
 
-        obs = self._last or self.observe()
+        obs = obs or self._last or self.observe()
         limits = Limits(
             cpus=obs.cpus,
             memory_bytes=obs.memory_limit_bytes,
@@ -177,7 +189,16 @@ class RunningPipeline:
             min_buffer_bytes=_MIN_BUDGET,
         )
         a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
-        a = plan_concurrency(obs, a)
+        return fit_memory(a, obs, min_buffer_bytes=_MIN_BUDGET)
+
+    def apply(self, allocation: Allocation) -> None:
+        """Resize stages and buffers to ``allocation`` as :meth:`fit` clamps it; calls in
+        flight per worker where the allocation leaves them open follow the measured rule
+        (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`)."""
+        from .tuning.concurrency import plan_concurrency
+
+        obs = self._last or self.observe()
+        a = plan_concurrency(obs, self.fit(allocation, obs))
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):
@@ -295,7 +316,9 @@ class Loader:
         progress: show a live per-stage table while iterating.
         tuning_interval_s: seconds between tuning steps.
         tuning_log: file to append the tuner's decisions to (JSON lines).
-        memory_limit_bytes: memory the stage buffers may use in total (default: what is free).
+        memory_limit_bytes: memory the whole pipeline (buffers, worker processes, prefetched
+            copies) may use; default: the cgroup's limit, else the machine's, less what the
+            rest of the cgroup or machine uses (``Observation.memory_limit_bytes``).
         timeout_s: raise :class:`~torchtune_pipe.errors.LoaderTimeoutError` when no item
             arrives for this long (0: wait forever).
         length: items per epoch for ``len()`` when the source cannot say.
@@ -384,6 +407,7 @@ class Loader:
         self._machine = _MachineFacts()
         self._pid = os.getpid()  # the owner: a forked child must not stop its workers
         self._last_error: BaseException | None = None  # what ended the last epoch early
+        self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
         self._finalizer = weakref.finalize(self, Loader._cleanup, self._held, self._pid)
 
@@ -535,8 +559,15 @@ class Loader:
                 telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency)
                 for s in spec.stages
             ]
+            # Through a list, not a bound method: the probe must not keep the loader alive.
+            probe = MemoryProbe(functools.partial(_prefetched_bytes, self._prefetch))
             meter = telemetry.Meter(
-                ex.snapshot, self._machine, bounds, self._clock, self.memory_limit_bytes
+                lambda: ex.snapshot(per_worker=True),
+                self._machine,
+                bounds,
+                self._clock,
+                self.memory_limit_bytes,
+                probe,
             )
             self._tunable = RunningPipeline(ex, meter)
         return self._executor
@@ -798,7 +829,9 @@ class Loader:
             pin = spec.pin_memory and accelerator_available()
             if pin or spec.device is not None:
                 convert = Transfer(pin, spec.device, spec.non_blocking)
-        return Prefetcher(stream, depth, convert, self.timeout_s)
+        pre = Prefetcher(stream, depth, convert, self.timeout_s)
+        self._prefetch[:] = [weakref.ref(pre)]
+        return pre
 
     def _start_tuning(self) -> Any:
         if self.tuner is None or self._tunable is None or self.inline:
@@ -819,5 +852,8 @@ class Loader:
         from .watch import Watcher
 
         meter = self._tunable.meter
-        own = telemetry.Meter(meter._snapshot, self._machine, meter.bounds, self._clock)
+        own = telemetry.Meter(
+            meter._snapshot, self._machine, meter.bounds, self._clock,
+            self.memory_limit_bytes, meter.memory,
+        )  # fmt: skip
         return Watcher(own.observe).start()

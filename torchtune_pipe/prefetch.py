@@ -130,10 +130,36 @@ class Prefetcher:
             pass
         self._thread.join(timeout_s)
 
+    def held_bytes(self) -> int:
+        """Host bytes of the converted items waiting in the queue: pinned copies. Items not
+        converted are views of the pipeline's arenas (counted there); device copies hold no
+        host memory."""
+        if self._convert is None:
+            return 0
+        with self._queue.mutex:
+            waiting = [v for kind, v in self._queue.queue if kind == "item"]
+        return sum(_pinned_bytes(t[2]) for t in waiting)
+
     @property
     def alive(self) -> bool:
         """Whether the thread still runs."""
         return self._thread.is_alive()
+
+
+def _pinned_bytes(obj: Any) -> int:
+    """Bytes of the pinned host tensors in ``obj`` (nested containers, TensorDicts)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.untyped_storage().nbytes() if obj.device.type == "cpu" and obj.is_pinned() else 0
+    if hasattr(obj, "values") and callable(obj.values):
+        try:
+            return sum(_pinned_bytes(v) for v in obj.values())
+        except TypeError:
+            return 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_pinned_bytes(v) for v in obj)
+    return 0
 
 
 class Transfer:

@@ -4,8 +4,9 @@
 :class:`~torchtune_pipe.tuning.base.Observation`; :class:`Meter` keeps the previous snapshot
 for one reader (a tuner and a progress display each hold their own, so neither shortens the
 other's interval). Machine facts: free CPUs (affinity and cgroup v2 ``cpu.max``, whichever is
-smaller), available memory (psutil and cgroup ``memory.max``), resident memory of the
-pipeline's processes, DRAM copy bandwidth (measured once, cached on disk) and CPU clock.
+smaller), available memory (psutil and the memory cgroup), DRAM copy bandwidth (measured
+once, cached on disk) and CPU clock. The pipeline's own memory (its processes, arenas and
+prefetched copies) comes from :class:`torchtune_pipe.memory.MemoryProbe`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import psutil
 
 from multiproc import Snapshot
 
+from . import memory as _memory
 from .tuning.base import Observation, StageStats
 
 log = logging.getLogger(__name__)
@@ -52,30 +54,16 @@ def cpus_available(cgroup: Path = _CGROUP) -> float:
 
 
 def memory_available_bytes(cgroup: Path = _CGROUP) -> int:
-    """Memory that can still be allocated: psutil's ``available``, capped by the cgroup v2
-    limit minus its current usage."""
-    avail = psutil.virtual_memory().available
-    try:
-        limit = (cgroup / "memory.max").read_text().strip()
-        if limit != "max":
-            used = int((cgroup / "memory.current").read_text().strip())
-            avail = min(avail, max(0, int(limit) - used))
-    except (OSError, ValueError):
-        pass
-    return int(avail)
+    """Memory that can still be allocated: psutil's ``available``, capped by what the memory
+    cgroup's limit leaves (v2 ``memory.max``/``memory.high`` or v1, see
+    :func:`torchtune_pipe.memory.cgroup_memory`; ``cgroup`` is where cgroups are mounted)."""
+    return _memory.memory_available_bytes(cgroup)
 
 
 def resident_bytes(pids: Iterable[int]) -> int:
-    """Resident memory (RSS) of the given processes, summed; gone processes count zero."""
-    total = 0
-    for pid in set(pids):
-        if pid <= 0:
-            continue
-        try:
-            total += psutil.Process(pid).memory_info().rss
-        except psutil.Error:
-            continue
-    return total
+    """Memory of the given processes, summed (:func:`torchtune_pipe.memory.process_bytes`:
+    proportional set size less shared-memory mappings); gone processes count zero."""
+    return sum(_memory.process_bytes(pid) or 0 for pid in set(pids) if pid > 0)
 
 
 def cpu_ghz() -> float:
@@ -190,19 +178,28 @@ def observe(
     consumer_items: tuple[int, int] | None = None,
     consumer_step_s: float = 0.0,
     t: float = 0.0,
+    memory: _memory.MemoryReading | None = None,
+    memory_before: _memory.MemoryReading | None = None,
 ) -> Observation:
     """Turn two snapshots into an :class:`Observation` of the interval between them.
+
+    Memory has the meaning :class:`Observation` defines: with a ``memory`` reading the
+    pipeline's buffers, processes and prefetched copies; without one (no probe), only what
+    the buffers hold.
 
     Args:
         prev, cur: executor snapshots, ``prev`` taken first.
         machine: machine facts (CPUs, memory, bandwidth, clock).
         bounds: per-stage worker bounds, in pipeline order (default: 1 and unbounded).
-        memory_limit_bytes: memory the buffers may use (default: the buffers' current
-            budgets plus the machine's available memory).
+        memory_limit_bytes: memory the pipeline may use (default: what it uses plus what the
+            machine and its cgroup leave available, ``machine.memory_available_bytes``).
         consumer_items: items the consumer took at ``prev`` and at ``cur``; throughput is
             measured from them (default: items the executor delivered).
         consumer_step_s: the consumer's mean time between ``next()`` calls.
         t: seconds since the pipeline started.
+        memory, memory_before: the pipeline's memory read at (about) ``cur`` and at ``prev``
+            (:class:`~torchtune_pipe.memory.MemoryProbe`); a worker death between them while
+            the cgroup's OOM-kill count grew is an OOM.
     """
     dt_ns = max(1, cur.t_ns - prev.t_ns)
     dt = dt_ns / 1e9
@@ -243,6 +240,7 @@ def observe(
                 runqueue=min(1.0, max(0, d("runq_ns")) / capacity) if _RUNQUEUE else None,
                 concurrency=s.concurrency,
                 max_concurrency=b.max_concurrency,
+                memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
             )
         )
     if consumer_items is not None:
@@ -250,10 +248,10 @@ def observe(
     else:
         delivered = cur.delivered_items - prev.delivered_items
     used = sum(s.buffer_used_bytes for s in cur.stages)
+    if memory is not None:
+        used = memory.used_bytes
     if memory_limit_bytes is None:
-        memory_limit_bytes = (
-            sum(s.buffer_budget_bytes for s in cur.stages) + machine.memory_available_bytes
-        )
+        memory_limit_bytes = used + machine.memory_available_bytes
     return Observation(
         stages=tuple(stages),
         throughput=max(0, delivered) / dt,
@@ -264,8 +262,25 @@ def observe(
         dram_gbps=machine.dram_gbps,
         cpu_ghz=machine.cpu_ghz,
         t=t,
-        oom=used > memory_limit_bytes,
+        oom=used > memory_limit_bytes or _killed_for_memory(prev, cur, memory_before, memory),
     )
+
+
+def _killed_for_memory(
+    prev: Snapshot,
+    cur: Snapshot,
+    before: _memory.MemoryReading | None,
+    now: _memory.MemoryReading | None,
+) -> bool:
+    """A worker died between the snapshots while the kernel's OOM killer acted in the cgroup.
+
+    The executor's snapshot counts deaths (``restarts``) but not their signals, so a SIGKILL
+    from elsewhere cannot be told from an OOM kill; the cgroup's ``oom_kill`` count can.
+    """
+    if before is None or now is None or before.oom_kills is None or now.oom_kills is None:
+        return False
+    died = sum(s.restarts for s in cur.stages) > sum(s.restarts for s in prev.stages)
+    return died and now.oom_kills > before.oom_kills
 
 
 class ConsumerClock:
@@ -310,7 +325,9 @@ class Meter:
         machine: returns machine facts (called at every observation; cheap except the first).
         bounds: per-stage worker bounds.
         clock: the consumer clock (for throughput and step time), optional.
-        memory_limit_bytes: memory the buffers may use (None: see :func:`observe`).
+        memory_limit_bytes: memory the pipeline may use (None: see :func:`observe`).
+        memory: reads the pipeline's memory (the snapshots must then list the workers:
+            ``Executor.snapshot(per_worker=True)``); None: only the buffers are counted.
     """
 
     def __init__(
@@ -320,15 +337,18 @@ class Meter:
         bounds: Sequence[Bounds] = (),
         clock: ConsumerClock | None = None,
         memory_limit_bytes: int | None = None,
+        memory: _memory.MemoryProbe | None = None,
     ):
         self._snapshot = snapshot
         self._machine = machine
         self.bounds = tuple(bounds)
         self.clock = clock
         self.memory_limit_bytes = memory_limit_bytes
+        self.memory = memory
         self._lock = threading.Lock()
         self._start = time.perf_counter()
         self._prev = snapshot()
+        self._prev_memory = memory.read(self._prev) if memory is not None else None
         self._prev_items = clock.items if clock is not None else 0
         self.last: Observation | None = None
         self.last_snapshot: Snapshot = self._prev
@@ -337,6 +357,7 @@ class Meter:
         """An observation of the interval since the previous call (or since creation)."""
         with self._lock:
             cur = self._snapshot()
+            reading = self.memory.read(cur) if self.memory is not None else None
             items = self.clock.items if self.clock is not None else None
             obs = observe(
                 self._prev,
@@ -347,7 +368,9 @@ class Meter:
                 consumer_items=None if items is None else (self._prev_items, items),
                 consumer_step_s=self.clock.step_s if self.clock is not None else 0.0,
                 t=time.perf_counter() - self._start,
+                memory=reading,
+                memory_before=self._prev_memory,
             )
-            self._prev, self._prev_items = cur, items or 0
+            self._prev, self._prev_items, self._prev_memory = cur, items or 0, reading
             self.last, self.last_snapshot = obs, cur
             return obs

@@ -217,6 +217,12 @@ def small_loader(**kw):
 
 
 class Failing(StepTuner):
+    """Breaks at its first decision: an epoch of the small loader lasts a few milliseconds,
+    so a tuner that broke only at a later step might never get one in before an epoch ends."""
+
+    def reset(self, obs, start=None):
+        raise RuntimeError("tuner broke")
+
     def step(self, obs):
         raise RuntimeError("tuner broke")
 

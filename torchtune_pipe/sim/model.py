@@ -23,7 +23,9 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    same queue gives each buffer's mean fill and its full/empty probabilities, which become
    the blocked-on-output/input fractions a real pipeline reports.
 5. **Memory and OOM.** Memory used is filled buffer bytes + worker RSS + resident state (e.g.
-   a shuffle buffer). Buffers fill at the rate imbalance across them, so an over-sized buffer
+   a shuffle buffer), the meaning :class:`~torchtune_pipe.tuning.base.Observation` gives it on
+   both sides of the seam; each stage reports its workers' part (RSS times workers plus its
+   resident state) as ``StageStats.memory_bytes``. Buffers fill at the rate imbalance across them, so an over-sized buffer
    upstream of a bottleneck fills and may push the pipeline out of memory a few intervals
    later. Past the limit the episode is over: throughput 0 until :meth:`SimPipeline.reset`.
 6. **Noise.** Per interval, mean costs are resampled (lognormal, ``cv / sqrt(items)``) and the
@@ -390,6 +392,7 @@ class SimPipeline:
                     io_bound=d[i] > c[i],
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
+                    memory_bytes=self._stage_memory(alloc.workers, i),
                 )
             )
         latency = 0.0
@@ -524,6 +527,11 @@ class SimPipeline:
         # A channel always admits one item, whatever its byte budget.
         return max(1.0, buffer_bytes / self._bytes[i])
 
+    def _stage_memory(self, workers: Sequence[int], i: int) -> int:
+        """What stage ``i``'s workers hold (``StageStats.memory_bytes``)."""
+        stage = self.workload.stages[i]
+        return int(workers[i] * self.workload.worker_rss_bytes + stage.resident_bytes)
+
     def _memory(self, workers: Sequence[int], levels: Sequence[float]) -> float:
         buffered = sum(levels[i] * self._bytes[i] for i in range(self.n_stages))
         return buffered + sum(workers) * self.workload.worker_rss_bytes + self._resident
@@ -591,6 +599,7 @@ class SimPipeline:
                 min_workers=sm.min_workers,
                 max_workers=sm.max_workers,
                 buffer_bytes=s.alloc.buffer_bytes[i],
+                memory_bytes=self._stage_memory(s.alloc.workers, i),
             )
             for i, sm in enumerate(wl.stages)
         )

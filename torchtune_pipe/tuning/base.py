@@ -43,6 +43,10 @@ class StageStats:
             with several calls in flight is busy once, and ``cpu_s_per_item`` counts the CPU
             of all of them.
         max_concurrency: upper bound of the concurrency knob (1: the stage has none).
+        memory_bytes: memory the stage's workers hold, its buffer excluded: the part of
+            :attr:`Observation.memory_used_bytes` they account for (live: their proportional
+            set sizes less the shared-memory arenas; simulator: workers times the worker RSS
+            plus the stage's resident state). 0 when not measured.
     """
 
     name: str
@@ -62,6 +66,7 @@ class StageStats:
     runqueue: float | None = None
     concurrency: int = 1
     max_concurrency: int = 1
+    memory_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -74,12 +79,24 @@ class Observation:
         latency_s: mean time an item spends in the pipeline (0 when unknown).
         consumer_step_s: time the consumer (model) spends between two ``next()`` calls.
         cpus: CPUs the pipeline may use (affinity and cgroup quota, whichever is smaller).
-        memory_limit_bytes: memory the pipeline's buffers may use in total.
-        memory_used_bytes: memory the pipeline's buffers use now.
+        memory_limit_bytes: the most memory the pipeline may use (the meaning of
+            ``memory_used_bytes``): the user's limit; else what the cgroup's limit (the smaller
+            of ``memory.max`` and ``memory.high``, or v1's ``memory.limit_in_bytes``, the
+            tightest along the cgroup's ancestors) leaves once the rest of the cgroup is
+            counted; else what the machine leaves (used plus available memory). Simulator:
+            the workload's limit.
+        memory_used_bytes: the whole pipeline's memory now, one meaning on both sides of the
+            seam: the bytes its buffers hold, plus every process of the pipeline (each
+            worker and the fork server, by proportional set size so that pages they share
+            count once; shared-memory arenas only once, as buffers), plus what the consumer's
+            process holds for it (prefetched copies). Per stage, the workers' part is
+            :attr:`StageStats.memory_bytes`; :func:`memory_parts` splits the total.
         dram_gbps: DRAM copy bandwidth in GB/s (0 when unknown).
         cpu_ghz: CPU clock in GHz (0 when unknown).
         t: seconds since the pipeline started.
-        oom: True when the memory limit was breached (simulator: the episode ended).
+        oom: the pipeline ran out of memory in this interval: ``memory_used_bytes`` passed
+            ``memory_limit_bytes``, or the kernel killed a worker for memory (live: a worker
+            died while the cgroup's OOM-kill count grew). Simulator: the episode ended.
     """
 
     stages: tuple[StageStats, ...]
@@ -144,6 +161,47 @@ class Allocation:
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """:attr:`Observation.memory_used_bytes` split by what holds it.
+
+    Attributes:
+        buffered_bytes: bytes the buffers hold (budget times fill, per stage).
+        per_worker_bytes: per stage, what one of its workers holds now (its measured memory
+            over its workers; where a stage is not measured, the mean of the measured ones,
+            or, when none is, everything outside the buffers spread over every worker).
+        fixed_bytes: the rest (the fork server, prefetched copies, arena pages a shrunk
+            budget still holds); never negative.
+    """
+
+    buffered_bytes: float
+    per_worker_bytes: tuple[float, ...]
+    fixed_bytes: float
+
+    def worst_case_bytes(self, alloc: Allocation) -> float:
+        """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
+        its stage's workers costs now, plus the fixed part."""
+        workers = sum(w * p for w, p in zip(alloc.workers, self.per_worker_bytes, strict=True))
+        return self.fixed_bytes + workers + sum(alloc.buffer_bytes)
+
+
+def memory_parts(obs: Observation) -> MemoryParts:
+    """Split ``obs.memory_used_bytes`` into buffers, workers per stage and the rest."""
+    buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
+    other = max(0.0, obs.memory_used_bytes - buffered)
+    measured = [s for s in obs.stages if s.memory_bytes > 0 and s.workers > 0]
+    if not measured:
+        each = other / max(1, sum(obs.workers))
+        return MemoryParts(buffered, (each,) * len(obs.stages), 0.0)
+    mean = sum(s.memory_bytes for s in measured) / sum(s.workers for s in measured)
+    per_worker = tuple(
+        s.memory_bytes / s.workers if s.memory_bytes > 0 and s.workers > 0 else mean
+        for s in obs.stages
+    )
+    in_workers = sum(w * p for w, p in zip(obs.workers, per_worker, strict=True))
+    return MemoryParts(buffered, per_worker, max(0.0, other - in_workers))
 
 
 @dataclass(frozen=True)

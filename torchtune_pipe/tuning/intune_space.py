@@ -10,16 +10,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocation, MiB, Observation, StageStats
+from .base import Allocation, MiB, Observation, StageStats, memory_parts
 from .planner import Plan
-from .safety import is_io_bound, oversubscribe_factor
+from .safety import MEMORY_SAFE_SHARE, is_io_bound, oversubscribe_factor
 
 WORKER_DELTAS = (1, -1, 5, -5)
 ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
 # Buffer bytes per stage that fit_memory keeps while it can remove workers instead.
 KEEP_BUFFER_BYTES = 64 * MiB
-# Worst-case memory an action may reach, as a share of the limit (headroom for noise).
-MEMORY_SAFE_SHARE = 0.95
 # A stage gains workers by a small move only when its workers compute at least this share of
 # the time (or wait on I/O): the others wait on their neighbours, and more of them wait too.
 GROW_MIN_BUSY = 0.5
@@ -215,9 +213,15 @@ def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
 class MemoryModel:
     """Memory outside the buffers, split into a per-worker cost and a fixed part.
 
-    Fitted from two observations with different worker counts (a worker's RSS is the slope).
-    Until then everything outside the buffers is charged to the workers, which overestimates
-    what a new worker costs when a stage holds resident state: the safe side for OOM checks.
+    Fitted from two observations with different worker counts (a worker's memory is the
+    slope; on a live pipeline ``memory_used_bytes`` counts every worker process, so the slope
+    is what a worker really holds). Until then a worker costs the mean of what the workers
+    hold where the observation measures it (``StageStats.memory_bytes``, read from every
+    worker live, modelled in the simulator; :func:`~.base.memory_parts`), else everything
+    outside the buffers spread over the workers; either overestimates what a new worker costs
+    when a stage holds resident state: the safe side for OOM checks. Whatever a worker does
+    not account for (the fork server, prefetched copies, memory grown since the fit) is the
+    fixed part, so the worst case always starts from the memory measured now.
     """
 
     def __init__(self) -> None:
@@ -242,7 +246,14 @@ class MemoryModel:
     def split(self, obs: Observation) -> tuple[float, float]:
         """(bytes per worker, fixed bytes) for ``obs``."""
         w, other = max(1, sum(obs.workers)), self._other(obs)
-        per_worker = other / w if self.slope is None else self.slope
+        if self.slope is not None:
+            per_worker = self.slope
+        elif any(s.memory_bytes > 0 for s in obs.stages):
+            parts = memory_parts(obs)
+            held = sum(n * p for n, p in zip(obs.workers, parts.per_worker_bytes, strict=True))
+            per_worker = held / w
+        else:
+            per_worker = other / w
         return per_worker, max(0.0, other - per_worker * w)
 
 

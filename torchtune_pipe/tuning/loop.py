@@ -1,9 +1,10 @@
 """Drive a tuner against a :class:`~.base.Tunable`: a background thread, or synchronously.
 
 :class:`TuningLoop` is the daemon thread that runs beside training: at every interval it
-observes, asks the tuner, clamps the decision to the hard limits (:func:`.safety.safe`) and
-applies it, logging every decision as one JSON line. :func:`run_episode` does the same steps
-back to back with no waiting, for simulator studies.
+observes, asks the tuner, clamps the decision to the hard limits (:func:`.safety.safe`, then
+the tunable's own ``fit(allocation, obs)`` where it has one: the live pipeline's memory rule)
+and applies it when it changed, logging every decision as one JSON line.
+:func:`run_episode` does the same steps back to back with no waiting, for simulator studies.
 """
 
 from __future__ import annotations
@@ -270,6 +271,9 @@ class TuningLoop:
         try:
             obs = self.tunable.observe()
             alloc = _decide(self.tuner, obs, first, self.limits_fn)
+            fit = getattr(self.tunable, "fit", None)
+            if fit is not None:  # the live pipeline's own limits (measured memory)
+                alloc = fit(alloc, obs)
             changed = alloc != self._applied
             # Applied every tick, changed or not: the pipeline sets what the tuner leaves open
             # (calls in flight per worker) from this tick's observation.

@@ -30,11 +30,20 @@ the tuners keep it only where it measurably pays.
 The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count; the worker cap is
 ``cpus * factor`` rounded to the nearest worker (the charges are estimates). The factor is
 passed to :func:`clamp` as ``oversubscribe``.
+
+Memory (:func:`fit_memory`): an allocation's worst case is every buffer full and every worker
+holding what its stage's workers hold now, measured (``StageStats.memory_bytes``), plus the
+memory no worker holds (:func:`~.base.memory_parts`). It must stay within
+``MEMORY_SAFE_SHARE`` of the limit: growth (buffers, then workers) that would pass it is
+refused, and when the pipeline nears the limit anyway (a UDF cache that grows, bigger items)
+it sheds buffers first, then workers, before the kernel acts. The live pipeline applies it to
+every tuner's decision; the simulator leaves it to the tuners, so that its studies measure
+what a tuner does alone (AUTOTUNE's prefetch growing into an OOM).
 """
 
 from __future__ import annotations
 
-from .base import Allocation, Limits, Observation, StageStats, clamp, limits_of
+from .base import Allocation, Limits, MiB, Observation, StageStats, clamp, limits_of, memory_parts
 
 # A stage counts as I/O-bound when it computes less than this fraction of the time...
 IO_BUSY_MAX = 0.5
@@ -50,6 +59,12 @@ WAITING_MIN_BLOCKED = 0.5
 SPARE_CORES = 1.0
 # ...and the workers in total never more than this many per core.
 MAX_OVERSUBSCRIBE = 4.0
+# Worst-case memory an allocation may reach, as a share of the limit (headroom for noise and
+# for memory that grows between two tuning steps).
+MEMORY_SAFE_SHARE = 0.95
+# Buffers shed down to this before any worker goes (small buffers make neighbouring stages
+# wait on each other); past the workers' minimum they go down to the stage minimum.
+SHED_BUFFER_FLOOR_BYTES = 4 * MiB
 
 
 def is_io_bound(stage: StageStats) -> bool:
@@ -116,15 +131,71 @@ def is_waiting(stage: StageStats) -> bool:
     return stage.items_per_s > 0.0 and blocked >= WAITING_MIN_BLOCKED
 
 
+def _check_stages(alloc: Allocation, obs: Observation, where: str) -> None:
+    if len(alloc.workers) != len(obs.stages):
+        raise ValueError(
+            f"{where}allocation has {len(alloc.workers)} stages but the pipeline has "
+            f"{len(obs.stages)} ({', '.join(s.name for s in obs.stages)})"
+        )
+
+
 def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
     """Clamp ``alloc`` to the hard limits of ``obs`` (or ``limits``) with the I/O policy above.
 
     Raises:
         ValueError: when ``alloc`` does not have one entry per observed stage.
     """
-    if len(alloc.workers) != len(obs.stages):
-        raise ValueError(
-            f"allocation has {len(alloc.workers)} stages but the pipeline has "
-            f"{len(obs.stages)} ({', '.join(s.name for s in obs.stages)})"
-        )
+    _check_stages(alloc, obs, "")
     return clamp(alloc, limits or limits_of(obs), oversubscribe_factor(obs, alloc))
+
+
+def fit_memory(
+    alloc: Allocation,
+    obs: Observation,
+    share: float = MEMORY_SAFE_SHARE,
+    min_buffer_bytes: int = 64 * 1024,
+) -> Allocation:
+    """Keep ``alloc``'s worst-case memory within ``share`` of ``obs``'s limit (module docstring).
+
+    In order, until the worst case fits: refuse buffer growth past what runs now, then worker
+    growth; halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a worker from
+    the stage whose workers hold the most (never below its ``min_workers``); halve buffers down
+    to ``min_buffer_bytes``. An allocation that fits is returned unchanged.
+
+    Raises:
+        ValueError: when ``alloc`` does not have one entry per observed stage.
+    """
+    _check_stages(alloc, obs, "fit_memory(): ")
+    parts = memory_parts(obs)
+    limit = share * obs.memory_limit_bytes
+    if limit <= 0 or parts.worst_case_bytes(alloc) <= limit:
+        return alloc
+    now = obs.allocation()
+    workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
+
+    def over() -> bool:
+        return parts.worst_case_bytes(Allocation(tuple(workers), tuple(buffers))) > limit
+
+    buffers = [min(b, c) for b, c in zip(buffers, now.buffer_bytes, strict=True)]
+    if over():
+        workers = [min(w, c) for w, c in zip(workers, now.workers, strict=True)]
+    floors = [max(1, s.min_workers) for s in obs.stages]
+    for floor in (SHED_BUFFER_FLOOR_BYTES, None):
+        while over():
+            i = max(range(len(buffers)), key=buffers.__getitem__)
+            if floor is not None and buffers[i] > max(floor, min_buffer_bytes):
+                buffers[i] = max(floor, min_buffer_bytes, buffers[i] // 2)
+                continue
+            if floor is None and buffers[i] > min_buffer_bytes:
+                buffers[i] = max(min_buffer_bytes, buffers[i] // 2)
+                continue
+            break
+        if floor is None:
+            break
+        while over():
+            costly = [j for j in range(len(workers)) if workers[j] > floors[j]]
+            if not costly:
+                break
+            j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
+            workers[j] -= 1
+    return Allocation(tuple(workers), tuple(buffers))

@@ -1,0 +1,211 @@
+"""The live pipeline's memory: cgroup limits from fixture directories, a worker's memory read
+from /proc, and the same memory fields on a live and a simulated pipeline of one shape."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from torchtune_pipe import Pipeline, telemetry
+from torchtune_pipe.memory import (
+    CgroupMemory,
+    MemoryProbe,
+    cgroup_memory,
+    memory_available_bytes,
+    process_bytes,
+)
+from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
+from torchtune_pipe.tuning.base import Allocation, MiB, memory_parts
+
+DEADLINE_S = 60.0
+_HELD: list = []
+
+
+def _write(d, **files):
+    d.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (d / name.replace("_", ".", 1)).write_text(text)
+
+
+def test_cgroup_v2_limit_is_the_tightest_of_max_and_high_up_the_tree(tmp_path):
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/job/step\n")
+    _write(tmp_path / "job", memory_max=str(1 << 30), memory_high="max")
+    _write(
+        tmp_path / "job" / "step",
+        memory_max="max",
+        memory_high=str(512 * MiB),
+        memory_current=str(300 * MiB),
+        memory_stat=f"anon {150 * MiB}\ninactive_file {100 * MiB}\n",
+        memory_events="low 0\nhigh 4\nmax 1\noom 2\noom_kill 2\n",
+    )
+    cg = cgroup_memory(tmp_path, own)
+    assert cg == CgroupMemory(512 * MiB, 200 * MiB, 2)
+    assert cg.available_bytes == 312 * MiB
+    assert memory_available_bytes(tmp_path, own) <= 312 * MiB
+
+
+def test_cgroup_v1_limit_usage_and_oom_kills(tmp_path):
+    own = tmp_path / "self_cgroup"
+    own.write_text("5:cpu,cpuacct:/x\n4:memory:/x/y\n0::/\n")
+    unlimited = "9223372036854771712"
+    _write(tmp_path / "memory", memory_limit_in_bytes=unlimited)
+    _write(tmp_path / "memory" / "x", memory_limit_in_bytes=unlimited)
+    _write(
+        tmp_path / "memory" / "x" / "y",
+        memory_limit_in_bytes=str(400 * MiB),
+        memory_usage_in_bytes=str(150 * MiB),
+        memory_stat=f"cache 1\ntotal_inactive_file {50 * MiB}\n",
+        memory_oom_control="oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+    )
+    assert cgroup_memory(tmp_path, own) == CgroupMemory(400 * MiB, 100 * MiB, 1)
+
+
+def test_cgroup_namespace_and_no_limit(tmp_path):
+    own = tmp_path / "self_cgroup"
+    own.write_text("0::/\n")
+    _write(tmp_path, memory_max="max", memory_current=str(10 * MiB))
+    cg = cgroup_memory(tmp_path, own)
+    assert cg.limit_bytes is None and cg.available_bytes is None and cg.oom_kills is None
+    assert cgroup_memory(tmp_path / "missing", own) is None
+    # A path that does not exist under the mount (a namespace shows the container's root).
+    own.write_text("0::/elsewhere\n")
+    _write(tmp_path, memory_max=str(64 * MiB))
+    assert cgroup_memory(tmp_path, own).limit_bytes == 64 * MiB
+
+
+class _Hold:
+    """Worker init: a ``udf`` worker holds (and touches) ``mb`` MB for its lifetime."""
+
+    def __init__(self, mb: int):
+        self.mb = mb
+
+    def __call__(self, stage: str, index: int) -> None:
+        if stage == "udf":
+            _HELD.append(np.ones(self.mb << 20, np.uint8))
+
+
+def _same(x):
+    return x
+
+
+class _Ids:
+    def __len__(self):
+        return 10_000
+
+    def units(self, epoch=0):
+        return list(range(100))
+
+    def read(self, unit):
+        return range(unit * 100, unit * 100 + 100)
+
+
+def _held_pipeline(udf_workers: int, mb: int) -> Pipeline:
+    return Pipeline.from_source(_Ids(), buffer_bytes=1 << 20).map(
+        _same, name="udf", workers=udf_workers, max_workers=udf_workers, init=_Hold(mb),
+        buffer_bytes=1 << 20,
+    )  # fmt: skip
+
+
+def _observe_until_held(loader, hold_bytes: int, workers: int):
+    """Observe the running loader until every ``udf`` worker reports ``hold_bytes``."""
+    deadline = time.monotonic() + DEADLINE_S
+    while True:
+        obs = loader.observe()
+        reading = loader.tunable.meter.memory.last
+        pids = [w.pid for w in loader.tunable.executor.snapshot(True).stage("udf").per_worker]
+        held = [reading.worker_bytes.get(p, 0) for p in pids]
+        if len(held) == workers and all(h >= hold_bytes for h in held):
+            return obs, reading, held
+        assert time.monotonic() < deadline, f"udf workers report {held}, want {hold_bytes} each"
+        time.sleep(0.1)  # polling with a deadline: a worker's init has no completion event
+
+
+def test_a_worker_holding_200_mb_is_reported():
+    with _held_pipeline(2, 200).loader() as loader:
+        it = iter(loader)
+        next(it)
+        obs, reading, held = _observe_until_held(loader, 200 * MiB, 2)
+        udf = obs.stages[1]
+        assert udf.memory_bytes >= 2 * 200 * MiB
+        assert obs.memory_used_bytes >= udf.memory_bytes + obs.stages[0].memory_bytes
+        assert obs.memory_used_bytes == reading.used_bytes
+        assert reading.processes_bytes >= sum(held) and reading.buffers_bytes >= 0
+        assert obs.memory_limit_bytes > obs.memory_used_bytes and not obs.oom
+        assert loader.tunable.meter.memory.reads >= 1
+        it.close()
+
+
+def test_live_and_simulated_pipelines_report_memory_alike():
+    """One shape, both sides of the seam: a source worker and two UDF workers that hold
+    100 MB each. The live pipeline is read from /proc; the simulator is given the source
+    worker's measured size as its worker RSS and the UDF caches as the stage's resident state.
+    Memory splits the same way on both, and a limit below the usage is an OOM on both."""
+    hold = 100 * MiB
+    with _held_pipeline(2, 100).loader() as loader:
+        it = iter(loader)
+        next(it)
+        live, _, held = _observe_until_held(loader, hold, 2)
+        it.close()
+    base = live.stages[0].memory_bytes  # one worker that holds nothing of its own
+    wl = Workload(
+        "held",
+        (StageModel("source", "source", 1e-4), StageModel("udf", "map", 1e-4, resident_bytes=2 * hold)),
+        worker_rss_bytes=base,
+        initial_buffer_bytes=1 << 20,
+    )  # fmt: skip
+    sim = SimPipeline(wl, cpus=2, memory_limit_bytes=live.memory_limit_bytes, noise=0.0)
+    sim.apply(Allocation((1, 2), (1 << 20, 1 << 20)))
+    simulated = sim.observe()
+    for obs in (live, simulated):
+        parts = memory_parts(obs)
+        held_by_workers = sum(s.memory_bytes for s in obs.stages)
+        assert parts.buffered_bytes + held_by_workers <= obs.memory_used_bytes + 1  # int()
+        assert obs.memory_used_bytes <= obs.memory_limit_bytes and not obs.oom
+        assert parts.per_worker_bytes[1] >= hold > parts.per_worker_bytes[0]
+    # The UDF stage's workers hold the same on both sides (the simulator's is exact: the
+    # source worker's size plus the cache; the live one is read per process).
+    assert live.stages[1].memory_bytes == pytest.approx(simulated.stages[1].memory_bytes, rel=0.15)
+    # What no worker holds: the fork server live (tens of MB), nothing in the simulator.
+    assert memory_parts(simulated).fixed_bytes == 0
+    assert memory_parts(live).fixed_bytes < 0.25 * live.memory_used_bytes
+    # A limit below the usage means an OOM on both sides.
+    tight = int(0.5 * live.memory_used_bytes)
+    with _held_pipeline(2, 100).loader(memory_limit_bytes=tight) as loader:
+        it = iter(loader)
+        next(it)
+        over, _, _ = _observe_until_held(loader, hold, 2)
+        it.close()
+    sim = SimPipeline(wl, cpus=2, memory_limit_bytes=tight, noise=0.0)
+    sim.apply(Allocation((1, 2), (1 << 20, 1 << 20)))
+    assert over.oom and over.memory_limit_bytes == tight and sim.observe().oom
+
+
+def test_probe_reads_at_most_once_per_interval_and_counts_its_cost():
+    from multiproc import Snapshot
+
+    held = [123]
+    probe = MemoryProbe(lambda: held[0], min_interval_s=60.0)
+    empty = Snapshot(0, (), 0, 0)
+    first = probe.read(empty)
+    assert probe.read(empty) is first and probe.reads == 1
+    assert first.consumer_bytes == 123 and first.used_bytes == 123
+    assert probe.mean_read_s == first.read_s > 0
+    # Stale: the old reading comes back at once and a fresh one follows.
+    probe.min_interval_s, held[0] = 0.0, 456
+    assert probe.read(empty) is first
+    deadline = time.monotonic() + DEADLINE_S
+    while probe.last.used_bytes != 456:
+        assert time.monotonic() < deadline, "the fresh reading never arrived"
+        time.sleep(0.01)  # polling with a deadline: the refresh thread has no event to wait on
+    assert probe.reads >= 2
+
+
+def test_process_memory_counts_this_process_and_skips_gone_ones():
+    assert process_bytes(os.getpid()) > 10 * MiB
+    assert telemetry.resident_bytes([os.getpid(), -1]) == pytest.approx(
+        process_bytes(os.getpid()), rel=0.2
+    )

@@ -1,0 +1,67 @@
+"""The safety layer's memory rule: worst cases from measured per-worker memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, memory_parts
+from torchtune_pipe.tuning.safety import MEMORY_SAFE_SHARE, SHED_BUFFER_FLOOR_BYTES, fit_memory
+
+
+def _obs(workers=(1, 4), buffers=(16 * MiB, 16 * MiB), per_worker=(50 * MiB, 200 * MiB),
+         limit=2000 * MiB, fixed=40 * MiB, fill=0.5) -> Observation:  # fmt: skip
+    stages = tuple(
+        StageStats(
+            f"s{i}", w, items_per_s=10.0, buffer_bytes=b, buffer_fill=fill, memory_bytes=int(w * p)
+        )  # fmt: skip
+        for i, (w, b, p) in enumerate(zip(workers, buffers, per_worker, strict=True))
+    )
+    used = int(sum(b * fill for b in buffers) + sum(s.memory_bytes for s in stages) + fixed)
+    return Observation(stages, 10.0, cpus=8, memory_limit_bytes=limit, memory_used_bytes=used)
+
+
+def test_memory_parts_split_measured_memory():
+    parts = memory_parts(_obs())
+    assert parts.buffered_bytes == 16 * MiB
+    assert parts.per_worker_bytes == (50 * MiB, 200 * MiB)
+    assert parts.fixed_bytes == pytest.approx(40 * MiB, abs=1)
+    assert parts.worst_case_bytes(Allocation((1, 4), (16 * MiB, 16 * MiB))) == pytest.approx(
+        40 * MiB + 50 * MiB + 800 * MiB + 32 * MiB, abs=1
+    )
+
+
+def test_an_allocation_that_fits_is_unchanged():
+    obs = _obs()
+    grow = Allocation((2, 5), (32 * MiB, 16 * MiB))
+    assert fit_memory(grow, obs) == grow
+
+
+def test_growth_whose_worst_case_passes_the_limit_is_refused():
+    obs = _obs(limit=1200 * MiB)  # now: 40 + 50 + 800 + 32 = 922 MiB worst case
+    # Two more 200 MiB workers would reach 1322 MiB > 0.95 * 1200.
+    assert fit_memory(Allocation((1, 6), (16 * MiB, 16 * MiB)), obs).workers == (1, 4)
+    # A bigger buffer alone is refused, the workers that fit are kept.
+    out = fit_memory(Allocation((2, 4), (16 * MiB, 400 * MiB)), obs)
+    assert out == Allocation((2, 4), (16 * MiB, 16 * MiB))
+
+
+def test_near_the_limit_buffers_go_first_then_the_costliest_workers():
+    # The workers' caches grew: 4 x 300 MiB + buffers now pass 0.95 x 1300 MiB.
+    obs = _obs(per_worker=(50 * MiB, 300 * MiB), buffers=(64 * MiB, 64 * MiB), limit=1300 * MiB)
+    now = obs.allocation()
+    shed = fit_memory(now, obs)
+    assert shed.buffer_bytes == (SHED_BUFFER_FLOOR_BYTES, SHED_BUFFER_FLOOR_BYTES)
+    assert shed.workers == (1, 3)  # the UDF stage's 300 MiB workers, not the source's
+    assert memory_parts(obs).worst_case_bytes(shed) <= MEMORY_SAFE_SHARE * 1300 * MiB
+    # Buffers alone suffice when the overshoot is small: no worker goes.
+    small = _obs(per_worker=(50 * MiB, 200 * MiB), buffers=(256 * MiB, 256 * MiB), limit=1300 * MiB)
+    out = fit_memory(small.allocation(), small)
+    assert out.workers == (1, 4) and max(out.buffer_bytes) < 256 * MiB
+
+
+def test_workers_never_go_below_the_minimum():
+    obs = _obs(limit=100 * MiB)
+    out = fit_memory(obs.allocation(), obs, min_buffer_bytes=MiB)
+    assert out.workers == (1, 1) and out.buffer_bytes == (MiB, MiB)
+    with pytest.raises(ValueError, match="3 stages but the pipeline has 2"):
+        fit_memory(Allocation((1, 1, 1), (MiB,) * 3), obs)
