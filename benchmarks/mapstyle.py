@@ -19,7 +19,7 @@ medians and the spread (min-max) over rounds.
 
 Usage::
 
-    python -m benchmarks.mapstyle                       # 3 rounds, 8 s windows (~12 min)
+    python -m benchmarks.mapstyle                       # 3 rounds, 8 s windows (~10 min)
     python -m benchmarks.mapstyle --quick               # smoke run (~1 min)
     python -m benchmarks.mapstyle --scenarios cheap-map --rounds 5
 """
@@ -41,8 +41,8 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 # Each peer's knob, swept; 2 is the common guess.
 SWEEPS: dict[str, dict[str, tuple[int, ...]]] = {
     "remote-map": {
-        "dataloader": (0, 2, 8, 16, 32),
-        "nodes-thread": (2, 16, 32),
+        "dataloader": (0, 2, 8, 16, 32, 64),
+        "nodes-thread": (2, 16, 32, 64),
         "nodes-process": (2, 8),
     },
     "cheap-map": {"dataloader": (0, 1, 2, 4), "nodes-thread": (0, 2), "nodes-process": (2,)},
