@@ -193,6 +193,11 @@ class DataLoader:
             the tuner's moves or a resume (default). ``False``: seed each worker process once,
             at its start, with ``base_seed + worker_id`` as torch does (draws then depend on
             which worker fetches which batch, as they do under torch).
+        max_concurrency: with ``"auto"``, the most ``__getitem__`` calls one fetch worker may
+            run at once on its threads when reads wait (raised while running from 1); 1 for a
+            dataset that must not be called from several threads at once. A dataset whose
+            ``__getitem__`` draws from the global random generators is always read one call
+            at a time per worker.
 
     Differences from torch: workers come from a fork server (``multiprocessing_context`` is
     accepted and ignored), are kept across epochs (``persistent_workers`` is implied), and
@@ -228,6 +233,7 @@ class DataLoader:
         tuning_log: str | None = None,
         progress: bool = False,
         seed_each_batch: bool = True,
+        max_concurrency: int = 64,
     ):
         from torch.utils.data import IterableDataset
         from torch.utils.data._utils.collate import default_collate, default_convert
@@ -331,7 +337,12 @@ class DataLoader:
             )
         bounded = max(1, workers)
         if auto:
-            pipe = Pipeline.from_source(self.source, name="fetch", workers=1, init=init)
+            # Reads that wait get calls in flight per worker: __getitem__ may then run on
+            # several threads of a worker, as torchdata.nodes' thread workers run it.
+            pipe = Pipeline.from_source(
+                self.source, name="fetch", workers=1, init=init,
+                max_concurrency=max_concurrency,
+            )  # fmt: skip
             pipe = pipe.map(_Collate(collate_fn), name="collate", workers=1)
         else:
             pipe = Pipeline.from_source(

@@ -73,8 +73,10 @@ class Stage:
         seed: shuffle seed (shuffle stages).
         init: ``init(stage_name, worker_index)`` run in every new worker.
         concurrency: calls in flight per worker (threads of the worker run one frame's calls,
-            or a map-style dataset's reads of one batch); for calls that wait on I/O. The
-            tuner moves it in ``[1, max_concurrency]``.
+            or a map-style dataset's reads of one batch); for calls that wait on I/O. Moved
+            while running in ``[1, max_concurrency]``; ``max_concurrency`` is 1 unless given,
+            because only the stage's author knows that its function is safe to call from
+            several threads at once.
     """
 
     name: str
@@ -94,7 +96,7 @@ class Stage:
     init: Callable[[str, int], None] | None = None
     max_errors: int | float | None = 0.1
     concurrency: int = 1
-    max_concurrency: int = 64
+    max_concurrency: int = 1
 
     @property
     def stateful(self) -> bool:
@@ -152,6 +154,7 @@ class Pipeline:
         init: Callable[[str, int], None] | None = None,
         max_errors: int | float | None = 0.1,
         concurrency: int = 1,
+        max_concurrency: int | None = None,
     ) -> Pipeline:
         """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
         map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
@@ -172,7 +175,7 @@ class Pipeline:
             "from_source()", (), name, "source", None, workers, min_workers, max_workers,
             buffer_bytes, worker_type, on_error, init,
         )  # fmt: skip
-        stage = _with_concurrency("from_source()", stage, concurrency)
+        stage = _with_concurrency("from_source()", stage, concurrency, max_concurrency)
         return cls(src, (_with_max_errors("from_source()", stage, max_errors),))
 
     def map(
@@ -189,6 +192,7 @@ class Pipeline:
         init: Callable[[str, int], None] | None = None,
         max_errors: int | float | None = 0.1,
         concurrency: int = 1,
+        max_concurrency: int | None = None,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
 
@@ -204,6 +208,8 @@ class Pipeline:
             max_errors: the bound on skipped items (see :class:`Stage`).
             concurrency: calls of ``fn`` in flight per worker, on threads (for functions
                 that wait on I/O; see :class:`Stage`).
+            max_concurrency: how far the pipeline may raise ``concurrency`` while running
+                (default: ``concurrency``, i.e. fixed; give it only for a thread-safe ``fn``).
         """
         method = f"map({name!r})" if name else "map()"
         if not callable(fn):
@@ -216,7 +222,7 @@ class Pipeline:
         )  # fmt: skip
         if worker_type == "process":
             _check_pickles(method, "fn", fn)
-        stage = _with_concurrency(method, stage, concurrency)
+        stage = _with_concurrency(method, stage, concurrency, max_concurrency)
         return self._add(_with_max_errors(method, stage, max_errors), method)
 
     def shuffle(
@@ -372,13 +378,16 @@ class Pipeline:
         return f"{base}_{i}"
 
 
-def _with_concurrency(method: str, stage: Stage, concurrency: Any) -> Stage:
+def _with_concurrency(method: str, stage: Stage, concurrency: Any, max_concurrency: Any) -> Stage:
     _positive_int(method, "concurrency", concurrency)
-    if concurrency > stage.max_concurrency:
+    if max_concurrency is None:
+        max_concurrency = concurrency
+    _positive_int(method, "max_concurrency", max_concurrency)
+    if concurrency > max_concurrency:
         raise PipelineError(
-            f"{method}: concurrency must be <= {stage.max_concurrency}, got {concurrency}"
+            f"{method}: concurrency ({concurrency}) must be <= max_concurrency ({max_concurrency})"
         )
-    return dataclasses.replace(stage, concurrency=concurrency)
+    return dataclasses.replace(stage, concurrency=concurrency, max_concurrency=max_concurrency)
 
 
 def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from torchtune_pipe import DataLoader
+from torchtune_pipe import DataLoader, Pipeline
 from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
 from torchtune_pipe.tuning import make_tuner
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
@@ -113,3 +113,20 @@ def test_a_live_loader_raises_concurrency_for_waiting_reads_and_keeps_torchs_bat
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert max(seen) > 1, f"fetch concurrency stayed at {seen}"
     assert not loader.loader.inline  # waiting reads stay on workers
+
+
+def test_pipeline_stages_get_calls_in_flight_only_when_their_author_allows_it():
+    from torchtune_pipe.errors import PipelineError
+
+    pipe = Pipeline.from_source(list(range(8))).map(abs, name="plain")
+    pipe = pipe.map(abs, name="io", concurrency=2, max_concurrency=16)
+    plain, io = pipe.stages[1], pipe.stages[2]
+    assert (plain.concurrency, plain.max_concurrency) == (1, 1)  # fixed unless allowed
+    assert (io.concurrency, io.max_concurrency) == (2, 16)
+    spec = pipe.spec(True)
+    assert spec.stages[2].max_concurrency == 16 and spec.stages[1].max_concurrency == 1
+    with pytest.raises(PipelineError, match=r"map\('x'\): concurrency \(4\) must be <= max"):
+        pipe.map(abs, name="x", concurrency=4, max_concurrency=2)
+    with DataLoader(list(range(4)), batch_size=2, num_workers="auto", max_concurrency=1) as dl:
+        assert dl.pipeline.stages[0].max_concurrency == 1
+        assert sorted(int(x) for b in dl for x in b) == [0, 1, 2, 3]
