@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtune_pipe import DataLoader
+from torchtune_pipe._faststart import ShapeProbe
 
 from ._compare import assert_same
 
@@ -132,13 +133,18 @@ class Cheap(Dataset):
         return self.x[i], i
 
 
-def test_auto_reads_cheap_rows_inline_once_that_measures_faster_and_keeps_torchs_batches():
+def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once():
+    """The switch itself, made certain: inline reads measured as free beat any workers, so the
+    loader closes its workers at the first windows after the tuner settled, mid-epoch, and
+    reads the rest inline. (Which shape wins on real costs is measured by
+    ``benchmarks/mapstyle.py``, not asserted here.)"""
     ds = Cheap()
     g = torch.Generator().manual_seed(3)
     want = list(torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, generator=g))
     g = torch.Generator().manual_seed(3)
     with DataLoader(ds, batch_size=64, shuffle=True, generator=g, num_workers="auto",
                     tuning_interval_s=0.1) as dl:  # fmt: skip
+        dl.loader._shape_probe = ShapeProbe(inline_items=10**12)  # inline reads cost ~0
         for epoch in range(12):  # the choice waits for the tuner to settle (over 1 s)
             got = list(dl)
             if epoch == 0:
@@ -147,5 +153,17 @@ def test_auto_reads_cheap_rows_inline_once_that_measures_faster_and_keeps_torchs
             assert sorted(int(i) for b in got for i in b[1]) == list(range(len(ds)))
             if dl.loader.inline:
                 break
-        assert dl.loader.inline, "cheap rows stayed on workers"
+        assert dl.loader.inline, f"the loader kept its workers: {dl.loader._shape_probe}"
         assert dl.loader.tunable is None  # the workers are gone
+        assert sorted(int(i) for b in dl for i in b[1]) == list(range(len(ds)))  # next epoch
+
+
+def test_reads_that_wait_are_never_chosen_inline():
+    """Inline reads whose wall time is well past their CPU time cannot overlap their waits."""
+    probe = ShapeProbe(inline_s=1.0, inline_cpu_s=0.1, inline_items=100)
+    ds = Cheap(n=2_000)
+    with DataLoader(ds, batch_size=64, num_workers="auto", tuning_interval_s=0.1) as dl:
+        dl.loader._shape_probe = probe
+        list(dl)
+        list(dl)
+        assert probe.decided == "workers" and not dl.loader.inline

@@ -209,17 +209,17 @@ class FastStart:
             raise self._error
         log.debug("fast start: %d unit(s) read inline", i)
         self.on_started()
+        p = self.probe
+        if self.choose_shape and p.decided is None and p.inline_items:
+            if p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s:
+                p.decided = "workers"  # the reads wait: only workers overlap their waits
         if i >= len(self.works):
             return
         run = self._executor.run(self.works[i:], self.epoch)
-        p = self.probe
         if p.settle_until is None:  # the tuner's first moves are not the workers' measure
             p.settle_until = time.perf_counter() + max(
                 SETTLE_MIN_S, SETTLE_INTERVALS * self.interval_s
             )
-        if self.choose_shape and p.decided is None and p.inline_items:
-            if p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s:
-                p.decided = "workers"  # the reads wait: only workers overlap their waits
         if not self.choose_shape or p.decided is not None or not p.inline_items:
             yield from run
             return
