@@ -14,6 +14,7 @@ from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
 from torchtune_pipe.tuning.concurrency import next_concurrency, plan_concurrency, wait_ratio
 
 from ..multiproc._fns import burn_2ms  # noqa: F401  (imports the module workers load)
+from ..test_faststart import _wait_for_workers
 
 
 def _stage(busy=0.9, items_per_s=100.0, cpu_s_per_item=0.001, workers=1, c=1, max_c=32):
@@ -103,11 +104,12 @@ def test_a_live_loader_raises_concurrency_for_waiting_reads_and_keeps_torchs_bat
     with DataLoader(
         ds, batch_size=16, shuffle=True, generator=g, num_workers="auto", tuning_interval_s=0.25
     ) as loader:
-        got = []
-        for b in loader:
+        it = iter(loader)
+        got = [next(it)]  # read in this process while the workers start (fast start)
+        _wait_for_workers(loader)
+        for b in it:
             got.append(b)
-            if loader.loader.tunable is not None:
-                seen.append(loader.loader.tunable.executor.concurrency("fetch"))
+            seen.append(loader.loader.tunable.executor.concurrency("fetch"))
     assert len(got) == len(expected)
     for a, b in zip(expected, got, strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
