@@ -18,16 +18,9 @@ import torch
 from torch.utils.data import Dataset
 
 from . import _consume
+from ._bench_fns import burn
 
 TOOLS = ("dataloader", "nodes-thread", "nodes-process", "torchtune_pipe")
-
-
-def burn_cpu_us(us: float) -> None:
-    """Spend ``us`` microseconds of this thread's CPU time (not wall time): the cost stays
-    the same when other processes share the core."""
-    end = time.thread_time_ns() + int(us * 1000)
-    while time.thread_time_ns() < end:
-        pass
 
 
 class Rows(Dataset):
@@ -47,7 +40,7 @@ class Rows(Dataset):
         if self.wait_s:
             time.sleep(self.wait_s)  # the remote read: the process waits, its CPU is free
         if self.row_cpu_us:
-            burn_cpu_us(self.row_cpu_us)
+            burn(self.row_cpu_us / 1e6)
         return self.x[i], self.y[i]
 
 
@@ -61,7 +54,7 @@ class Collate:
         from torch.utils.data import default_collate
 
         if self.cpu_us:
-            burn_cpu_us(self.cpu_us)
+            burn(self.cpu_us / 1e6)
         return default_collate(samples)
 
 
