@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .pipeline import Pipeline, Work, run_inline
+from .sources import _rng_states, _set_rng_states
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +88,11 @@ def _runq_s() -> float:
 
 @contextlib.contextmanager
 def _isolated_rng() -> Iterator[None]:
-    import numpy as np
-    import torch
-
-    py, npy, th = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    saved = _rng_states()
     try:
         yield
     finally:
-        random.setstate(py)
-        np.random.set_state(npy)
-        torch.set_rng_state(th)
+        _set_rng_states(saved)
 
 
 class FastStart:

@@ -455,18 +455,34 @@ def read_indexed(source: Any, unit: Any, skip: frozenset) -> Iterator[tuple[int,
 
 
 def _rng_states() -> tuple:
-    """The global generators' states (``random``, ``numpy``, ``torch``)."""
+    """The global generators' states (``random``, ``numpy``, ``torch``), as
+    :func:`_set_rng_states` puts them back."""
     import numpy as np
     import torch
 
-    state: Any = np.random.get_state()
-    return random.getstate(), state[1].tobytes(), state[2], torch.get_rng_state()
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def _set_rng_states(states: tuple) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
 
 
 def _same_rng_states(a: tuple, b: tuple) -> bool:
+    import numpy as np
     import torch
 
-    return a[:3] == b[:3] and torch.equal(a[3], b[3])
+    np_a, np_b = a[1], b[1]  # (name, keys array, position, has_gauss, cached_gaussian)
+    return (
+        a[0] == b[0]
+        and np.array_equal(np_a[1], np_b[1])
+        and np_a[2:] == np_b[2:]
+        and torch.equal(a[2], b[2])
+    )
 
 
 def _seed_all(seed: int) -> None:
