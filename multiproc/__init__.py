@@ -5,7 +5,7 @@ shared-memory channels with byte budgets; every worker exports lock-free counter
 nothing about tuning or any model: ``torchtune_pipe`` builds on it.
 """
 
-from . import concurrency
+from . import concurrency, policy
 from .concurrency import CallPool
 from .errors import (
     ExecutorClosedError,
@@ -26,6 +26,7 @@ __all__ = [
     "Batcher",
     "CallPool",
     "concurrency",
+    "policy",
     "Busy",
     "Executor",
     "ExecutorClosedError",

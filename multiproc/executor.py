@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from . import channel, lifetime, pool, stats
+from . import channel, lifetime, policy, pool, stats
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
@@ -488,6 +488,8 @@ class Executor:
                     self._frame_left(frame)
                     if frame.inline and was_full:
                         self._wake()  # the last stage may be waiting for room here (_Queue)
+                    if not run.sink:
+                        self._break_stall()  # the consumer held the last thing that could move
                     return frame.payload
                 if run.finished:
                     return None
@@ -750,9 +752,25 @@ class Executor:
         """A frame stopped being queued or in flight (it is consumed or held)."""
         self._pending_count[f.producer] -= 1
         h = self._workers.get(f.producer)
-        if h is not None and h.blocked and self._pending_count[f.producer] <= 0 and h.alive():
-            self._send(h, ("spill_ok",))
-            h.blocked = False
+        if (
+            h is not None
+            and h.blocked
+            and policy.may_spill(self._pending_count[f.producer])
+            and h.alive()
+        ):
+            self._spill_ok(h)
+
+    def _spill_ok(self, h: pool.WorkerHandle) -> None:
+        self._send(h, ("spill_ok",))
+        h.blocked = False
+
+    def _break_stall(self) -> None:
+        """Let blocked workers through when nothing else can move (see ``policy``)."""
+        run = self._run
+        if run is None or run.finished or not any(h.blocked for h in self._workers.values()):
+            return
+        for h in policy.stalled(self._workers.values(), len(run.sink)):
+            self._spill_ok(h)
 
     # ---------------------------------------------------------------- routing
     def _deliver(self, stage: int, f: _Frame) -> None:
@@ -939,9 +957,8 @@ class Executor:
         elif kind == "blocked":
             h.blocked = True
             self._take_frees(h, msg[2])
-            if self._pending_count[h.wid] <= 0:
-                self._send(h, ("spill_ok",))
-                h.blocked = False
+            if policy.may_spill(self._pending_count[h.wid]):
+                self._spill_ok(h)
         elif kind == "unblocked":
             h.blocked = False
         elif kind == "bye":
@@ -1131,6 +1148,7 @@ class Executor:
             if self._error is None:
                 self._dispatch()
                 self._check_progress()
+                self._break_stall()
             self._flush_frees()
             if self._error is not None:
                 self._cond.notify_all()

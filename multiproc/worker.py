@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import cloudpickle
 
-from . import channel, concurrency, lifetime, reducers, stats
+from . import channel, concurrency, lifetime, policy, reducers, serialize, stats
 from .channel import Allocator, MappingCache, Segment
 from .errors import StageError
 from .spec import Skipped
@@ -87,6 +87,15 @@ class _RunQueue:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _nbytes(item) -> int:
+    """Serialized size of one item (its out-of-band buffers are not copied to measure it)."""
+    try:
+        header, buffers = serialize.dumps(item)
+    except Exception:
+        return 0  # reported with its place when its frame is encoded
+    return len(header) + sum(serialize.buffer_nbytes(buffers))
 
 
 def _exc_payload(exc: BaseException) -> bytes | None:
@@ -182,16 +191,16 @@ class _Worker:
         return True
 
     def _encode(self, obj):
-        """Write one frame into the arena, waiting for space (backpressure) if needed."""
+        """Write one frame into the arena, waiting for room (backpressure) if needed.
+
+        A frame bigger than this worker's whole budget waits too, until the router lets it
+        travel inline (``policy``): none of this worker's frames is queued or in flight, or
+        nothing else can move. So it counts against the budget as one frame in flight.
+        """
         payload, nbytes = channel.encode(obj, self.alloc, self.seg)
         if payload is not None:
             return payload, nbytes
         t0 = _ns()
-        if nbytes > self.alloc.limit:
-            # Larger than this worker's whole budget: it can never fit; send it inline.
-            self.row[stats.SPILLED] += 1
-            payload, nbytes = channel.encode(obj, None, None)
-            return payload, nbytes
         self.conn.send(("blocked", self.wid, self._take_frees()))
         since = self.cell[stats.IN_FN_SINCE_NS]
         self.cell[stats.IN_FN_SINCE_NS] = 0  # waiting for room is not being stuck in fn
@@ -199,14 +208,12 @@ class _Worker:
             while True:
                 msg = self.conn.recv()
                 if msg[0] == "spill_ok":
-                    # Every frame of ours is already held by consumers (none queued or in
-                    # flight): waiting could deadlock, so this one travels inline.
                     self.row[stats.SPILLED] += 1
                     return channel.encode(obj, None, None)
                 if not self._handle_control(msg):
                     self.deferred.append(msg)
                     continue
-                if msg[0] == "free" or msg[0] == "budget":
+                if (msg[0] == "free" or msg[0] == "budget") and nbytes <= self.alloc.limit:
                     payload, nbytes = channel.encode(obj, self.alloc, self.seg)
                     if payload is not None:
                         self.conn.send(("unblocked", self.wid))
@@ -220,6 +227,8 @@ class _Worker:
     def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list | None:
         """Encode outputs of a stateful stage; None when an error was reported instead."""
         outs = []
+        if frame_items > 1 and items:
+            frame_items = policy.frame_items(_nbytes(items[0]), frame_items)
         for i in range(0, len(items), frame_items):
             encoded = self._encode_items(None, items[i : i + frame_items], lambda: "output")
             if encoded is None:
@@ -299,6 +308,8 @@ class _Worker:
                         return
                     continue
                 buf.append(item)
+                if k == 0 and fi > 1 and len(buf) == 1:
+                    fi = policy.frame_items(_nbytes(item), fi)
                 if len(buf) == fi:
                     if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
                         return

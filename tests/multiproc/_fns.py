@@ -152,3 +152,40 @@ def read_range_concurrently(unit):
         if o.error is not None:
             raise o.error
         yield o.value
+
+
+def ten_mb(x):
+    """An item of 10 MiB (float32)."""
+    return {"id": x, "payload": torch.full((10 * 1024 * 1024 // 4,), float(x))}
+
+
+def two_mb_out_of_order(x):
+    """A 2 MiB item; every third one takes 20 ms longer, so two workers finish out of order."""
+    if x % 3 == 0:
+        time.sleep(0.02)
+    return two_mb(x)
+
+
+def ids_of(batch):
+    """Collate of a batch of ``{"id", "payload"}`` items: their ids only."""
+    return [x["id"] for x in batch]
+
+
+class ReadBigDieOnce:
+    """A source of 1 MiB items that kills its worker (SIGKILL) at item 50, once (a marker
+    file records it), after it has committed frames of that unit."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, unit):
+        lo, hi = unit
+        for i in range(lo, hi):
+            if i == 50 and not os.path.exists(self.marker):
+                open(self.marker, "w").close()
+                os.kill(os.getpid(), signal.SIGKILL)
+            yield {"id": i, "payload": torch.full((256 * 1024,), float(i))}
+
+
+def id_of(x):
+    return x["id"]

@@ -1,0 +1,75 @@
+"""Backpressure decisions of the router, as pure functions over worker views.
+
+A producing worker whose frame does not fit in its arena (the arena is full, or the frame is
+bigger than the worker's whole budget) tells the router it is *blocked* and waits. The router
+lets it send that one frame inline (``spill_ok``) only when waiting cannot end otherwise:
+
+* :func:`may_spill`: none of the worker's frames is queued or in flight any more (consumers
+  hold them all, e.g. ``list(loader)``), so no release is on its way;
+* :func:`stalled`: no worker anywhere can make progress and the consumer has nothing to take.
+  With ordered delivery a frame can be parked behind a sequence number that a blocked worker
+  has yet to produce (a non-stateful stage runs frames in any order); every blocked worker is
+  then let through with one frame.
+
+So a pipeline holds at most its budgets plus one frame per worker, and never deadlocks. To
+keep that frame small, a source makes frames of at most :data:`FRAME_BYTES` when its items are
+large (:func:`frame_items`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Protocol
+
+
+class WorkerView(Protocol):
+    """What the policies read of a worker (``pool.WorkerHandle`` has these fields)."""
+
+    state: str  # starting, ready, retiring, gone, dead
+    inflight: dict
+    blocked: bool
+    flushing: bool
+
+
+# A source's frames hold at most this many bytes of items (and at least one item).
+FRAME_BYTES = 4 << 20
+
+
+def frame_items(item_bytes: int, most: int) -> int:
+    """Items per frame for items of ``item_bytes``, at most ``most`` (``StageSpec.frame_items``).
+
+    Decided per work unit from its first item, so a unit delivered again after a worker died
+    is framed the same way and its committed frames are skipped exactly.
+    """
+    return max(1, min(most, FRAME_BYTES // max(item_bytes, 1)))
+
+
+def may_spill(pending_frames: int) -> bool:
+    """Whether a blocked worker with ``pending_frames`` queued or in flight may send inline."""
+    return pending_frames <= 0
+
+
+def _can_progress(h: WorkerView) -> bool:
+    if h.state == "starting":
+        return True  # it will take work as soon as it says hello
+    if h.state not in ("ready", "retiring") or h.blocked:
+        return False
+    return bool(h.inflight) or h.flushing
+
+
+def stalled(workers: Iterable[WorkerView], sink_frames: int) -> list[WorkerView]:
+    """The blocked workers to let through because nothing else can move.
+
+    Empty while any worker is starting or working on something, or while the consumer has
+    ``sink_frames`` to take (its ``next()`` frees room). Call it after dispatching: a frame the
+    router could still hand to an idle worker is progress it makes itself.
+    """
+    if sink_frames > 0:
+        return []
+    blocked = []
+    for h in workers:
+        if _can_progress(h):
+            return []
+        if h.blocked and h.state in ("ready", "retiring"):
+            blocked.append(h)
+    return blocked

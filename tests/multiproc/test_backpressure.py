@@ -1,0 +1,127 @@
+"""Frames bigger than a worker's budget count against it; nothing deadlocks (``policy``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import pytest
+
+from multiproc import Batcher, Executor, ExecutorSpec, StageSpec, policy
+
+from . import _fns
+
+
+@dataclass
+class FakeWorker:
+    state: str = "ready"
+    inflight: dict = field(default_factory=dict)
+    blocked: bool = False
+    flushing: bool = False
+
+
+def test_a_blocked_worker_spills_only_when_none_of_its_frames_is_pending():
+    assert policy.may_spill(0)
+    assert not policy.may_spill(1)
+
+
+def test_stall_releases_every_blocked_worker_when_nothing_can_move():
+    a, b = FakeWorker(blocked=True, inflight={1: "unit"}), FakeWorker(blocked=True)
+    idle = FakeWorker()
+    assert policy.stalled([a, idle, b], sink_frames=0) == [a, b]
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        FakeWorker(inflight={7: "frame"}),  # working on a frame: it will emit or finish
+        FakeWorker(state="starting"),  # will take work once it says hello
+        FakeWorker(flushing=True),  # a reducer emitting its last items
+        FakeWorker(state="retiring", inflight={7: "frame"}),
+    ],
+)
+def test_no_stall_while_another_worker_can_progress(other):
+    assert policy.stalled([FakeWorker(blocked=True), other], sink_frames=0) == []
+
+
+def test_no_stall_while_the_consumer_has_frames_to_take():
+    assert policy.stalled([FakeWorker(blocked=True)], sink_frames=1) == []
+
+
+def test_dead_workers_are_neither_progress_nor_released():
+    dead = FakeWorker(state="dead", blocked=True, inflight={1: "f"})
+    assert policy.stalled([dead], sink_frames=0) == []
+
+
+def test_items_bigger_than_the_budget_stay_within_it_behind_a_slow_consumer():
+    """10 MiB items through a 1 MiB budget: each worker has at most one frame out at a time
+    (unpaced, the stage ran 100 items ahead of the consumer: a gigabyte resident)."""
+    workers = 2
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=1),
+            StageSpec("big", "map", _fns.ten_mb, workers=workers, buffer_bytes=1 << 20),
+        ),
+        ordered=True,
+    )
+    ahead = []
+    with Executor(spec) as ex:
+        for i, x in enumerate(ex.run([(0, 40)])):
+            assert x["id"] == i
+            del x
+            # A slow consumer: whatever the stage could make while it waits, it makes now.
+            deadline = time.monotonic() + 0.05
+            while time.monotonic() < deadline:
+                time.sleep(0.005)
+            ahead.append(ex.snapshot().stage("big").items_out - (i + 1))
+        spilled = ex.snapshot().stage("big").spilled
+    assert max(ahead) <= workers, ahead
+    assert spilled == 40
+
+
+@pytest.mark.parametrize("budget", [64 * 1024, 2 << 20], ids=["oversized", "one-frame-arena"])
+def test_ordered_delivery_behind_out_of_order_workers_does_not_deadlock(budget):
+    """Two workers finish 2 MiB frames out of order; a batch stage takes them in order. A
+    worker can hold (in its arena, or as its one oversized frame) a frame parked behind a
+    sequence number it has yet to make: the router lets it through instead of waiting."""
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=1, workers=2),
+            StageSpec("big", "map", _fns.two_mb_out_of_order, workers=2, buffer_bytes=budget),
+            StageSpec(
+                "batch", "stateful", Batcher(4, _fns.ids_of), max_workers=1, buffer_bytes=1 << 16
+            ),
+        ),
+        ordered=True,
+    )
+    with Executor(spec) as ex:
+        got = [i for batch in ex.run([(k, k + 6) for k in range(0, 60, 6)]) for i in batch]
+    assert got == list(range(60))
+
+
+@pytest.mark.parametrize(
+    "item_bytes, most, want", [(100, 64, 64), (1 << 20, 64, 4), (10 << 20, 64, 1), (0, 8, 8)]
+)
+def test_frames_of_large_items_hold_few_of_them(item_bytes, most, want):
+    assert policy.frame_items(item_bytes, most) == want
+
+
+def test_a_source_of_large_items_frames_them_small_and_a_dead_worker_loses_nothing(tmp_path):
+    """1 MiB items under frame_items=64 travel three per frame; the source worker, killed
+    halfway through a unit, has the unit delivered again with its committed frames skipped:
+    the new worker frames it the same way, so every item arrives exactly once."""
+    spec = ExecutorSpec(
+        (
+            StageSpec(
+                "read", "source", _fns.ReadBigDieOnce(str(tmp_path / "died")), frame_items=64
+            ),
+            StageSpec("ids", "map", _fns.id_of, workers=2),
+        ),
+    )
+    with Executor(spec) as ex:
+        got = sorted(ex.run([(0, 40), (40, 100)]))
+        rows = ex.snapshot(per_worker=True).stage("ids").per_worker
+    assert got == list(range(100))
+    # Three 1 MiB items (and their pickled headers) per 4 MiB frame: 14 + 20 frames reach the
+    # next stage, none of them twice.
+    assert sum(w.frames_in for w in rows) == 14 + 20
