@@ -68,6 +68,14 @@ class Segment:
             lifetime.track(name)
         self.view = memoryview(self.mm)
 
+    def release(self, start: int, size: int) -> None:
+        """Give the memory behind ``[start, start + size)`` back to the system (the whole pages
+        inside it); reading there afterwards sees zeros. Only for blocks no frame uses."""
+        lo = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        hi = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if hi > lo:
+            self.mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+
     def unlink(self) -> None:
         """Remove the segment created here (see :func:`remove_segment`)."""
         remove_segment(self.name)
@@ -178,6 +186,10 @@ class Allocator:
     @property
     def live(self) -> int:
         return len(self._live)
+
+    def free_blocks(self) -> list[tuple[int, int]]:
+        """``(start, size)`` of every free block."""
+        return [(start, self._free_sizes[start]) for start in self._free_starts]
 
 
 class MappingCache:

@@ -134,6 +134,7 @@ class _Worker:
         self.row[stats.STARTED_NS] = time.monotonic_ns()
         self.seg = Segment(seg_name, seg_size, create=False)
         self.alloc = Allocator(seg_size, budget)
+        self.shrunk = False  # the budget shrank: release free pages once frames fit it
         self.cache = MappingCache()
         self.pending_frees: list = []
         self.deferred: collections.deque = collections.deque()
@@ -167,14 +168,27 @@ class _Worker:
         self.row[stats.BLOCKED_IN_NS] += _ns() - t0
         return msg
 
+    def _release_free(self) -> None:
+        """After the budget shrank: give the arena's free pages back (written pages of a
+        shared-memory file stay resident until released), once frames fit the new budget."""
+        self.shrunk = False
+        for start, size in self.alloc.free_blocks():
+            self.seg.release(start, size)
+
     def _handle_control(self, msg) -> bool:
         """Handle a message that needs no stage work; False if it must wait its turn."""
         kind = msg[0]
         if kind == "free":
             for off in msg[1]:
                 self.alloc.free(off)
+            if self.shrunk and self.alloc.used <= self.alloc.limit:
+                self._release_free()
         elif kind == "budget":
-            self.alloc.limit = min(self.alloc.size, msg[1])
+            limit = min(self.alloc.size, msg[1])
+            self.shrunk = limit < self.alloc.limit
+            self.alloc.limit = limit
+            if self.shrunk and self.alloc.used <= limit:
+                self._release_free()
         elif kind == "concurrency":
             self.calls.set_width(msg[1])
         elif kind == "drop":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -125,3 +127,32 @@ def test_a_source_of_large_items_frames_them_small_and_a_dead_worker_loses_nothi
     # Three 1 MiB items (and their pickled headers) per 4 MiB frame: 14 + 20 frames reach the
     # next stage, none of them twice.
     assert sum(w.frames_in for w in rows) == 14 + 20
+
+
+def _arena_bytes() -> int:
+    """Memory behind this process's arenas (written pages of the shared-memory files)."""
+    return sum(p.stat().st_blocks * 512 for p in Path("/dev/shm").glob(f"ttp_{os.getpid()}_*"))
+
+
+def test_a_smaller_budget_gives_the_arena_pages_back():
+    """Written arena pages stay resident after their frames are freed; when the budget
+    shrinks, the worker releases the free ones, so the arena's memory follows the budget."""
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range, frame_items=1),
+            StageSpec("big", "map", _fns.big_tensor, buffer_bytes=32 << 20),
+        ),
+    )
+    with Executor(spec) as ex:
+        it = ex.run([(0, 5000)])
+        held = [next(it) for _ in range(64)]  # 64 frames of 256 KiB written: 16 MiB
+        before = _arena_bytes()
+        del held
+        ex.set_budget("big", 1 << 20)
+        deadline = time.monotonic() + 30
+        for _ in it:
+            if _arena_bytes() <= 2 << 20 or time.monotonic() > deadline:
+                break
+        after = _arena_bytes()
+    assert before >= 16 << 20, before
+    assert after <= 2 << 20, (before, after)
