@@ -13,9 +13,10 @@ from .errors import (
     StateError,
     TorchtunePipeError,
 )
-from .loader import Loader, RunningPipeline
+from .loader import Loader
 from .pipeline import Pipeline, Prefetch, Stage
 from .prefetch import transfer
+from .running import RunningPipeline
 from .sources import (
     FileRange,
     IndexUnit,

@@ -8,7 +8,8 @@ its ``from_source``/``map``/``shuffle``/``batch`` methods, which validate the kn
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -102,3 +103,11 @@ class StageChain(Protocol):
     prefetch_spec: Prefetch | None
 
     def spec(self, ordered: bool = False, name: str = "pipe") -> ExecutorSpec: ...
+
+
+def items_out(stages: Sequence[Stage], n: int) -> int:
+    """Items delivered for ``n`` source items (batch stages regroup them)."""
+    for st in stages:
+        if st.kind == "batch":
+            n = n // st.size if st.drop_last else math.ceil(n / st.size)
+    return n
