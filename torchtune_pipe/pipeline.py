@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import pickle
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import cloudpickle
 from torch.utils.data import default_collate
@@ -40,11 +40,9 @@ from multiproc.spec import MAX_ERRORS_ARE, valid_max_errors
 from ._inline import run_inline
 from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reducer_factory
 from .errors import PipelineError
+from .loader import Loader
 from .sources import as_source
 from .stages import MiB, Prefetch, Stage
-
-if TYPE_CHECKING:
-    from .loader import Loader
 
 log = logging.getLogger(__name__)
 
@@ -221,8 +219,6 @@ class Pipeline:
     # ------------------------------------------------------------------------ using
     def loader(self, tuner: Any = None, **options: Any) -> Loader:
         """A :class:`~torchtune_pipe.loader.Loader` running this pipeline; see its arguments."""
-        from .loader import Loader
-
         return Loader(self, tuner=tuner, **options)
 
     def spec(self, ordered: bool = False, name: str = "pipe") -> ExecutorSpec:
