@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ._inline import run_inline
+from ._rng import rng_states, set_rng_states
 from ._tagging import Work
-from .sources import _rng_states, _set_rng_states
 from .stages import StageChain
 
 log = logging.getLogger(__name__)
@@ -90,11 +90,11 @@ def _runq_s() -> float:
 
 @contextlib.contextmanager
 def _isolated_rng() -> Iterator[None]:
-    saved = _rng_states()
+    saved = rng_states()
     try:
         yield
     finally:
-        _set_rng_states(saved)
+        set_rng_states(saved)
 
 
 def fast_start_fits(pipeline: StageChain, interleave: bool, timeout_s: float) -> bool:
