@@ -12,6 +12,7 @@ from typing import Any
 
 from ._tagging import Work
 from .errors import StateError
+from .sources import load_units_state, units_state
 
 # The layout of Loader.state_dict(); _state.check refuses other versions.
 STATE_VERSION = 1
@@ -82,10 +83,9 @@ def plan_epoch(
     if state is not None:
         epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
         progress = Progress(epoch, None if state["finished"] else state)
-        if not state["finished"] and hasattr(source, "load_units_state"):
-            source.load_units_state(state.get("units_state"))
+        if not state["finished"]:
+            load_units_state(source, state.get("units_state"))
     units = source.units(epoch)
-    units_state = source.units_state() if hasattr(source, "units_state") else None
     for field, named in (("done", progress.done), ("partial", progress.seen)):
         bad = sorted(u for u in named if not 0 <= u < len(units))
         if bad:
@@ -98,4 +98,4 @@ def plan_epoch(
         for pos, u in enumerate(units)
         if pos not in progress.done
     ]
-    return epoch, progress, works, units_state
+    return epoch, progress, works, units_state(source)

@@ -15,7 +15,7 @@ from typing import Any
 from multiproc import Batcher, Shuffler, Skipped
 
 from .errors import PipelineError, StateError
-from .sources import read_indexed
+from .sources import SkippingSource, read_indexed
 from .stages import Stage
 
 
@@ -62,7 +62,7 @@ class ReadTagged:
                 failed = last + 1
                 while failed in skip:
                     failed += 1
-                if not hasattr(self.source, "read_from"):
+                if not isinstance(self.source, SkippingSource):
                     yield Skipped(e, f"item {failed} and the rest of the unit (a source without "
                                      "read_from cannot read on past a failure)")  # fmt: skip
                     break

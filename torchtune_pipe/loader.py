@@ -46,6 +46,7 @@ from .running import (
     start_tuning,
     start_watch,
 )
+from .sources import ShardedSource
 from .stages import StageChain, items_out
 from .tuning.base import Observation
 
@@ -185,7 +186,7 @@ class Loader:
             n = len(source)
         except TypeError:
             raise TypeError("Loader: the source does not know its length; pass length=") from None
-        if hasattr(source, "rank_lengths") and _ranks.active(self.even_ranks, source):
+        if isinstance(source, ShardedSource) and _ranks.active(self.even_ranks, source):
             return min(items_out(self.pipeline.stages, k) for k in source.rank_lengths())
         return items_out(self.pipeline.stages, n)
 

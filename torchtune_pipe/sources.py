@@ -38,12 +38,17 @@ __all__ = [
     "MapDatasetSource",
     "NodeSource",
     "NodeUnit",
+    "ResumableSource",
     "ShardUnit",
+    "ShardedSource",
     "SkippedLine",
+    "SkippingSource",
     "Source",
     "UnitStats",
     "as_source",
+    "load_units_state",
     "read_indexed",
+    "units_state",
 ]
 
 
@@ -54,16 +59,61 @@ class Source(Protocol):
     ``units(epoch)`` runs in the main process and returns the epoch's units in a deterministic
     order (sharded for this rank); ``read(unit)`` runs in any source worker. Because workers
     take whole units from a shared queue, any number of them can share a source and resizing
-    the source stage never breaks sharding. A source may also offer
-    ``read_from(unit, skip) -> Iterator[(k, item)]`` to skip the items at positions ``skip``
-    without producing them (used to resume mid-unit), and ``units_state()`` /
-    ``load_units_state(state)`` when ``units()`` draws random numbers that must be replayed
-    to resume an epoch.
+    the source stage never breaks sharding.
+
+    Optional methods, each declared by a protocol of its own (the loader asks with
+    ``isinstance``): :class:`SkippingSource` (``read_from``: resume mid-unit without producing
+    the delivered items), :class:`ResumableSource` (``units_state`` / ``load_units_state``:
+    replay the random draws of ``units()``), :class:`ShardedSource` (``rank_lengths``: every
+    rank's length, so ranks can end their epochs together).
     """
 
     def units(self, epoch: int = 0) -> list: ...
 
     def read(self, unit: Any) -> Iterable[Any]: ...
+
+
+@runtime_checkable
+class SkippingSource(Source, Protocol):
+    """A source that reads a unit from the middle: ``read_from(unit, skip)`` yields
+    ``(k, item)`` for the positions ``k`` not in ``skip``, without producing the others
+    (a resume then costs only the items left). Sources without it are read from the unit's
+    start and the delivered positions dropped (:func:`read_indexed`)."""
+
+    def read_from(self, unit: Any, skip: frozenset) -> Iterator[tuple[int, Any]]: ...
+
+
+@runtime_checkable
+class ResumableSource(Source, Protocol):
+    """A source whose ``units()`` draws random numbers (a shuffled order): ``units_state()``
+    returns what the last ``units()`` call drew from, saved in ``Loader.state_dict()``;
+    ``load_units_state(state)`` makes the next ``units()`` call draw the same units again, so
+    a resumed epoch has the order of the one it resumes."""
+
+    def units_state(self) -> Any: ...
+
+    def load_units_state(self, state: Any) -> None: ...
+
+
+@runtime_checkable
+class ShardedSource(Source, Protocol):
+    """A source sharded across ``world_size`` ranks that knows every rank's items per epoch
+    (``rank_lengths()``), so ``len(loader)`` can be the shortest rank's."""
+
+    world_size: int
+
+    def rank_lengths(self) -> list[int]: ...
+
+
+def units_state(source: Source) -> Any:
+    """What ``source.units()`` last drew from (None for a source that draws nothing)."""
+    return source.units_state() if isinstance(source, ResumableSource) else None
+
+
+def load_units_state(source: Source, state: Any) -> None:
+    """Make ``source``'s next ``units()`` draw as the call that ``state`` came from did."""
+    if isinstance(source, ResumableSource):
+        source.load_units_state(state)
 
 
 @dataclass(frozen=True)
@@ -108,7 +158,7 @@ def as_source(obj: Any) -> Source:
     Raises:
         TypeError: ``obj`` is none of these.
     """
-    if hasattr(obj, "units") and hasattr(obj, "read"):
+    if isinstance(obj, Source):
         return obj
     try:
         from torchdata.nodes import BaseNode
@@ -130,9 +180,8 @@ def as_source(obj: Any) -> Source:
 
 def read_indexed(source: Any, unit: Any, skip: frozenset) -> Iterator[tuple[int, Any]]:
     """``(k, item)`` for the items of ``unit`` whose position ``k`` is not in ``skip``."""
-    read_from = getattr(source, "read_from", None)
-    if read_from is not None:
-        yield from read_from(unit, skip)
+    if isinstance(source, SkippingSource):
+        yield from source.read_from(unit, skip)
         return
     n = 0
     for k, item in enumerate(source.read(unit)):
