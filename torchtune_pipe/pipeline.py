@@ -35,7 +35,7 @@ import cloudpickle
 from torch.utils.data import default_collate
 
 from multiproc import ExecutorSpec, StageSpec
-from multiproc.spec import MAX_ERRORS_ARE, valid_max_errors
+from multiproc.spec import EXECUTOR_KIND, MAX_ERRORS_ARE, valid_max_errors
 
 from ._inline import run_inline
 from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reducer_factory
@@ -237,15 +237,14 @@ class Pipeline:
                 on_error=st.on_error, init=st.init, max_errors=st.max_errors,
                 concurrency=st.concurrency, max_concurrency=st.max_concurrency,
             )  # fmt: skip
+            fn: Callable[..., Any]
             if st.kind == "source":
-                read = ReadTagged(self.source, skip=st.on_error == "skip")
-                specs.append(StageSpec(st.name, "source", read, **common))
+                fn = ReadTagged(self.source, skip=st.on_error == "skip")
             elif st.kind == "map":
-                specs.append(StageSpec(st.name, "map", MapTagged(map_fn(st)), **common))
+                fn = MapTagged(map_fn(st))
             else:
-                specs.append(
-                    StageSpec(st.name, "stateful", TaggedReducer(reducer_factory(st)), **common)
-                )
+                fn = TaggedReducer(reducer_factory(st))
+            specs.append(StageSpec(st.name, EXECUTOR_KIND[st.kind], fn, **common))
         return ExecutorSpec(tuple(specs), ordered=ordered, name=name)
 
     def __repr__(self) -> str:

@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from multiproc import ExecutorSpec
+from multiproc.spec import EXECUTOR_KIND, PipelineKind
 
 MiB = 1 << 20
-
-StageKind = Literal["source", "map", "shuffle", "batch"]
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Stage:
     """
 
     name: str
-    kind: StageKind
+    kind: PipelineKind
     fn: Callable[..., Any] | None = None
     workers: int = 1
     min_workers: int = 1
@@ -71,7 +70,7 @@ class Stage:
     @property
     def stateful(self) -> bool:
         """Whether the stage holds items across calls (shuffle, batch)."""
-        return self.kind in ("shuffle", "batch")
+        return EXECUTOR_KIND.get(self.kind) == "stateful"
 
 
 @dataclass(frozen=True)
