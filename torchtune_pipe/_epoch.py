@@ -17,6 +17,8 @@ log = logging.getLogger(__name__)
 
 # How long closing an epoch waits for its prefetch thread to finish the item it is on.
 PREFETCH_STOP_S = 10.0
+# After a timeout the thread is stuck in a stage: a token wait before leaving it behind.
+TIMED_OUT_STOP_S = 0.1
 # Items the loader's own prefetch thread holds ahead when only a timeout asks for the thread.
 TIMEOUT_PREFETCH_DEPTH = 2
 
@@ -201,7 +203,7 @@ class EpochFeed:
         in a stage: it is not waited for (nor is the stream closed under it)."""
         pre = self.pre
         if pre is not None:
-            pre.stop(timeout_s=0.1 if timed_out else PREFETCH_STOP_S)
+            pre.stop(timeout_s=TIMED_OUT_STOP_S if timed_out else PREFETCH_STOP_S)
             if pre.alive:
                 log.warning("Loader: the prefetch thread is still busy in a stage; left behind")
         close = getattr(self.stream, "close", None)

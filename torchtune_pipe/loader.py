@@ -54,6 +54,9 @@ __all__ = ["EpochIterator", "Loader", "RunningPipeline"]
 
 log = logging.getLogger(__name__)
 
+DEFAULT_TUNING_INTERVAL_S = 1.0  # a tuning step a second: rates settle, the loop costs little
+DEFAULT_MAX_RESTARTS = 16  # worker deaths tolerated per stage, as multiproc.ExecutorSpec's
+
 
 # ---------------------------------------------------------------------------- the Loader
 class Loader:
@@ -109,13 +112,13 @@ class Loader:
         inline: bool = False,
         epoch: int = 0,
         progress: bool = False,
-        tuning_interval_s: float = 1.0,
+        tuning_interval_s: float = DEFAULT_TUNING_INTERVAL_S,
         tuning_log: str | None = None,
         memory_limit_bytes: int | None = None,
         timeout_s: float = 0.0,
         length: int | None = None,
         interleave: bool = False,
-        max_restarts: int = 16,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
         even_ranks: bool | None = None,
         fast_start: bool = False,
         choose_shape: bool = False,

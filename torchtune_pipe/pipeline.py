@@ -42,11 +42,19 @@ from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reduce
 from .errors import PipelineError
 from .loader import Loader
 from .sources import as_source
-from .stages import MiB, Prefetch, Stage
+from .stages import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_MAX_ERRORS,
+    DEFAULT_MAX_WORKERS,
+    DEFAULT_PREFETCH_DEPTH,
+    MIN_BUFFER_BYTES,
+    MiB,
+    Prefetch,
+    Stage,
+)
 
 log = logging.getLogger(__name__)
 
-_MIN_BUFFER = 64 * 1024
 
 __all__ = ["MiB", "Pipeline", "Prefetch", "Stage", "Work", "run_inline"]
 
@@ -77,12 +85,12 @@ class Pipeline:
         name: str = "source",
         workers: int = 1,
         min_workers: int = 1,
-        max_workers: int = 64,
-        buffer_bytes: int = 64 * MiB,
+        max_workers: int = DEFAULT_MAX_WORKERS,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         worker_type: Literal["process", "thread"] = "process",
         on_error: Literal["raise", "skip"] = "raise",
         init: Callable[[str, int], None] | None = None,
-        max_errors: int | float | None = 0.1,
+        max_errors: int | float | None = DEFAULT_MAX_ERRORS,
         concurrency: int = 1,
         max_concurrency: int | None = None,
     ) -> Pipeline:
@@ -115,12 +123,12 @@ class Pipeline:
         name: str | None = None,
         workers: int = 1,
         min_workers: int = 1,
-        max_workers: int = 64,
-        buffer_bytes: int = 64 * MiB,
+        max_workers: int = DEFAULT_MAX_WORKERS,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         worker_type: Literal["process", "thread"] = "process",
         on_error: Literal["raise", "skip"] = "raise",
         init: Callable[[str, int], None] | None = None,
-        max_errors: int | float | None = 0.1,
+        max_errors: int | float | None = DEFAULT_MAX_ERRORS,
         concurrency: int = 1,
         max_concurrency: int | None = None,
     ) -> Pipeline:
@@ -156,7 +164,12 @@ class Pipeline:
         return self._add(_with_max_errors(method, stage, max_errors), method)
 
     def shuffle(
-        self, buffer: int, *, seed: int = 0, name: str = "shuffle", buffer_bytes: int = 64 * MiB
+        self,
+        buffer: int,
+        *,
+        seed: int = 0,
+        name: str = "shuffle",
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> Pipeline:
         """Shuffle with a buffer of ``buffer`` items (tf.data-style), seeded by ``seed`` and
         the epoch. In ordered (deterministic) mode the stage runs one worker."""
@@ -165,7 +178,7 @@ class Pipeline:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise PipelineError(f"{method}: seed must be an int, got {seed!r}")
         stage = self._stage(
-            method, self.stages, name, "shuffle", None, 1, 1, 64, buffer_bytes, "process",
+            method, self.stages, name, "shuffle", None, 1, 1, DEFAULT_MAX_WORKERS, buffer_bytes, "process",
             "raise", None,
         )  # fmt: skip
         return self._add(dataclasses.replace(stage, buffer=buffer, seed=seed), method)
@@ -178,8 +191,8 @@ class Pipeline:
         drop_last: bool = False,
         name: str = "batch",
         workers: int = 1,
-        max_workers: int = 64,
-        buffer_bytes: int = 64 * MiB,
+        max_workers: int = DEFAULT_MAX_WORKERS,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
     ) -> Pipeline:
         """Group ``size`` consecutive items and apply ``collate``: torch's ``default_collate``
         unless told otherwise (tensors stacked, dicts and tuples collated field by field, as
@@ -203,7 +216,7 @@ class Pipeline:
 
     def prefetch(
         self,
-        depth: int = 2,
+        depth: int = DEFAULT_PREFETCH_DEPTH,
         *,
         pin_memory: bool = False,
         device: Any = None,
@@ -274,10 +287,10 @@ class Pipeline:
         if (
             not isinstance(buffer_bytes, int)
             or isinstance(buffer_bytes, bool)
-            or buffer_bytes < _MIN_BUFFER
+            or buffer_bytes < MIN_BUFFER_BYTES
         ):
             raise PipelineError(
-                f"{method}: buffer_bytes must be an int >= 65536, got {buffer_bytes!r}"
+                f"{method}: buffer_bytes must be an int >= {MIN_BUFFER_BYTES}, got {buffer_bytes!r}"
             )
         if worker_type not in ("process", "thread"):
             raise PipelineError(

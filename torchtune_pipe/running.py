@@ -15,11 +15,8 @@ from multiproc import Executor
 
 from . import telemetry
 from .memory import MemoryProbe
-from .stages import StageChain
+from .stages import MIN_BUFFER_BYTES, StageChain
 from .tuning.base import Allocation, Limits, Observation, clamp
-
-# The smallest byte budget a tuner may give a stage's buffer (multiproc's floor).
-MIN_BUDGET_BYTES = 64 * 1024
 
 
 class RunningPipeline:
@@ -55,10 +52,10 @@ class RunningPipeline:
             memory_bytes=obs.memory_limit_bytes,
             min_workers=tuple(b.min_workers for b in self.meter.bounds),
             max_workers=tuple(b.max_workers for b in self.meter.bounds),
-            min_buffer_bytes=MIN_BUDGET_BYTES,
+            min_buffer_bytes=MIN_BUFFER_BYTES,
         )
         a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
-        return fit_memory(a, obs, min_buffer_bytes=MIN_BUDGET_BYTES)
+        return fit_memory(a, obs, min_buffer_bytes=MIN_BUFFER_BYTES)
 
     def apply(self, allocation: Allocation) -> None:
         """Resize stages and buffers to ``allocation`` as :meth:`fit` clamps it; calls in
@@ -74,7 +71,7 @@ class RunningPipeline:
                 ex.resize(i, a.workers[i])
             if a.concurrency[i] != ex.concurrency(i):
                 ex.set_concurrency(i, a.concurrency[i])
-            budget = max(a.buffer_bytes[i], MIN_BUDGET_BYTES)
+            budget = max(a.buffer_bytes[i], MIN_BUFFER_BYTES)
             if st.max_buffer_bytes is not None:
                 budget = min(budget, st.max_buffer_bytes)
             if budget != ex.budget(i):

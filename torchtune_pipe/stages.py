@@ -18,6 +18,13 @@ from multiproc.spec import EXECUTOR_KIND, PipelineKind
 
 MiB = 1 << 20
 
+# Defaults of every stage's knobs (Stage, and Pipeline.from_source/map/shuffle/batch).
+DEFAULT_MAX_WORKERS = 64  # the tuner's ceiling per stage, as multiproc.StageSpec's
+DEFAULT_BUFFER_BYTES = 64 * MiB  # outbound buffer of a stage until a tuner moves it
+DEFAULT_MAX_ERRORS = 0.1  # on_error="skip" drops at most 10% of the items a stage takes in
+MIN_BUFFER_BYTES = 64 * 1024  # the smallest buffer multiproc.StageSpec accepts
+DEFAULT_PREFETCH_DEPTH = 2  # items held ready on the consumer side, as torch's prefetch_factor
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -53,8 +60,8 @@ class Stage:
     fn: Callable[..., Any] | None = None
     workers: int = 1
     min_workers: int = 1
-    max_workers: int = 64
-    buffer_bytes: int = 64 * MiB
+    max_workers: int = DEFAULT_MAX_WORKERS
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES
     max_buffer_bytes: int | None = None
     worker_type: Literal["process", "thread"] = "process"
     on_error: Literal["raise", "skip"] = "raise"
@@ -63,7 +70,7 @@ class Stage:
     buffer: int = 0
     seed: int = 0
     init: Callable[[str, int], None] | None = None
-    max_errors: int | float | None = 0.1
+    max_errors: int | float | None = DEFAULT_MAX_ERRORS
     concurrency: int = 1
     max_concurrency: int = 1
 
@@ -84,7 +91,7 @@ class Prefetch:
         non_blocking: use non-blocking copies for the device transfer.
     """
 
-    depth: int = 2
+    depth: int = DEFAULT_PREFETCH_DEPTH
     pin_memory: bool = False
     device: Any = None
     non_blocking: bool = True
