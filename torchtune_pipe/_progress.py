@@ -83,8 +83,13 @@ def plan_epoch(
     if state is not None:
         epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
         progress = Progress(epoch, None if state["finished"] else state)
-        if not state["finished"]:
-            load_units_state(source, state.get("units_state"))
+        saved = state.get("units_state")
+        load_units_state(source, saved)
+        if state["finished"] and saved is not None:
+            # The saved draws are the finished epoch's: replay them, so that this epoch's
+            # draw goes on from where that one left the generators, as in a run never
+            # interrupted (drawing from a fresh source's generators repeats an old order).
+            source.units(int(state["epoch"]))
     units = source.units(epoch)
     for field, named in (("done", progress.done), ("partial", progress.seen)):
         bad = sorted(u for u in named if not 0 <= u < len(units))
