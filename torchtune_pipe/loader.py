@@ -41,6 +41,8 @@ from .prefetch import END
 from .running import (
     MachineFacts,
     RunningPipeline,
+    busy,
+    close_held,
     make_tuner,
     start_executor,
     start_tuning,
@@ -167,7 +169,7 @@ class Loader:
         self._last_error: BaseException | None = None  # what ended the last epoch early
         self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
-        self._finalizer = weakref.finalize(self, Loader._cleanup, self._held, self._pid)
+        self._finalizer = weakref.finalize(self, close_held, self._held, self._pid)
 
     # ------------------------------------------------------------------------ public API
     def __iter__(self) -> Iterator[Any]:
@@ -259,15 +261,12 @@ class Loader:
         if self._tunable is None:
             return None
         if self._executor is None:
+            e = self._last_error
+            how = f" with {type(e).__name__}: {e}" if e else ""
             raise RuntimeError(
-                "Loader.observe(): no pipeline runs: the last epoch ended early"
-                + (
-                    f" with {type(self._last_error).__name__}: {self._last_error}"
-                    if self._last_error
-                    else ""
-                )
-                + " and stopped its workers; iterate the loader again to start them"
-            ) from self._last_error
+                f"Loader.observe(): no pipeline runs: the last epoch ended early{how} and "
+                "stopped its workers; iterate the loader again to start them"
+            ) from e
         return self._tunable.observe()
 
     def close(self) -> None:
@@ -290,14 +289,6 @@ class Loader:
         if it is not None:
             it._end(why)
         self._active = None
-
-    @staticmethod
-    def _cleanup(held: dict, pid: int) -> None:
-        if os.getpid() != pid:
-            return  # a forked child: the workers and memory are the parent's
-        ex = held.pop("executor", None)
-        if ex is not None:
-            ex.close()
 
     def _ensure_executor(self) -> Executor:
         if self._executor is None:
@@ -345,7 +336,7 @@ class Loader:
         pre = make_prefetcher(self.pipeline.prefetch_spec, stream, self.timeout_s)
         if pre is not None:
             self._prefetch[:] = [weakref.ref(pre)]
-        feed = EpochFeed(stream, pre, self.timeout_s, self.inline, self._stuck)
+        feed = EpochFeed(stream, pre, self.timeout_s, self.inline, lambda: busy(self._executor))
         self._tuning = self._start_tuning()  # None until the executor runs (fast start)
         self._watcher = self._start_watch()
         complete = False
@@ -361,7 +352,7 @@ class Loader:
                     if t is not END:  # another rank ran out: drop what is left here
                         _, dropped = feed.drain_tail(progress, drop_items=True)
                         self.last_epoch_dropped = 1 + dropped
-                        self._report_dropped(sync, epoch)
+                        sync.report_dropped(self.last_epoch_dropped, epoch)
                     break
                 if t is END:
                     break
@@ -390,7 +381,7 @@ class Loader:
                     complete, dropped = feed.drain_tail(progress, drop_items=sync is not None)
                     self.last_epoch_dropped += dropped
                     if sync is not None and self.last_epoch_dropped:
-                        self._report_dropped(sync, epoch)
+                        sync.report_dropped(self.last_epoch_dropped, epoch)
                     if complete:
                         progress.finished = True
                         self._epoch = epoch + 1
@@ -454,22 +445,6 @@ class Loader:
             return progress.delivered >= len(self)
         except TypeError:
             return False
-
-    def _report_dropped(self, sync: _ranks.RankSync, epoch: int) -> None:
-        log.warning(
-            "Loader: rank %d of %d dropped the last %d item(s) of epoch %d: another rank ran "
-            "out first (even_ranks keeps DDP ranks in step)",
-            sync.rank, sync.world_size, self.last_epoch_dropped, epoch,
-        )  # fmt: skip
-
-    def _stuck(self) -> list:
-        ex = self._executor
-        if ex is None:
-            return []
-        try:
-            return ex.busy()
-        except Exception:  # closed under us: the timeout is still the error to report
-            return []
 
     def _start_tuning(self) -> Any:
         if self.tuner is None or self._tunable is None or self.inline:

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from typing import Any
 
@@ -179,3 +180,24 @@ def start_watch(
         meter._snapshot, machine, meter.bounds, clock, memory_limit_bytes, meter.memory
     )
     return Watcher(own.observe).start()
+
+
+def busy(executor: Executor | None) -> list:
+    """What the executor's workers are busy with (for a timeout's message); empty when it is
+    gone."""
+    if executor is None:
+        return []
+    try:
+        return executor.busy()
+    except Exception:  # closed under us: the timeout is still the error to report
+        return []
+
+
+def close_held(held: dict, pid: int) -> None:
+    """Close the executor in ``held`` (a loader's finalizer), in its owner process only: in a
+    forked child the workers and memory are the parent's."""
+    if os.getpid() != pid:
+        return
+    ex = held.pop("executor", None)
+    if ex is not None:
+        ex.close()
