@@ -100,7 +100,7 @@ class Pipeline:
         With ``on_error="skip"`` an item the source fails to produce is skipped: exactly that
         item for sources with ``read_from`` (map-style datasets), the rest of its unit for a
         plain ``read()`` generator (which cannot go on after raising); ``max_errors`` bounds
-        the skips. See :class:`ReadTagged`.
+        the skips. See :class:`~torchtune_pipe._tagging.ReadTagged`.
 
         Raises:
             PipelineError: ``source`` is none of these, or a knob is invalid.
