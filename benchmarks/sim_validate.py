@@ -64,7 +64,6 @@ ALLOCATIONS: tuple[tuple[int, int, int], ...] = (
 # Below this share of CPU in a stage's busy time the rest counts as I/O wait (as telemetry's
 # io_bound test does); at or above it the stage is CPU-bound.
 CPU_BOUND_SHARE = 0.5
-_KINDS = {"source": "source", "map": "map", "shuffle": "shuffle", "batch": "batch"}
 
 
 def run_delay_ns(snapshot: Snapshot) -> list[int]:
@@ -189,7 +188,7 @@ def validate(
 ) -> dict:
     """Profile, fit, simulate and measure one recipe."""
     pipe = recipe.build(profile_workers)
-    kinds = [_KINDS[s.kind] for s in pipe.stages]
+    kinds = [s.kind for s in pipe.stages]  # one vocabulary (multiproc.spec.PipelineKind)
     ratios = [float(s.size) if s.kind == "batch" else 1.0 for s in pipe.stages]
     buffers = [s.buffer_bytes for s in pipe.stages]
     cpus = len(os.sched_getaffinity(0))

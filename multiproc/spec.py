@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import cloudpickle
 
@@ -13,8 +13,26 @@ from .errors import SpecError
 
 MiB = 1 << 20
 
+# The one vocabulary of stage kinds, at two levels. multiproc is the bottom layer, so both live
+# here: torchtune_pipe's Pipeline, its telemetry and its simulator import them.
+
+# How the executor runs a stage's function (StageSpec.kind).
 StageKind = Literal["source", "map", "flat_map", "batch_map", "stateful"]
-KINDS = ("source", "map", "flat_map", "batch_map", "stateful")
+KINDS: tuple[StageKind, ...] = get_args(StageKind)
+
+# What a stage of a data pipeline does, in its user's words (torchtune_pipe's Stage.kind, the
+# simulator's StageModel.kind). "prefetch" is the consumer-side thread: a stage for the
+# simulator, the Pipeline's Prefetch spec rather than a Stage for the real pipeline.
+PipelineKind = Literal["source", "map", "shuffle", "batch", "prefetch"]
+PIPELINE_KINDS: tuple[PipelineKind, ...] = get_args(PipelineKind)
+
+# How the executor runs each pipeline kind: shuffle and batch hold items across calls.
+EXECUTOR_KIND: dict[PipelineKind, StageKind] = {
+    "source": "source",
+    "map": "map",
+    "shuffle": "stateful",
+    "batch": "stateful",
+}
 
 
 class Reducer(Protocol):
@@ -83,7 +101,9 @@ class StageSpec:
         kind: ``source`` (``fn(unit) -> iterable of items``, fed work units), ``map``
             (``fn(item) -> item``), ``flat_map`` (``fn(item) -> iterable``), ``batch_map``
             (``fn(list_of_items) -> list_of_items``, one call per frame), ``stateful``
-            (``fn() -> Reducer``, a factory called once per worker).
+            (``fn(epoch, worker) -> Reducer``: a factory a worker calls with the epoch and its
+            own index when it takes its first frame of each epoch, so a shuffle can seed by
+            both).
         fn: the stage function; must pickle (cloudpickle is used, so lambdas and closures work
             with process workers).
         workers: initial worker count; min_workers/max_workers bound ``resize``.

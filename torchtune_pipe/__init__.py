@@ -13,9 +13,10 @@ from .errors import (
     StateError,
     TorchtunePipeError,
 )
-from .loader import Loader, RunningPipeline
+from .loader import Loader
 from .pipeline import Pipeline, Prefetch, Stage
 from .prefetch import transfer
+from .running import RunningPipeline
 from .sources import (
     FileRange,
     IndexUnit,
@@ -23,7 +24,10 @@ from .sources import (
     LineFileSource,
     MapDatasetSource,
     NodeSource,
+    ResumableSource,
+    ShardedSource,
     ShardUnit,
+    SkippingSource,
     Source,
     as_source,
 )
@@ -45,8 +49,11 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "Prefetch",
+    "ResumableSource",
     "RunningPipeline",
     "ShardUnit",
+    "ShardedSource",
+    "SkippingSource",
     "Source",
     "SourceError",
     "Stage",

@@ -32,8 +32,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .pipeline import Pipeline, Work, run_inline
-from .sources import _rng_states, _set_rng_states
+from ._inline import run_inline
+from ._rng import rng_states, set_rng_states
+from ._tagging import Work
+from .stages import StageChain
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +90,33 @@ def _runq_s() -> float:
 
 @contextlib.contextmanager
 def _isolated_rng() -> Iterator[None]:
-    saved = _rng_states()
+    saved = rng_states()
     try:
         yield
     finally:
-        _set_rng_states(saved)
+        set_rng_states(saved)
+
+
+def fast_start_fits(pipeline: StageChain, interleave: bool, timeout_s: float) -> bool:
+    """Whether a pipeline's first units may be read in the calling thread: no shuffle or batch
+    stage (they group items across units), no interleaving, no prefetch thread (inline reads
+    reseed the global generators, which only the consumer's own thread may touch) and no
+    timeout, and a source stage whose ``init`` (if any) can stand in inline."""
+    init = pipeline.stages[0].init
+    return (
+        (init is None or hasattr(init, "inline"))  # an init a read may need
+        and not interleave
+        and pipeline.prefetch_spec is None
+        and not timeout_s
+        and not any(st.stateful for st in pipeline.stages)
+    )
+
+
+def inline_context(pipeline: StageChain) -> Any:
+    """What makes the calling thread stand in for a source worker during a fast start: the
+    source stage's ``init.inline`` where its init has one (the DataLoader's sets torch's
+    worker info), else nothing."""
+    return getattr(pipeline.stages[0].init, "inline", contextlib.nullcontext)
 
 
 class FastStart:
@@ -123,7 +147,7 @@ class FastStart:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: StageChain,
         works: list[Work],
         epoch: int,
         start: Callable[[], Any],

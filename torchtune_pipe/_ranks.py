@@ -14,7 +14,10 @@ created once per process (NCCL would need a device tensor and a stream sync per 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 _GLOO: dict[tuple[int, int], Any] = {}  # (id of the default group, world size) -> gloo group
 
@@ -73,3 +76,11 @@ class RankSync:
         self._flag.fill_(1 if has else 0)
         self._dist.all_reduce(self._flag, op=self._dist.ReduceOp.MIN, group=self._group)
         return bool(self._flag.item())
+
+    def report_dropped(self, dropped: int, epoch: int) -> None:
+        """Log that this rank dropped its last ``dropped`` items of ``epoch``."""
+        log.warning(
+            "Loader: rank %d of %d dropped the last %d item(s) of epoch %d: another rank ran "
+            "out first (even_ranks keeps DDP ranks in step)",
+            self.rank, self.world_size, dropped, epoch,
+        )  # fmt: skip

@@ -4,7 +4,7 @@ fingerprint of the pipeline and source that saved it.
 A state is plain data (it may have gone through JSON, which turns int keys into strings), so
 each field is checked and the first bad one is named in a :class:`StateError`. Checks that
 need the epoch's units (positions past a unit's end, units past the epoch's count) run when
-the epoch starts: see ``Loader._plan`` and :func:`torchtune_pipe.sources.read_indexed`.
+the epoch starts: see :func:`torchtune_pipe._progress.plan_epoch` and :func:`torchtune_pipe.sources.read_indexed`.
 """
 
 from __future__ import annotations

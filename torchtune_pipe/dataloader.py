@@ -26,7 +26,13 @@ from typing import Any
 
 from .loader import Loader
 from .pipeline import Pipeline
-from .sources import IterableDatasetSource, MapDatasetSource
+from .sources import (
+    IterableDatasetSource,
+    MapDatasetSource,
+    load_units_state,
+    read_indexed,
+    units_state,
+)
 
 log = logging.getLogger(__name__)
 
@@ -62,19 +68,16 @@ class _Collated:
         return source_fingerprint(self.source)
 
     def units_state(self) -> Any:
-        return getattr(self.source, "units_state", lambda: None)()
+        return units_state(self.source)
 
     def load_units_state(self, state: Any) -> None:
-        if hasattr(self.source, "load_units_state"):
-            self.source.load_units_state(state)
+        load_units_state(self.source, state)
 
     def read(self, unit: Any) -> Iterator[Any]:
         for _, x in self.read_from(unit, frozenset()):
             yield x
 
     def read_from(self, unit: Any, skip: frozenset) -> Iterator[tuple[int, Any]]:
-        from .sources import read_indexed
-
         for k, data in read_indexed(self.source, unit, skip):
             yield k, self.collate(data)
 

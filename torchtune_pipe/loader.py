@@ -22,13 +22,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import logging
-import math
 import os
 import sys
-import threading
 import weakref
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
@@ -36,268 +32,32 @@ from typing import Any
 from multiproc import Executor
 
 from . import _ranks, _state, telemetry
-from ._faststart import FastStart, ShapeProbe
-from .errors import LoaderTimeoutError, StateError
-from .memory import MemoryProbe
-from .pipeline import Pipeline, Work, run_inline
-from .prefetch import END as _END
-from .prefetch import Prefetcher, Transfer, accelerator_available
-from .tuning.base import Allocation, Limits, Observation, clamp
+from ._epoch import EpochFeed, EpochIterator, interleave, make_prefetcher, skip_prefix
+from ._faststart import FastStart, ShapeProbe, fast_start_fits, inline_context
+from ._inline import run_inline
+from ._progress import STATE_VERSION, Progress, plan_epoch
+from .errors import LoaderTimeoutError
+from .prefetch import END
+from .running import (
+    MachineFacts,
+    RunningPipeline,
+    busy,
+    close_held,
+    make_tuner,
+    start_executor,
+    start_tuning,
+    start_watch,
+)
+from .sources import ShardedSource
+from .stages import StageChain, items_out
+from .tuning.base import Observation
+
+__all__ = ["EpochIterator", "Loader", "RunningPipeline"]
 
 log = logging.getLogger(__name__)
 
-_STATE_VERSION = 1
-_MIN_BUDGET = 64 * 1024
-
-
-# ---------------------------------------------------------------------------- bookkeeping
-class _Progress:
-    """Which items of the epoch reached the consumer, by ``(unit, k)``."""
-
-    def __init__(self, epoch: int, state: Mapping | None = None):
-        self.epoch = epoch
-        self.finished = False
-        self.done: set[int] = set()
-        self.seen: dict[int, set[int]] = {}
-        self.totals: dict[int, int] = {}
-        self.delivered = 0
-        self.last_unit = -1
-        if state is not None:
-            self.done = set(state["done"])
-            self.seen = {int(u): set(ks) for u, ks in state["partial"].items()}
-            self.delivered = int(state["delivered"])
-            self.last_unit = int(state["last_unit"])
-
-    def took(self, u: int, k: Any) -> None:
-        if u < 0:  # a batch: k holds its items' ids
-            for uu, kk in k:
-                self._one(uu, kk)
-        else:
-            self._one(u, k)
-        self.delivered += 1
-
-    def _one(self, u: int, k: int) -> None:
-        self.seen.setdefault(u, set()).add(k)
-        self.last_unit = u
-        self._check(u)
-
-    def end(self, u: int, n: int) -> None:
-        self.totals[u] = n
-        self._check(u)
-
-    def _check(self, u: int) -> None:
-        n = self.totals.get(u)
-        if n is not None and len(self.seen.get(u, ())) >= n:
-            self.done.add(u)
-            self.seen.pop(u, None)
-            del self.totals[u]
-
-    def state(self) -> dict:
-        return {
-            "epoch": self.epoch,
-            "finished": self.finished,
-            "done": sorted(self.done),
-            "partial": {u: sorted(ks) for u, ks in sorted(self.seen.items())},
-            "delivered": self.delivered,
-            "last_unit": self.last_unit,
-        }
-
-
-def _interleave(
-    stream: Iterator[tuple], starts: dict[int, int], start_after: int
-) -> Iterator[tuple]:
-    """Round-robin over units, one item each, skipping finished units: the order torch's
-    DataLoader gives an IterableDataset read by one worker per shard.
-
-    ``starts`` maps each unit to read (in order) to its first undelivered position;
-    ``start_after`` is the unit whose item was delivered last (-1: none).
-    """
-    active = list(starts)
-    nxt = dict(starts)
-    pending: dict = {}
-    totals: dict = {}
-    cur = next((i for i, u in enumerate(active) if u > start_after), 0)
-    for t in stream:
-        u, k, _ = t
-        if k < 0:
-            totals[u] = -1 - k
-        else:
-            pending[(u, k)] = t
-        while active:
-            cu = active[cur]
-            item = pending.pop((cu, nxt[cu]), None)
-            if item is not None:
-                yield item
-                nxt[cu] += 1
-                cur = (cur + 1) % len(active)
-                continue
-            if totals.get(cu) is not None and totals[cu] <= nxt[cu]:
-                yield (cu, -1 - totals[cu], None)
-                active.pop(cur)
-                cur = cur % len(active) if active else 0
-                continue
-            break
-
-
-def _skip_prefix(skip: set[int]) -> int:
-    n = 0
-    while n in skip:
-        n += 1
-    return n
-
-
-def _prefetched_bytes(slot: list[weakref.ref]) -> int:
-    """What the prefetcher in ``slot`` holds in this process for the pipeline."""
-    pre = slot[0]() if slot else None
-    return pre.held_bytes() if pre is not None else 0
-
-
-# ---------------------------------------------------------------------------- the Tunable
-class RunningPipeline:
-    """A running pipeline as a :class:`~torchtune_pipe.tuning.base.Tunable`.
-
-    ``observe()`` reports the interval since the previous call; ``apply()`` clamps the
-    allocation to the machine's limits (:func:`~torchtune_pipe.tuning.base.clamp`) and calls
-    ``executor.resize`` / ``executor.set_budget`` for the stages that change.
-    """
-
-    def __init__(self, executor: Executor, meter: telemetry.Meter):
-        self.executor = executor
-        self.meter = meter
-        self._last: Observation | None = None
-
-    def observe(self) -> Observation:
-        """Rates since the previous observation, plus machine facts."""
-        self._last = self.meter.observe()
-        return self._last
-
-    def fit(self, allocation: Allocation, obs: Observation | None = None) -> Allocation:
-        """``allocation`` clamped to the limits of ``obs`` (default: the last observation):
-        the CPU budget, and the memory limit with the pipeline's measured memory
-        (:func:`~torchtune_pipe.tuning.safety.fit_memory`: growth whose worst case passes the
-        limit is refused, and near the limit buffers are shed first, then workers). The tuning
-        loop applies what this returns, so shedding happens even when a tuner's decision
-        stays the same while memory grows."""
-        from .tuning.safety import fit_memory, oversubscribe_factor
-
-        obs = obs or self._last or self.observe()
-        limits = Limits(
-            cpus=obs.cpus,
-            memory_bytes=obs.memory_limit_bytes,
-            min_workers=tuple(b.min_workers for b in self.meter.bounds),
-            max_workers=tuple(b.max_workers for b in self.meter.bounds),
-            min_buffer_bytes=_MIN_BUDGET,
-        )
-        a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
-        return fit_memory(a, obs, min_buffer_bytes=_MIN_BUDGET)
-
-    def apply(self, allocation: Allocation) -> None:
-        """Resize stages and buffers to ``allocation`` as :meth:`fit` clamps it; calls in
-        flight per worker where the allocation leaves them open follow the measured rule
-        (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`)."""
-        from .tuning.concurrency import plan_concurrency
-
-        obs = self._last or self.observe()
-        a = plan_concurrency(obs, self.fit(allocation, obs))
-        ex = self.executor
-        for i, st in enumerate(ex.spec.stages):
-            if a.workers[i] != ex.workers(i):
-                ex.resize(i, a.workers[i])
-            if a.concurrency[i] != ex.concurrency(i):
-                ex.set_concurrency(i, a.concurrency[i])
-            budget = max(a.buffer_bytes[i], _MIN_BUDGET)
-            if st.max_buffer_bytes is not None:
-                budget = min(budget, st.max_buffer_bytes)
-            if budget != ex.budget(i):
-                ex.set_budget(i, budget)
-
-    def allocation(self) -> Allocation:
-        """The allocation the executor runs with now."""
-        ex = self.executor
-        n = len(ex.spec.stages)
-        return Allocation(
-            tuple(ex.workers(i) for i in range(n)), tuple(ex.budget(i) for i in range(n))
-        )
-
-
-class _MachineFacts:
-    """Machine facts for a Meter: the slow probe once, free CPUs and memory at every call.
-
-    An object of its own, not a bound method of the Loader: a Meter holding the Loader would
-    put the Loader in a reference cycle, and an unreferenced Loader would keep its workers
-    until the garbage collector happens to run.
-    """
-
-    def __init__(self) -> None:
-        self._probed: telemetry.Machine | None = None
-
-    def __call__(self) -> telemetry.Machine:
-        if self._probed is None:
-            self._probed = telemetry.Machine.probe()
-        m = self._probed
-        return telemetry.Machine(
-            telemetry.cpus_available(), telemetry.memory_available_bytes(), m.dram_gbps, m.cpu_ghz
-        )
-
-
-class EpochIterator:
-    """What ``iter(loader)`` returns: one epoch's items, for one consumer thread.
-
-    As torch's DataLoader, a new ``iter()`` on the loader starts a new epoch; this iterator
-    then raises ``RuntimeError`` if used again (never a silent stop). Two threads calling
-    ``next()`` on it at once get ``RuntimeError`` as well.
-    """
-
-    def __init__(self, gen: Generator[Any, None, None], epoch: int):
-        self._gen = gen
-        self._epoch = epoch
-        self._busy = threading.Lock()
-        self._ended: str | None = None
-
-    def __iter__(self) -> EpochIterator:
-        return self
-
-    def __next__(self) -> Any:
-        if self._ended is not None:
-            raise RuntimeError(f"Loader: this iterator of epoch {self._epoch} {self._ended}")
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                "Loader: two threads iterate the same loader at once; one loader feeds one "
-                "consumer thread (create a loader per thread, or hand items over a queue)"
-            )
-        try:
-            return next(self._gen)
-        finally:
-            self._busy.release()
-
-    def close(self) -> None:
-        """End the epoch early (as ``break`` does)."""
-        self._gen.close()
-
-    def _end(self, why: str) -> None:
-        """Ended from outside (a new ``iter()``, ``load_state_dict``, ``close``)."""
-        if not self._busy.acquire(blocking=False):
-            raise RuntimeError(
-                f"Loader: {why.split(';')[0]} while another thread is inside next() of the "
-                "current epoch; one loader feeds one consumer thread"
-            )
-        try:
-            self._ended = why
-            self._gen.close()
-        finally:
-            self._busy.release()
-
-
-def _make_tuner(tuner: Any) -> Any:
-    if tuner is None or tuner == "static":
-        return None  # the stages' own knobs, unchanged
-    if isinstance(tuner, str):
-        from .tuning.registry import make_tuner
-
-        return make_tuner(tuner)
-    if not (hasattr(tuner, "reset") and hasattr(tuner, "step")):
-        raise ValueError(f"Loader: tuner must be None, a tuner name or a Tuner, got {tuner!r}")
-    return tuner
+DEFAULT_TUNING_INTERVAL_S = 1.0  # a tuning step a second: rates settle, the loop costs little
+DEFAULT_MAX_RESTARTS = 16  # worker deaths tolerated per stage, as multiproc.ExecutorSpec's
 
 
 # ---------------------------------------------------------------------------- the Loader
@@ -347,25 +107,25 @@ class Loader:
 
     def __init__(
         self,
-        pipeline: Pipeline,
+        pipeline: StageChain,
         *,
         tuner: Any = None,
         ordered: bool = False,
         inline: bool = False,
         epoch: int = 0,
         progress: bool = False,
-        tuning_interval_s: float = 1.0,
+        tuning_interval_s: float = DEFAULT_TUNING_INTERVAL_S,
         tuning_log: str | None = None,
         memory_limit_bytes: int | None = None,
         timeout_s: float = 0.0,
         length: int | None = None,
         interleave: bool = False,
-        max_restarts: int = 16,
+        max_restarts: int = DEFAULT_MAX_RESTARTS,
         even_ranks: bool | None = None,
         fast_start: bool = False,
         choose_shape: bool = False,
     ):
-        if not isinstance(pipeline, Pipeline):
+        if not isinstance(pipeline, StageChain):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"Loader: epoch must be an int >= 0, got {epoch!r}")
@@ -376,7 +136,7 @@ class Loader:
                 "Loader: interleave=True needs a pipeline without shuffle or batch stages"
             )
         self.pipeline = pipeline
-        self.tuner = _make_tuner(tuner)
+        self.tuner = make_tuner(tuner)
         self.ordered = ordered
         self.inline = inline
         self.progress = progress
@@ -394,7 +154,7 @@ class Loader:
         self._length = length
         self._epoch = epoch
         self._pending: Mapping | None = None
-        self._progress = _Progress(epoch)
+        self._progress = Progress(epoch)
         self._units_state: Any = None
         self._executor: Executor | None = None
         self._tunable: RunningPipeline | None = None
@@ -404,12 +164,12 @@ class Loader:
         self._active: weakref.ref | None = None
         self._closed = False
         self._clock = telemetry.ConsumerClock()
-        self._machine = _MachineFacts()
+        self._machine = MachineFacts()
         self._pid = os.getpid()  # the owner: a forked child must not stop its workers
         self._last_error: BaseException | None = None  # what ended the last epoch early
         self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
-        self._finalizer = weakref.finalize(self, Loader._cleanup, self._held, self._pid)
+        self._finalizer = weakref.finalize(self, close_held, self._held, self._pid)
 
     # ------------------------------------------------------------------------ public API
     def __iter__(self) -> Iterator[Any]:
@@ -431,16 +191,9 @@ class Loader:
             n = len(source)
         except TypeError:
             raise TypeError("Loader: the source does not know its length; pass length=") from None
-        if hasattr(source, "rank_lengths") and _ranks.active(self.even_ranks, source):
-            return min(self._items_out(k) for k in source.rank_lengths())
-        return self._items_out(n)
-
-    def _items_out(self, n: int) -> int:
-        """Items delivered for ``n`` source items (batch stages regroup them)."""
-        for st in self.pipeline.stages:
-            if st.kind == "batch":
-                n = n // st.size if st.drop_last else math.ceil(n / st.size)
-        return n
+        if isinstance(source, ShardedSource) and _ranks.active(self.even_ranks, source):
+            return min(items_out(self.pipeline.stages, k) for k in source.rank_lengths())
+        return items_out(self.pipeline.stages, n)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``iter()`` run ``epoch`` (seeds unit order and shuffling)."""
@@ -459,7 +212,7 @@ class Loader:
         if self._pending is not None:
             return dict(self._pending)
         state = self._progress.state()
-        state["version"] = _STATE_VERSION
+        state["version"] = STATE_VERSION
         state["units_state"] = self._units_state
         state["fingerprint"] = _state.fingerprint(self.pipeline)
         return state
@@ -472,7 +225,7 @@ class Loader:
                 wrong type or range (the message names it), or it was saved by another
                 pipeline or source (its fingerprint differs).
         """
-        state = _state.check(state, _STATE_VERSION, _state.fingerprint(self.pipeline))
+        state = _state.check(state, STATE_VERSION, _state.fingerprint(self.pipeline))
         self._end_active("was ended by load_state_dict(); iterate the loader again to resume")
         self._pending = dict(state)
 
@@ -508,15 +261,12 @@ class Loader:
         if self._tunable is None:
             return None
         if self._executor is None:
+            e = self._last_error
+            how = f" with {type(e).__name__}: {e}" if e else ""
             raise RuntimeError(
-                "Loader.observe(): no pipeline runs: the last epoch ended early"
-                + (
-                    f" with {type(self._last_error).__name__}: {self._last_error}"
-                    if self._last_error
-                    else ""
-                )
-                + " and stopped its workers; iterate the loader again to start them"
-            ) from self._last_error
+                f"Loader.observe(): no pipeline runs: the last epoch ended early{how} and "
+                "stopped its workers; iterate the loader again to start them"
+            ) from e
         return self._tunable.observe()
 
     def close(self) -> None:
@@ -540,36 +290,15 @@ class Loader:
             it._end(why)
         self._active = None
 
-    @staticmethod
-    def _cleanup(held: dict, pid: int) -> None:
-        if os.getpid() != pid:
-            return  # a forked child: the workers and memory are the parent's
-        ex = held.pop("executor", None)
-        if ex is not None:
-            ex.close()
-
     def _ensure_executor(self) -> Executor:
         if self._executor is None:
-            spec = self.pipeline.spec(self.ordered)
-            spec = type(spec)(spec.stages, ordered=spec.ordered, max_restarts=self.max_restarts)
-            ex = Executor(spec)
+            ex, self._tunable = start_executor(
+                self.pipeline, ordered=self.ordered, max_restarts=self.max_restarts,
+                machine=self._machine, clock=self._clock,
+                memory_limit_bytes=self.memory_limit_bytes, prefetch_slot=self._prefetch,
+            )  # fmt: skip
             self._executor = ex
             self._held["executor"] = ex
-            bounds = [
-                telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency)
-                for s in spec.stages
-            ]
-            # Through a list, not a bound method: the probe must not keep the loader alive.
-            probe = MemoryProbe(functools.partial(_prefetched_bytes, self._prefetch))
-            meter = telemetry.Meter(
-                lambda: ex.snapshot(per_worker=True),
-                self._machine,
-                bounds,
-                self._clock,
-                self.memory_limit_bytes,
-                probe,
-            )
-            self._tunable = RunningPipeline(ex, meter)
         return self._executor
 
     def _drop_executor(self) -> None:
@@ -578,37 +307,13 @@ class Loader:
         if ex is not None:
             ex.close()
 
-    def _plan(self) -> tuple[int, _Progress, list[Work]]:
-        """The epoch to run, its bookkeeping, and the work (minus what was delivered)."""
-        state, self._pending = self._pending, None
-        source = self.pipeline.source
-        epoch = self._epoch
-        progress = _Progress(epoch)
-        if state is not None:
-            epoch = int(state["epoch"]) + (1 if state["finished"] else 0)
-            progress = _Progress(epoch, None if state["finished"] else state)
-            if not state["finished"] and hasattr(source, "load_units_state"):
-                source.load_units_state(state.get("units_state"))
-        self._epoch = epoch
-        units = source.units(epoch)
-        self._units_state = source.units_state() if hasattr(source, "units_state") else None
-        for field, named in (("done", progress.done), ("partial", progress.seen)):
-            bad = sorted(u for u in named if not 0 <= u < len(units))
-            if bad:
-                raise StateError(
-                    f"Loader: state[{field!r}] names units {bad[:5]} but epoch {epoch} has "
-                    f"{len(units)} units: the state was saved by another pipeline or source"
-                )
-        works = [
-            Work(pos, u, frozenset(progress.seen.get(pos, ())))
-            for pos, u in enumerate(units)
-            if pos not in progress.done
-        ]
-        return epoch, progress, works
-
     def _iterate(self) -> Generator[Any, None, None]:
         sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
-        epoch, progress, works = self._plan()
+        state, self._pending = self._pending, None
+        epoch, progress, works, self._units_state = plan_epoch(
+            self.pipeline.source, self._epoch, state
+        )
+        self._epoch = epoch
         self._progress = progress
         faststart = None
         if self.inline:
@@ -619,16 +324,19 @@ class Loader:
                 choose_shape=self.choose_shape, may_go_inline=lambda: self.tuner is not None,
                 on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
                 interval_s=self.tuning_interval_s, probe=self._shape_probe,
-                on_built=self._on_built, inline_context=self._inline_context(),
+                on_built=self._on_built, inline_context=inline_context(self.pipeline),
             )  # fmt: skip
             stream = faststart.stream()
         else:
             stream = self._ensure_executor().run(works, epoch)
         if self.interleave:
-            starts = {w.pos: _skip_prefix(set(w.skip)) for w in works}
-            stream = _interleave(stream, starts, progress.last_unit)
+            starts = {w.pos: skip_prefix(set(w.skip)) for w in works}
+            stream = interleave(stream, starts, progress.last_unit)
         self.last_epoch_dropped = 0
-        pre = self._prefetcher(stream)
+        pre = make_prefetcher(self.pipeline.prefetch_spec, stream, self.timeout_s)
+        if pre is not None:
+            self._prefetch[:] = [weakref.ref(pre)]
+        feed = EpochFeed(stream, pre, self.timeout_s, self.inline, lambda: busy(self._executor))
         self._tuning = self._start_tuning()  # None until the executor runs (fast start)
         self._watcher = self._start_watch()
         complete = False
@@ -636,17 +344,17 @@ class Loader:
         try:
             while True:
                 self._clock.asked()
-                t = self._next(pre, stream)
-                if t is not _END and t[0] >= 0 and t[1] < 0:
+                t = feed.next()
+                if t is not END and t[0] >= 0 and t[1] < 0:
                     progress.end(t[0], -1 - t[1])
                     continue
-                if sync is not None and not sync.all_have(t is not _END):
-                    if t is not _END:  # another rank ran out: drop what is left here
-                        self.last_epoch_dropped = 1
-                        self._drain_tail(pre, stream, progress, drop_items=True)
-                        self._report_dropped(sync, epoch)
+                if sync is not None and not sync.all_have(t is not END):
+                    if t is not END:  # another rank ran out: drop what is left here
+                        _, dropped = feed.drain_tail(progress, drop_items=True)
+                        self.last_epoch_dropped = 1 + dropped
+                        sync.report_dropped(self.last_epoch_dropped, epoch)
                     break
-                if t is _END:
+                if t is END:
                     break
                 u, k, x = t
                 progress.took(u, k)
@@ -670,9 +378,10 @@ class Loader:
                     # Consumers that stop at len() (Lightning) never ask for the end of the
                     # stream: read what is left (end-of-unit markers) so the epoch counts as
                     # complete and the workers are kept for the next one.
-                    complete = self._drain_tail(pre, stream, progress, drop_items=sync is not None)
+                    complete, dropped = feed.drain_tail(progress, drop_items=sync is not None)
+                    self.last_epoch_dropped += dropped
                     if sync is not None and self.last_epoch_dropped:
-                        self._report_dropped(sync, epoch)
+                        sync.report_dropped(self.last_epoch_dropped, epoch)
                     if complete:
                         progress.finished = True
                         self._epoch = epoch + 1
@@ -690,39 +399,21 @@ class Loader:
                     loop = None
                 if not complete and not self.inline:
                     self._drop_executor()  # wakes a prefetch thread waiting on the executor
-                if pre is not None:
-                    # After a timeout the thread is stuck in a stage: do not wait for it.
-                    pre.stop(
-                        timeout_s=0.1 if isinstance(sys.exc_info()[1], LoaderTimeoutError) else 10.0
-                    )
-                    if pre.alive:
-                        log.warning(
-                            "Loader: the prefetch thread is still busy in a stage; left behind"
-                        )
-                if hasattr(stream, "close") and (pre is None or not pre.alive):
-                    stream.close()
+                feed.close(timed_out=isinstance(sys.exc_info()[1], LoaderTimeoutError))
                 if watcher is not None:
                     watcher.stop()
                 if loop_error is not None:
                     raise loop_error
 
     def _fast_start_applies(self) -> bool:
-        """Whether this epoch's first units may run inline while the workers start (until the
-        first epoch with workers, or until the shape is chosen), for a loader that asked for
-        it, with no shuffle or batch stage (they group items across units), no interleaving
-        and no prefetch thread (inline reads reseed the global generators, which only the
-        consumer's own thread may touch)."""
-        init = self.pipeline.stages[0].init
+        """Whether this epoch's first units may run inline while the workers start: until
+        the first epoch with workers, or until the shape is chosen."""
         return (
             self.fast_start
             and (
                 self._executor is None or (self.choose_shape and self._shape_probe.decided is None)
             )
-            and (init is None or hasattr(init, "inline"))  # an init a read may need
-            and not self.interleave
-            and self.pipeline.prefetch_spec is None
-            and not self.timeout_s
-            and not any(st.stateful for st in self.pipeline.stages)
+            and fast_start_fits(self.pipeline, self.interleave, self.timeout_s)
         )
 
     def _go_inline(self, why: str) -> None:
@@ -749,111 +440,24 @@ class Loader:
         if self._tuning is None:
             self._tuning = self._start_tuning()
 
-    def _inline_context(self) -> Any:
-        """What makes the calling thread stand in for a source worker during a fast start:
-        the source stage's ``init.inline`` where its init has one (the DataLoader's sets
-        torch's worker info), else nothing."""
-        init = self.pipeline.stages[0].init
-        return getattr(init, "inline", contextlib.nullcontext)
-
-    def _took_everything(self, progress: _Progress) -> bool:
+    def _took_everything(self, progress: Progress) -> bool:
         try:
             return progress.delivered >= len(self)
         except TypeError:
             return False
 
-    def _drain_tail(
-        self,
-        pre: Prefetcher | None,
-        stream: Iterator[tuple],
-        progress: _Progress,
-        drop_items: bool = False,
-    ) -> bool:
-        """Consume end-of-unit markers after the last item; False if another item comes
-        (``drop_items``: read to the end, counting items in ``last_epoch_dropped``)."""
-        while True:
-            t = self._next(pre, stream)
-            if t is _END:
-                return True
-            u, k, _ = t
-            if u >= 0 and k < 0:
-                progress.end(u, -1 - k)
-            elif drop_items:
-                self.last_epoch_dropped += 1
-            else:
-                return False
-
-    def _report_dropped(self, sync: _ranks.RankSync, epoch: int) -> None:
-        log.warning(
-            "Loader: rank %d of %d dropped the last %d item(s) of epoch %d: another rank ran "
-            "out first (even_ranks keeps DDP ranks in step)",
-            sync.rank, sync.world_size, self.last_epoch_dropped, epoch,
-        )  # fmt: skip
-
-    def _next(self, pre: Prefetcher | None, stream: Iterator[tuple]) -> Any:
-        if pre is None:
-            return next(stream, _END)
-        try:
-            return pre.get()
-        except TimeoutError:
-            busy = self._stuck()
-            if busy:
-                where = "; ".join(str(b) for b in busy[:3])
-            elif self.inline:
-                where = "the pipeline runs inline, in the loader's prefetch thread"
-            else:
-                where = "no worker is inside its stage function (see progress=True)"
-            e = LoaderTimeoutError(
-                f"Loader: no item arrived within timeout_s={self.timeout_s} s: {where}"
-            )
-            e.stuck = tuple(busy)
-            raise e from None
-
-    def _stuck(self) -> list:
-        ex = self._executor
-        if ex is None:
-            return []
-        try:
-            return ex.busy()
-        except Exception:  # closed under us: the timeout is still the error to report
-            return []
-
-    def _prefetcher(self, stream: Iterator[tuple]) -> Prefetcher | None:
-        spec = self.pipeline.prefetch_spec
-        if spec is None and not self.timeout_s:
-            return None
-        convert = None
-        depth = 2
-        if spec is not None:
-            depth = spec.depth
-            pin = spec.pin_memory and accelerator_available()
-            if pin or spec.device is not None:
-                convert = Transfer(pin, spec.device, spec.non_blocking)
-        pre = Prefetcher(stream, depth, convert, self.timeout_s)
-        self._prefetch[:] = [weakref.ref(pre)]
-        return pre
-
     def _start_tuning(self) -> Any:
         if self.tuner is None or self._tunable is None or self.inline:
             return None
-        from .tuning.loop import TuningLoop
-
         # One tuner per Loader: later epochs continue it (no reset), so allocations and what
         # the agent learned carry over from epoch to epoch.
         first = not self._tuner_started
         self._tuner_started = True
-        return TuningLoop(
+        return start_tuning(
             self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first
-        ).start()
+        )
 
     def _start_watch(self) -> Any:
         if not self.progress or self._tunable is None or self.inline:
             return None
-        from .watch import Watcher
-
-        meter = self._tunable.meter
-        own = telemetry.Meter(
-            meter._snapshot, self._machine, meter.bounds, self._clock,
-            self.memory_limit_bytes, meter.memory,
-        )  # fmt: skip
-        return Watcher(own.observe).start()
+        return start_watch(self._tunable, self._machine, self._clock, self.memory_limit_bytes)

@@ -33,7 +33,7 @@ from examples.dlrm.criteo import KAGGLE_CARDINALITIES, NUM_DENSE, NUM_SPARSE
 _WORLD_SEED = 0x5EED_C217  # fixes id hashing and the label model across all seeds
 
 # Count features: log-normal (mu, sigma) of log(1 + x), fitted to the medians and 90th
-# percentiles of the real Kaggle sample rows in shared/data/criteo.
+# percentiles of the real Kaggle sample rows in tests/data/criteo.
 _DENSE_MU = np.array([0.69, 1.95, 2.08, 1.79, 7.89, 3.22, 1.61, 2.08, 3.74, 0.69, 0.69, 0.0, 1.70])
 _DENSE_SIGMA = np.array(
     [1.62, 2.68, 1.4, 0.98, 2.0, 1.69, 1.81, 1.08, 1.45, 0.32, 1.18, 0.54, 1.19]

@@ -37,7 +37,8 @@ from examples.dlrm.criteo import (
 )
 from torchtune_pipe.errors import BadLinesError, SourceError
 
-DATA = Path(os.environ.get("CRITEO_SAMPLES", "/work/shared/data/criteo"))
+# Real rows shipped with the tests (tests/data/criteo/README.md says where they come from).
+DATA = Path(os.environ.get("CRITEO_SAMPLES", Path(__file__).parents[1] / "data" / "criteo"))
 needs_samples = pytest.mark.skipif(not DATA.is_dir(), reason=f"no Criteo samples in {DATA}")
 
 

@@ -41,12 +41,12 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
 from torchtune_pipe.tuning.concurrency import plan_concurrency
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
 
-STAGE_KINDS = ("source", "map", "shuffle", "batch", "prefetch")
 _CONSUMER_CV2 = 0.01  # a training step's time varies little (cv ~0.1)
 _MIN_CV2 = 0.01
 

@@ -1,0 +1,49 @@
+"""The global random generators (``random``, ``numpy``, ``torch``): saving, restoring,
+comparing and seeding them, for sources that seed reads per unit and for inline reads that
+must not disturb the caller's draws."""
+
+from __future__ import annotations
+
+import random
+
+
+def rng_states() -> tuple:
+    """The global generators' states (``random``, ``numpy``, ``torch``), as
+    :func:`set_rng_states` puts them back."""
+    import numpy as np
+    import torch
+
+    return random.getstate(), np.random.get_state(), torch.get_rng_state()
+
+
+def set_rng_states(states: tuple) -> None:
+    import numpy as np
+    import torch
+
+    random.setstate(states[0])
+    np.random.set_state(states[1])
+    torch.set_rng_state(states[2])
+
+
+def same_rng_states(a: tuple, b: tuple) -> bool:
+    """Whether two :func:`rng_states` are the same states."""
+    import numpy as np
+    import torch
+
+    np_a, np_b = a[1], b[1]  # (name, keys array, position, has_gauss, cached_gaussian)
+    return (
+        a[0] == b[0]
+        and np.array_equal(np_a[1], np_b[1])
+        and np_a[2:] == np_b[2:]
+        and torch.equal(a[2], b[2])
+    )
+
+
+def seed_all(seed: int) -> None:
+    """Seed the three generators with ``seed`` (numpy's with its low 32 bits)."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))

@@ -1,0 +1,212 @@
+"""Map-style datasets as sources: torch's samplers and batching, units of sampler entries."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from multiproc import concurrency
+
+from ._rng import rng_states, same_rng_states, seed_all
+
+__all__ = ["IndexUnit", "MapDatasetSource"]
+
+
+@dataclass(frozen=True)
+class IndexUnit:
+    """A work unit of a map-style dataset: consecutive entries of the sampler's order.
+
+    Attributes:
+        id: position in the epoch's (unsharded) unit list.
+        entries: one entry per item: an index, or a list of indices (one batch).
+        seed: seed of the random generators while the unit is read (None: not seeded).
+    """
+
+    id: int
+    entries: tuple
+    seed: int | None = None
+
+
+class MapDatasetSource:
+    """A map-style ``Dataset`` as a source, with torch's samplers and batching semantics.
+
+    The order comes from the sampler, drawn in the main process exactly as
+    ``torch.utils.data.DataLoader`` draws it (a base seed from ``generator`` first, then the
+    sampler), so shuffling is torch's. Units are chunks of ``entries_per_unit`` consecutive
+    entries. With ``batch_size`` (or ``batch_sampler``) an item is the list of samples of one
+    batch, fetched with ``__getitems__`` when the dataset has it; otherwise an item is one
+    sample.
+
+    Args:
+        dataset: anything with ``__getitem__`` (and ``__len__`` for the default samplers).
+        batch_size: samples per item; None for one sample per item.
+        shuffle: use a ``RandomSampler`` (with ``generator``) instead of a sequential one.
+        sampler: a sampler of indices (excludes ``shuffle``).
+        batch_sampler: a sampler of index lists (excludes the four arguments above).
+        drop_last: drop the last incomplete batch.
+        generator: the ``torch.Generator`` of the sampler and the base seed.
+        entries_per_unit: sampler entries per work unit (the unit of load balancing and of
+            resume bookkeeping).
+        seed_units: seed ``random``, ``numpy`` and ``torch`` with ``base_seed + unit.id``
+            before reading a unit, so random transforms in ``__getitem__`` do not depend on
+            which worker reads which unit.
+        rank: this process's rank; units are sharded ``units[rank::world_size]``.
+        world_size: number of ranks.
+
+    Example:
+        >>> src = MapDatasetSource(ds, batch_size=32, shuffle=True)   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        drop_last: bool = False,
+        generator: Any = None,
+        entries_per_unit: int = 1,
+        seed_units: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+        name = type(self).__name__
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"{name}(): dataset must have __getitem__, got {type(dataset).__name__}"
+            )
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(
+                f"{name}(): batch_size must be a positive int or None, got {batch_size!r}"
+            )
+        if not isinstance(entries_per_unit, int) or entries_per_unit < 1:
+            raise ValueError(
+                f"{name}(): entries_per_unit must be a positive int, got {entries_per_unit!r}"
+            )
+        if sampler is not None and shuffle:
+            raise ValueError(f"{name}(): sampler is mutually exclusive with shuffle")
+        if batch_sampler is not None and (
+            batch_size is not None or shuffle or sampler is not None or drop_last
+        ):
+            raise ValueError(
+                f"{name}(): batch_sampler is mutually exclusive with batch_size, shuffle, "
+                "sampler and drop_last"
+            )
+        if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"{name}(): need 0 <= rank < world_size, got {rank}, {world_size}")
+        if sampler is None:
+            sampler = (
+                RandomSampler(dataset, generator=generator)
+                if shuffle
+                else SequentialSampler(dataset)
+            )
+        if batch_sampler is None and batch_size is not None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.batched = batch_sampler is not None
+        self.generator = generator
+        self.entries_per_unit = entries_per_unit
+        self.seed_units = seed_units
+        self.rank = rank
+        self.world_size = world_size
+        self.base_seed = 0
+        self._rng_state: dict | None = None
+        self._replay: dict | None = None
+        self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
+
+    def __len__(self) -> int:
+        """This rank's items per epoch (batches when batched), as ``len(DataLoader)`` counts
+        them."""
+        return self.rank_lengths()[self.rank]
+
+    def rank_lengths(self) -> list[int]:
+        """Items per epoch of every rank (units of ``entries_per_unit`` dealt round-robin)."""
+        total = len(self.batch_sampler if self.batched else self.sampler)
+        n = self.entries_per_unit
+        sizes = [min(n, total - i) for i in range(0, total, n)]
+        return [sum(sizes[r :: self.world_size]) for r in range(self.world_size)]
+
+    def units(self, epoch: int = 0) -> list[IndexUnit]:
+        """The epoch's units. Draws the base seed, then the sampler order, like torch."""
+        import torch
+
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        index_sampler = self.batch_sampler if self.batched else self.sampler
+        replay, self._replay = self._replay, None
+        with torch.random.fork_rng(devices=[], enabled=replay is not None):
+            if replay is not None:
+                torch.set_rng_state(replay["torch"])
+                if self.generator is not None and replay["generator"] is not None:
+                    self.generator.set_state(replay["generator"])
+            self._rng_state = {
+                "torch": torch.get_rng_state(),
+                "generator": None if self.generator is None else self.generator.get_state(),
+            }
+            it = iter(index_sampler)
+            self.base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            )
+            entries = [list(e) if self.batched else e for e in it]
+        n = self.entries_per_unit
+        units = [
+            IndexUnit(j, tuple(entries[i : i + n]), self.base_seed + j if self.seed_units else None)
+            for j, i in enumerate(range(0, len(entries), n))
+        ]
+        return units[self.rank :: self.world_size]
+
+    def units_state(self) -> dict | None:
+        """The random state the last ``units()`` call started from (to replay its order)."""
+        return self._rng_state
+
+    def load_units_state(self, state: dict | None) -> None:
+        """Make the next ``units()`` call draw the same order as the one ``state`` came from."""
+        self._replay = state
+
+    def read(self, unit: IndexUnit) -> Iterator[Any]:
+        """The unit's items: samples, or lists of samples (one per batch)."""
+        for _, item in self.read_from(unit, frozenset()):
+            yield item
+
+    def read_from(self, unit: IndexUnit, skip: frozenset) -> Iterator[tuple[int, Any]]:
+        """``(k, item)`` for the unit's entries not in ``skip``, fetching only those."""
+        if unit.seed is not None:
+            seed_all(unit.seed)
+        ds = self.dataset
+        getitems = getattr(ds, "__getitems__", None) if self.batched else None
+        for k, entry in enumerate(unit.entries):
+            if k in skip:
+                continue
+            if not self.batched:
+                yield k, ds[entry]
+            elif getitems:
+                yield k, getitems(entry)
+            else:
+                yield k, self._fetch_batch(entry)
+
+    def _fetch_batch(self, entry: list) -> list:
+        """One batch's samples; on the worker's threads when its stage's concurrency is above
+        1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
+        generators: threads would interleave the draws, and batches would differ run to run.
+        The first batch a process reads is read serially to find that out."""
+        ds = self.dataset
+        if self._draws is None:
+            before = rng_states()
+            out = [ds[i] for i in entry]
+            self._draws = not same_rng_states(before, rng_states())
+            return out
+        pool = concurrency.current()
+        if pool.width <= 1 or self._draws:
+            return [ds[i] for i in entry]
+        outs = pool.map(ds.__getitem__, entry)
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+        return [o.value for o in outs]

@@ -1,0 +1,203 @@
+"""The running pipeline: its executor, and the :class:`RunningPipeline` tuners steer.
+
+:func:`start_executor` builds a pipeline's executor and the
+:class:`~torchtune_pipe.telemetry.Meter` that observes it; :class:`RunningPipeline` is the
+:class:`~torchtune_pipe.tuning.base.Tunable` the tuning loop steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import weakref
+from typing import Any
+
+from multiproc import Executor
+
+from . import telemetry
+from .memory import MemoryProbe
+from .stages import MIN_BUFFER_BYTES, StageChain
+from .tuning.base import Allocation, Limits, Observation, clamp
+
+
+class RunningPipeline:
+    """A running pipeline as a :class:`~torchtune_pipe.tuning.base.Tunable`.
+
+    ``observe()`` reports the interval since the previous call; ``apply()`` clamps the
+    allocation to the machine's limits (:func:`~torchtune_pipe.tuning.base.clamp`) and calls
+    ``executor.resize`` / ``executor.set_budget`` for the stages that change.
+    """
+
+    def __init__(self, executor: Executor, meter: telemetry.Meter):
+        self.executor = executor
+        self.meter = meter
+        self._last: Observation | None = None
+
+    def observe(self) -> Observation:
+        """Rates since the previous observation, plus machine facts."""
+        self._last = self.meter.observe()
+        return self._last
+
+    def fit(self, allocation: Allocation, obs: Observation | None = None) -> Allocation:
+        """``allocation`` clamped to the limits of ``obs`` (default: the last observation):
+        the CPU budget, and the memory limit with the pipeline's measured memory
+        (:func:`~torchtune_pipe.tuning.safety.fit_memory`: growth whose worst case passes the
+        limit is refused, and near the limit buffers are shed first, then workers). The tuning
+        loop applies what this returns, so shedding happens even when a tuner's decision
+        stays the same while memory grows."""
+        from .tuning.safety import fit_memory, oversubscribe_factor
+
+        obs = obs or self._last or self.observe()
+        limits = Limits(
+            cpus=obs.cpus,
+            memory_bytes=obs.memory_limit_bytes,
+            min_workers=tuple(b.min_workers for b in self.meter.bounds),
+            max_workers=tuple(b.max_workers for b in self.meter.bounds),
+            min_buffer_bytes=MIN_BUFFER_BYTES,
+        )
+        a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
+        return fit_memory(a, obs, min_buffer_bytes=MIN_BUFFER_BYTES)
+
+    def apply(self, allocation: Allocation) -> None:
+        """Resize stages and buffers to ``allocation`` as :meth:`fit` clamps it; calls in
+        flight per worker where the allocation leaves them open follow the measured rule
+        (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`)."""
+        from .tuning.concurrency import plan_concurrency
+
+        obs = self._last or self.observe()
+        a = plan_concurrency(obs, self.fit(allocation, obs))
+        ex = self.executor
+        for i, st in enumerate(ex.spec.stages):
+            if a.workers[i] != ex.workers(i):
+                ex.resize(i, a.workers[i])
+            if a.concurrency[i] != ex.concurrency(i):
+                ex.set_concurrency(i, a.concurrency[i])
+            budget = max(a.buffer_bytes[i], MIN_BUFFER_BYTES)
+            if st.max_buffer_bytes is not None:
+                budget = min(budget, st.max_buffer_bytes)
+            if budget != ex.budget(i):
+                ex.set_budget(i, budget)
+
+    def allocation(self) -> Allocation:
+        """The allocation the executor runs with now."""
+        ex = self.executor
+        n = len(ex.spec.stages)
+        return Allocation(
+            tuple(ex.workers(i) for i in range(n)), tuple(ex.budget(i) for i in range(n))
+        )
+
+
+class MachineFacts:
+    """Machine facts for a Meter: the slow probe once, free CPUs and memory at every call.
+
+    An object of its own, not a bound method of the Loader: a Meter holding the Loader would
+    put the Loader in a reference cycle, and an unreferenced Loader would keep its workers
+    until the garbage collector happens to run.
+    """
+
+    def __init__(self) -> None:
+        self._probed: telemetry.Machine | None = None
+
+    def __call__(self) -> telemetry.Machine:
+        if self._probed is None:
+            self._probed = telemetry.Machine.probe()
+        m = self._probed
+        return telemetry.Machine(
+            telemetry.cpus_available(), telemetry.memory_available_bytes(), m.dram_gbps, m.cpu_ghz
+        )
+
+
+def make_tuner(tuner: Any) -> Any:
+    """The Loader's ``tuner`` argument as a tuner (None: keep the stages' own knobs)."""
+    if tuner is None or tuner == "static":
+        return None  # the stages' own knobs, unchanged
+    if isinstance(tuner, str):
+        from .tuning.registry import make_tuner
+
+        return make_tuner(tuner)
+    if not (hasattr(tuner, "reset") and hasattr(tuner, "step")):
+        raise ValueError(f"Loader: tuner must be None, a tuner name or a Tuner, got {tuner!r}")
+    return tuner
+
+
+def _prefetched_bytes(slot: list[weakref.ref]) -> int:
+    """What the prefetcher in ``slot`` holds in this process for the pipeline."""
+    pre = slot[0]() if slot else None
+    return pre.held_bytes() if pre is not None else 0
+
+
+def start_executor(
+    pipeline: StageChain,
+    *,
+    ordered: bool,
+    max_restarts: int,
+    machine: MachineFacts,
+    clock: telemetry.ConsumerClock,
+    memory_limit_bytes: int | None,
+    prefetch_slot: list[weakref.ref],
+) -> tuple[Executor, RunningPipeline]:
+    """The pipeline's executor and the :class:`RunningPipeline` observing it.
+
+    ``prefetch_slot`` holds (weakly) the epoch's prefetcher, whose held bytes count towards
+    the pipeline's memory.
+    """
+    spec = pipeline.spec(ordered)
+    spec = type(spec)(spec.stages, ordered=spec.ordered, max_restarts=max_restarts)
+    ex = Executor(spec)
+    bounds = [
+        telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency) for s in spec.stages
+    ]
+    # Through a list, not a bound method: the probe must not keep the loader alive.
+    probe = MemoryProbe(functools.partial(_prefetched_bytes, prefetch_slot))
+    meter = telemetry.Meter(
+        lambda: ex.snapshot(per_worker=True), machine, bounds, clock, memory_limit_bytes, probe
+    )
+    return ex, RunningPipeline(ex, meter)
+
+
+def start_tuning(
+    tunable: RunningPipeline, tuner: Any, interval_s: float, log_path: str | None, reset: bool
+) -> Any:
+    """A started :class:`~torchtune_pipe.tuning.loop.TuningLoop` stepping ``tuner`` on
+    ``tunable`` every ``interval_s`` (``reset``: the tuner's first decision)."""
+    from .tuning.loop import TuningLoop
+
+    return TuningLoop(tunable, tuner, interval_s, log_path, reset=reset).start()
+
+
+def start_watch(
+    tunable: RunningPipeline,
+    machine: MachineFacts,
+    clock: telemetry.ConsumerClock,
+    memory_limit_bytes: int | None,
+) -> Any:
+    """A started live table of ``tunable``'s stages, with a meter of its own (its intervals
+    must not shorten the tuner's)."""
+    from .watch import Watcher
+
+    meter = tunable.meter
+    own = telemetry.Meter(
+        meter._snapshot, machine, meter.bounds, clock, memory_limit_bytes, meter.memory
+    )
+    return Watcher(own.observe).start()
+
+
+def busy(executor: Executor | None) -> list:
+    """What the executor's workers are busy with (for a timeout's message); empty when it is
+    gone."""
+    if executor is None:
+        return []
+    try:
+        return executor.busy()
+    except Exception:  # closed under us: the timeout is still the error to report
+        return []
+
+
+def close_held(held: dict, pid: int) -> None:
+    """Close the executor in ``held`` (a loader's finalizer), in its owner process only: in a
+    forked child the workers and memory are the parent's."""
+    if os.getpid() != pid:
+        return
+    ex = held.pop("executor", None)
+    if ex is not None:
+        ex.close()
