@@ -27,11 +27,12 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from . import channel, lifetime, policy, pool, stats
+from . import protocol as P
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
@@ -42,6 +43,7 @@ from .errors import (
     TooManyErrorsError,
     WorkerDiedError,
 )
+from .frames import Frame, Order, Run, StageState, Unit, inline_size
 from .spec import ExecutorSpec, check_picklable, too_many_errors
 from .worker import short_repr
 
@@ -55,104 +57,6 @@ _swept = threading.Event()  # stale segments are swept once per process
 def _modules_of(fn: Any) -> list[str]:
     mods = [getattr(fn, "__module__", None), getattr(type(fn), "__module__", None)]
     return [m for m in mods if m and m != "builtins"]
-
-
-@dataclass
-class _Frame:
-    id: int
-    seq: tuple
-    payload: Any
-    n: int
-    producer: int  # wid, or -1 when made by the router
-    skip: frozenset = frozenset()
-    consumed: set = field(default_factory=set)
-    inline: int = 0  # bytes carried in the control message (0 for shared memory)
-
-
-# Inline frames a queue may hold before the stage feeding it gets no new work: with tiny
-# items a byte budget alone lets a fast producer run minutes ahead of its consumer (16 MiB of
-# 256-byte items), taking CPU from the bottleneck and the router for work nobody waits for.
-MAX_INLINE_FRAMES = 256
-
-
-class _Queue(collections.deque):
-    """A queue of frames that knows how many inline bytes and frames it holds.
-
-    Small frames travel in the control message, outside the arena whose budget blocks a
-    producer; the router stops giving a stage new work while the queue after it holds its
-    budget in such bytes, or ``MAX_INLINE_FRAMES`` such frames. Frames parked in a reorder
-    buffer are not in any queue, so a stage is never held back waiting for frames only it can
-    produce.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inline = 0
-        self.inline_frames = 0
-
-    def append(self, f: _Frame) -> None:
-        self.inline += f.inline
-        self.inline_frames += f.inline > 0
-        super().append(f)
-
-    def appendleft(self, f: _Frame) -> None:
-        self.inline += f.inline
-        self.inline_frames += f.inline > 0
-        super().appendleft(f)
-
-    def popleft(self) -> _Frame:
-        f = super().popleft()
-        self.inline -= f.inline
-        self.inline_frames -= f.inline > 0
-        return f
-
-    def full(self, budget: int) -> bool:
-        """Whether the stage feeding this queue (with byte ``budget``) must wait."""
-        return self.inline >= budget or self.inline_frames >= MAX_INLINE_FRAMES
-
-
-def _inline_size(payload: Any) -> int:
-    """Bytes a small inline payload ``("inline", header, [buffers])`` carries (0 for frames
-    in shared memory and for frames that spilled inline: the spill protocol paces those)."""
-    if payload[0] != "inline":
-        return 0
-    size = len(payload[1]) + sum(len(b) for b in payload[2])
-    return size if size <= channel.INLINE_MAX_BYTES else 0
-
-
-@dataclass
-class _Unit:
-    id: int
-    pos: int
-    unit: Any
-    committed: int = 0  # frames already committed (skipped on re-delivery)
-
-
-@dataclass
-class _Order:
-    """Reorders frames by sequence key ``(domain, unit, frame)`` (ordered mode)."""
-
-    frames: dict = field(default_factory=dict)
-    next_seq: tuple | None = None
-
-
-@dataclass
-class _StageState:
-    index: int
-    target: int
-    budget: int
-    concurrency: int = 1
-    ready: _Queue = field(default_factory=_Queue)
-    order: _Order = field(default_factory=_Order)
-    restarts: int = 0
-    closed: bool = False  # no more input will arrive
-    done: bool = False
-    flush_sent: bool = False
-    out_counter: int = 0
-    slots: set = field(default_factory=set)
-    retired: Any = None  # counters of workers that are gone, summed
-    skipped: int = 0  # items dropped under on_error="skip"
-    last_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=3))
 
 
 @dataclass(frozen=True)
@@ -170,20 +74,6 @@ class Busy:
             f"stage {self.stage!r} worker {self.worker} (pid {self.pid}) has been in its "
             f"function for {self.seconds:.1f} s on {self.work}"
         )
-
-
-class _Run:
-    """Bookkeeping of one pass over a list of units."""
-
-    def __init__(self, units: Sequence, epoch: int):
-        self.units = collections.deque(_Unit(i, i, u) for i, u in enumerate(units))
-        self.n_units = len(self.units)
-        self.units_done = 0
-        self.unit_frames: dict = {}  # (domain, pos) -> frames in that unit, once known
-        self.epoch = epoch
-        self.sink: _Queue = _Queue()
-        self.sink_order = _Order()
-        self.finished = False
 
 
 class Executor:
@@ -241,10 +131,10 @@ class Executor:
         res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
         self._counters = res.counters
         self._stages = [
-            _StageState(i, s.workers, s.buffer_bytes, s.concurrency)
+            StageState(i, s.workers, s.buffer_bytes, s.concurrency)
             for i, s in enumerate(spec.stages)
         ]
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._error: BaseException | None = None
         self._closed = False
         self._delivered_items = 0
@@ -284,14 +174,14 @@ class Executor:
                 raise ExecutorError(
                     "Executor.run: a run is already active; finish or close it first"
                 )
-            self._run = _Run(units, epoch)
+            self._run = Run(units, epoch)
             for st in self._stages:
                 st.closed = st.done = st.flush_sent = False
-                st.order = _Order()
+                st.order = Order()
                 st.out_counter = 0
             for h in self._workers.values():
                 if h.alive() and self.spec.stages[h.stage].stateful:
-                    self._send(h, ("epoch", epoch))
+                    self._send(h, P.Epoch(epoch))
         self._wake()
         return self._iterate(self._run)
 
@@ -311,10 +201,11 @@ class Executor:
         """Set the byte budget of a stage's outbound channel while running."""
         i = self._stage_index(stage)
         s = self.spec.stages[i]
-        if not isinstance(budget_bytes, int) or not 64 * 1024 <= budget_bytes <= s.max_buffer_bytes:
+        lo = policy.MIN_SHARE_BYTES
+        if not isinstance(budget_bytes, int) or not lo <= budget_bytes <= s.max_buffer_bytes:
             raise SpecError(
                 f"set_budget(): stage {s.name!r}: budget_bytes must be an int in "
-                f"[65536, {s.max_buffer_bytes}] (max_buffer_bytes), got {budget_bytes!r}"
+                f"[{lo}, {s.max_buffer_bytes}] (max_buffer_bytes), got {budget_bytes!r}"
             )
         self._command(("budget", i, budget_bytes))
 
@@ -420,7 +311,7 @@ class Executor:
         if not work_id:
             return "its current work"
         held = h.inflight.get(work_id - 1)
-        if isinstance(held, _Unit):
+        if isinstance(held, Unit):
             at = f", at or after its item {item - 1}" if item > 1 else ""
             return f"work unit {short_repr(held.unit)}{at}"
         at = f"item {item - 1} of " if item else ""
@@ -453,7 +344,7 @@ class Executor:
         self.close()
 
     # ---------------------------------------------------------------- consumer side
-    def _iterate(self, run: _Run) -> Iterator[Any]:
+    def _iterate(self, run: Run) -> Iterator[Any]:
         release = self._sink_release()
         try:
             while True:
@@ -474,7 +365,7 @@ class Executor:
             self.close()
             raise
 
-    def _next_frame(self, run: _Run):
+    def _next_frame(self, run: Run):
         with self._cond:
             while True:
                 if self._closed and not run.finished:
@@ -487,7 +378,7 @@ class Executor:
                     frame = run.sink.popleft()
                     self._frame_left(frame)
                     if frame.inline and was_full:
-                        self._wake()  # the last stage may be waiting for room here (_Queue)
+                        self._wake()  # the last stage may be waiting for room here (FrameQueue)
                     if not run.sink:
                         self._break_stall()  # the consumer held the last thing that could move
                     return frame.payload
@@ -546,7 +437,7 @@ class Executor:
         self._res.wake()
 
     def _send(self, h: pool.WorkerHandle, msg) -> None:
-        h.post(msg)
+        h.post(P.wire(msg))
 
     # ---------------------------------------------------------------- worker lifecycle
     def _spawn(self, stage: int) -> None:
@@ -575,52 +466,45 @@ class Executor:
             _MAX_SLOTS,
             seg_name,
             size,
-            max(st.budget // n_alive, 64 * 1024),
+            policy.budget_share(st.budget, n_alive),
         )
         h.start_ns = time.monotonic_ns()
         pool.start_worker(h, args, self._preload)
         if self._run is not None:
-            self._send(h, ("epoch", self._run.epoch))  # stateful stages seed by epoch
+            self._send(h, P.Epoch(self._run.epoch))  # stateful stages seed by epoch
         if st.concurrency != s.concurrency:
-            self._send(h, ("concurrency", st.concurrency))
+            self._send(h, P.Concurrency(st.concurrency))
         self._rebudget(stage)
 
-    def _n_active(self, stage: int) -> int:
-        return sum(
-            1
-            for h in self._workers.values()
-            if h.stage == stage and h.state in ("starting", "ready")
-        )
-
-    def _rebudget(self, stage: int) -> None:
-        st = self._stages[stage]
-        active = [
+    def _active(self, stage: int) -> list[pool.WorkerHandle]:
+        """The stage's workers that take work (starting or ready; not retiring)."""
+        return [
             h
             for h in self._workers.values()
             if h.stage == stage and h.state in ("starting", "ready")
         ]
+
+    def _n_active(self, stage: int) -> int:
+        return len(self._active(stage))
+
+    def _rebudget(self, stage: int) -> None:
+        active = self._active(stage)
         if not active:
             return
-        share = max(st.budget // len(active), 64 * 1024)
+        share = policy.budget_share(self._stages[stage].budget, len(active))
         for h in active:
-            self._send(h, ("budget", share))
+            self._send(h, P.Budget(share))
 
     def _resize(self, stage: int, n: int) -> None:
         st = self._stages[stage]
         st.target = n
-        active = [
-            h
-            for h in self._workers.values()
-            if h.stage == stage and h.state in ("starting", "ready")
-        ]
+        active = self._active(stage)
         for _ in range(n - len(active)):
             self._spawn(stage)
         if len(active) > n:
-            # Retire the least loaded (then newest) workers: they finish what they hold first.
-            victims = sorted(active, key=lambda h: (len(h.inflight), -h.wid))[: len(active) - n]
-            for h in victims:
+            for h in policy.to_retire(active, len(active) - n):
                 h.state = "retiring"
-                self._send(h, ("retire",))
+                self._send(h, P.Retire())
             self._rebudget(stage)
 
     def _on_gone(self, h: pool.WorkerHandle, died: bool, why: str = "") -> None:
@@ -711,7 +595,7 @@ class Executor:
             # Consumers still map it; their mapping keeps its pages alive until dropped.
             for c in self._workers.values():
                 if c.stage == h.stage + 1 and c.alive():
-                    self._send(c, ("drop", seg))
+                    self._send(c, P.Drop(seg))
             del self._by_seg[seg]
             del self._workers[wid]
 
@@ -735,11 +619,11 @@ class Executor:
         for wid, offs in pf.items():
             h = self._workers.get(wid)
             if h is not None and h.alive():
-                self._send(h, ("free", offs))
+                self._send(h, P.Free(offs))
         pf.clear()
 
-    def _new_frame(self, seq, payload, n, producer: int, stage: int) -> _Frame:
-        f = _Frame(next(self._frame_ids), seq, payload, n, producer, inline=_inline_size(payload))
+    def _new_frame(self, seq, payload, n, producer: int, stage: int) -> Frame:
+        f = Frame(next(self._frame_ids), seq, payload, n, producer, inline=inline_size(payload))
         if payload[0] == "shm":
             ref = payload[1]
             self._seg_refs[ref.segment] += 1
@@ -748,7 +632,7 @@ class Executor:
         self._pending_count[producer] += 1
         return f
 
-    def _frame_left(self, f: _Frame) -> None:
+    def _frame_left(self, f: Frame) -> None:
         """A frame stopped being queued or in flight (it is consumed or held)."""
         self._pending_count[f.producer] -= 1
         h = self._workers.get(f.producer)
@@ -761,7 +645,7 @@ class Executor:
             self._spill_ok(h)
 
     def _spill_ok(self, h: pool.WorkerHandle) -> None:
-        self._send(h, ("spill_ok",))
+        self._send(h, P.SpillOk())
         h.blocked = False
 
     def _break_stall(self) -> None:
@@ -773,44 +657,22 @@ class Executor:
             self._spill_ok(h)
 
     # ---------------------------------------------------------------- routing
-    def _deliver(self, stage: int, f: _Frame) -> None:
+    def _deliver(self, stage: int, f: Frame) -> None:
         """Hand a frame produced by ``stage`` to the next stage (or the sink)."""
         nxt = stage + 1
         run = self._run
         if nxt == len(self.spec.stages):
             if self.spec.ordered:
-                self._reorder_put(run.sink_order, f, run.sink)
+                run.sink_order.put(f, run.sink, run.unit_frames)
             else:
                 run.sink.append(f)
             self._cond.notify_all()
             return
         st = self._stages[nxt]
         if self.spec.ordered and self.spec.stages[nxt].stateful:
-            self._reorder_put(st.order, f, st.ready)
+            st.order.put(f, st.ready, run.unit_frames)
         else:
             st.ready.append(f)
-
-    def _reorder_put(self, order: _Order, f: _Frame, out: collections.deque) -> None:
-        order.frames[f.seq] = f
-        self._drain_reorder(order, out)
-
-    def _drain_reorder(self, order: _Order, out: collections.deque) -> None:
-        run = self._run
-        while order.frames:
-            nxt = order.next_seq
-            if nxt is None:
-                nxt = (min(order.frames)[0], 0, 0)  # a domain's first frame
-            f = order.frames.pop(nxt, None)
-            if f is not None:
-                out.append(f)
-                order.next_seq = (nxt[0], nxt[1], nxt[2] + 1)
-                continue
-            total = run.unit_frames.get((nxt[0], nxt[1]))
-            if total is not None and nxt[2] >= total:
-                order.next_seq = (nxt[0], nxt[1] + 1, 0)
-                continue
-            order.next_seq = nxt
-            break
 
     def _dispatch(self) -> None:
         run = self._run
@@ -824,25 +686,25 @@ class Executor:
                 continue
             after = self._stages[i + 1].ready if i + 1 < len(self._stages) else run.sink
             if after.full(st.budget):
-                continue  # see _Queue
+                continue  # see FrameQueue
             if s.kind == "source":
                 while run.units:
-                    h = min(ready, key=lambda h: len(h.inflight))
-                    if len(h.inflight) >= credits:
+                    h = policy.pick_worker(ready, credits)
+                    if h is None:
                         break
                     u = run.units.popleft()
                     h.inflight[u.id] = u
-                    self._send(h, ("unit", u.id, u.unit, u.committed))
+                    self._send(h, P.Unit(u.id, u.unit, u.committed))
                 continue
             while st.ready:
-                h = min(ready, key=lambda h: len(h.inflight))
-                if len(h.inflight) >= credits:
+                h = policy.pick_worker(ready, credits)
+                if h is None:
                     break
                 f = st.ready.popleft()
                 if s.stateful:
                     st.flush_sent = False  # input after a flush: flush again at the end
                 h.inflight[f.id] = f
-                self._send(h, ("run", f.id, f.payload, f.skip))
+                self._send(h, P.Run(f.id, f.payload, f.skip))
 
     def _check_progress(self) -> None:
         """Close stages whose input is exhausted; flush stateful ones; finish the run."""
@@ -869,7 +731,7 @@ class Executor:
                     for h in ws:
                         if h.state == "ready":
                             h.flushing = True
-                            self._send(h, ("flush",))
+                            self._send(h, P.Flush())
                 if any(h.flushing for h in ws) or st.ready or any(h.held for h in ws):
                     return
             st.done = True
@@ -879,98 +741,105 @@ class Executor:
         self._cond.notify_all()
 
     # ---------------------------------------------------------------- messages
-    def _on_message(self, h: pool.WorkerHandle, msg) -> None:
-        kind = msg[0]
+    def _on_message(self, h: pool.WorkerHandle, raw: tuple) -> None:
+        try:
+            msg = P.read(raw)
+        except ValueError as e:
+            s = self.spec.stages[h.stage]
+            raise ExecutorError(f"stage {s.name!r} worker {h.wid}: {e}") from None
+        match msg:
+            case P.Hello():
+                if h.state == "starting":
+                    h.state = "ready"
+                h.ready_ns = time.monotonic_ns()
+                self._start_latencies_ns.append(h.ready_ns - h.start_ns)
+            case P.Emit(_, uid, k, payload, n):
+                u = h.inflight.get(uid)
+                if u is not None:
+                    u.committed = k + 1
+                    self._deliver(
+                        h.stage, self._new_frame((0, u.pos, k), payload, n, h.wid, h.stage)
+                    )
+            case P.UnitDone(_, uid, total, frees):
+                self._take_frees(h, frees)
+                u = h.inflight.pop(uid, None)
+                if u is not None:
+                    self._run.unit_frames[(0, u.pos)] = total
+                    self._run.units_done += 1
+                    if self.spec.ordered:
+                        self._drain_all_reorders()
+            case P.Done() | P.Flushed() | P.Handoff():
+                self._on_outputs(h, msg)
+            case P.Frees(_, frees):
+                self._take_frees(h, frees)
+            case P.Blocked(_, frees):
+                h.blocked = True
+                self._take_frees(h, frees)
+                if policy.may_spill(self._pending_count[h.wid]):
+                    self._spill_ok(h)
+            case P.Unblocked():
+                h.blocked = False
+            case P.Bye(_, frees):
+                self._take_frees(h, frees)
+                h.state = "gone"
+            case P.Error(_, _, exc_bytes, tname, text, tb, where):
+                name = self.spec.stages[h.stage].name
+                self._error = self._make_error(name, h, exc_bytes, tname, text, tb, where)
+            case P.Skipped(_, where, tname, text):
+                self._on_skipped(h, where, tname, text)
+            case _:
+                name = self.spec.stages[h.stage].name
+                raise ExecutorError(f"stage {name!r} worker {h.wid} sent {msg!r}")
+
+    def _on_outputs(self, h: pool.WorkerHandle, msg: P.Done | P.Flushed | P.Handoff) -> None:
+        """A frame done, a reducer flushed, or a retiring reducer's items handed back."""
         run = self._run
         i = h.stage
         s = self.spec.stages[i]
         st = self._stages[i]
-        if kind == "hello":
-            if h.state == "starting":
-                h.state = "ready"
-            h.ready_ns = time.monotonic_ns()
-            self._start_latencies_ns.append(h.ready_ns - h.start_ns)
-        elif kind == "emit":
-            _, _, uid, k, payload, n = msg
-            u = h.inflight.get(uid)
-            if u is None:
-                return
-            u.committed = k + 1
-            f = self._new_frame((0, u.pos, k), payload, n, h.wid, i)
-            self._deliver(i, f)
-        elif kind == "unit_done":
-            _, _, uid, total, frees = msg
-            self._take_frees(h, frees)
-            u = h.inflight.pop(uid, None)
-            if u is None:
-                return
-            run.unit_frames[(0, u.pos)] = total
-            run.units_done += 1
-            if self.spec.ordered:
-                self._drain_all_reorders()
-        elif kind in ("done", "flushed", "handoff"):
-            _, _, fid, outs, consumed, frees = msg
-            f_in = None
-            if kind == "done":
-                f_in = h.inflight.pop(fid, None)
-                if f_in is None:
-                    raise ExecutorError(
-                        f"stage {s.name!r} worker {h.wid} finished unknown frame {fid}"
-                    )
-                self._frame_left(f_in)
-                if f_in.payload[0] == "shm":
-                    h.owes.add((f_in.payload[1].segment, f_in.payload[1].offset))
-                if s.stateful:
-                    h.held[fid] = f_in
-            if consumed:
-                for cfid, idxs in consumed.items():
-                    f = h.held.get(cfid)
-                    if f is None:
-                        continue
-                    f.consumed.update(idxs)
-                    if len(f.consumed) >= f.n:
-                        del h.held[cfid]
-            if kind == "flushed":
-                h.held.clear()  # a flushed reducer holds nothing
-            self._take_frees(h, frees)
-            for payload, n in outs:
-                if s.stateful:
-                    seq = (i + 1, st.out_counter, 0)
-                    if kind != "handoff":
-                        run.unit_frames[(i + 1, st.out_counter)] = 1
-                        st.out_counter += 1
-                    f = self._new_frame(seq, payload, n, h.wid, i)
-                    if kind == "handoff":
-                        # Items given back by a retiring worker re-enter their own stage.
-                        f.seq = (-1, f.id, 0)
-                        st.ready.appendleft(f)
-                    else:
-                        self._deliver(i, f)
+        f_in = None
+        if type(msg) is P.Done:
+            f_in = h.inflight.pop(msg.frame_id, None)
+            if f_in is None:
+                raise ExecutorError(
+                    f"stage {s.name!r} worker {h.wid} finished unknown frame {msg.frame_id}"
+                )
+            self._frame_left(f_in)
+            if f_in.payload[0] == "shm":
+                h.owes.add((f_in.payload[1].segment, f_in.payload[1].offset))
+            if s.stateful:
+                h.held[msg.frame_id] = f_in
+        if msg.consumed:
+            for cfid, idxs in msg.consumed.items():
+                f = h.held.get(cfid)
+                if f is None:
+                    continue
+                f.consumed.update(idxs)
+                if len(f.consumed) >= f.n:
+                    del h.held[cfid]
+        if type(msg) is P.Flushed:
+            h.held.clear()  # a flushed reducer holds nothing
+        self._take_frees(h, msg.frees)
+        handoff = type(msg) is P.Handoff
+        for payload, n in msg.outs:
+            if s.stateful:
+                seq = (i + 1, st.out_counter, 0)
+                if not handoff:
+                    run.unit_frames[(i + 1, st.out_counter)] = 1
+                    st.out_counter += 1
+                f = self._new_frame(seq, payload, n, h.wid, i)
+                if handoff:
+                    # Items given back by a retiring worker re-enter their own stage.
+                    f.seq = (-1, f.id, 0)
+                    st.ready.appendleft(f)
                 else:
-                    self._deliver(i, self._new_frame(f_in.seq, payload, n, h.wid, i))
-            if kind == "flushed":
-                h.flushing = False
-            if self.spec.ordered:
-                self._drain_all_reorders()
-        elif kind == "frees":
-            self._take_frees(h, msg[2])
-        elif kind == "blocked":
-            h.blocked = True
-            self._take_frees(h, msg[2])
-            if policy.may_spill(self._pending_count[h.wid]):
-                self._spill_ok(h)
-        elif kind == "unblocked":
-            h.blocked = False
-        elif kind == "bye":
-            self._take_frees(h, msg[2])
-            h.state = "gone"
-        elif kind == "error":
-            _, _, fid, exc_bytes, tname, text, tb, where = msg
-            self._error = self._make_error(s.name, h, exc_bytes, tname, text, tb, where)
-        elif kind == "skipped":
-            self._on_skipped(h, *msg[2:])
-        else:
-            raise ExecutorError(f"unknown message {kind!r} from stage {s.name!r} worker {h.wid}")
+                    self._deliver(i, f)
+            else:
+                self._deliver(i, self._new_frame(f_in.seq, payload, n, h.wid, i))
+        if type(msg) is P.Flushed:
+            h.flushing = False
+        if self.spec.ordered:
+            self._drain_all_reorders()
 
     def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str) -> None:
         """Count a skip (on_error='skip'); log the first; past max_errors, fail the run."""
@@ -997,10 +866,10 @@ class Executor:
         run = self._run
         for st in self._stages:
             if st.order.frames:
-                self._drain_reorder(st.order, st.ready)
+                st.order.drain(st.ready, run.unit_frames)
         if run.sink_order.frames:
             before = len(run.sink)
-            self._drain_reorder(run.sink_order, run.sink)
+            run.sink_order.drain(run.sink, run.unit_frames)
             if len(run.sink) != before:
                 self._cond.notify_all()
 
@@ -1140,7 +1009,7 @@ class Executor:
                 elif cmd[0] == "concurrency":
                     for h in self._workers.values():
                         if h.stage == cmd[1] and h.state in ("starting", "ready"):
-                            self._send(h, ("concurrency", cmd[2]))
+                            self._send(h, P.Concurrency(cmd[2]))
             while self._sink_frees:
                 seg, off = self._sink_frees.popleft()
                 self._free(seg, off)

@@ -1,4 +1,8 @@
-"""Backpressure decisions of the router, as pure functions over worker views.
+"""The router's decisions, as pure functions over worker views (tested without processes).
+
+Which worker gets the next frame (:func:`pick_worker`), how a stage's budget splits
+(:func:`budget_share`), which workers retire on a shrink (:func:`to_retire`), how many items
+a frame holds (:func:`frame_items`), and backpressure.
 
 A producing worker whose frame does not fit in its arena (the arena is full, or the frame is
 bigger than the worker's whole budget) tells the router it is *blocked* and waits. The router
@@ -18,8 +22,8 @@ large (:func:`frame_items`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import Protocol, TypeVar
 
 
 class WorkerView(Protocol):
@@ -29,6 +33,34 @@ class WorkerView(Protocol):
     inflight: dict
     blocked: bool
     flushing: bool
+
+
+class _Worker(Protocol):
+    wid: int
+    inflight: dict
+
+
+W = TypeVar("W", bound=_Worker)
+
+# The smallest share of a stage's budget a worker gets, however many workers share it.
+MIN_SHARE_BYTES = 64 * 1024
+
+
+def pick_worker(ready: Sequence[W], credits: int) -> W | None:
+    """The least loaded of ``ready`` workers, or None when each has ``credits`` in flight."""
+    h = min(ready, key=lambda h: len(h.inflight))
+    return h if len(h.inflight) < credits else None
+
+
+def budget_share(budget: int, workers: int) -> int:
+    """Each worker's share of its stage's byte budget (its arena's limit)."""
+    return max(budget // max(workers, 1), MIN_SHARE_BYTES)
+
+
+def to_retire(active: Sequence[W], n: int) -> list[W]:
+    """The ``n`` workers to retire on a shrink: the least loaded, then the newest (they finish
+    what they hold before they go, so the least held means the least waited for)."""
+    return sorted(active, key=lambda h: (len(h.inflight), -h.wid))[:n]
 
 
 # A source's frames hold at most this many bytes of items (and at least one item).

@@ -20,6 +20,7 @@ from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
 from . import channel, lifetime
+from . import protocol as P
 from . import worker as _worker
 
 _PRELOAD = ["multiproc.worker", "torch", "numpy", "cloudpickle"]
@@ -252,7 +253,7 @@ class Resources:
             if h.outbox is None:
                 continue  # interrupted before its start: nothing to tell
             if h.alive():
-                h.post(("exit",))
+                h.post(P.wire(P.Exit()))
             h.post(None)  # the sender thread ends after delivering "exit"
         deadline = time.monotonic() + timeout_s
         for h in list(self.workers.values()):
