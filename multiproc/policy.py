@@ -25,11 +25,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
+from .pool import WorkerState as WS
+
 
 class WorkerView(Protocol):
     """What the policies read of a worker (``pool.WorkerHandle`` has these fields)."""
 
-    state: str  # starting, ready, retiring, gone, dead
+    state: WS
     inflight: dict
     blocked: bool
     flushing: bool
@@ -82,9 +84,9 @@ def may_spill(pending_frames: int) -> bool:
 
 
 def _can_progress(h: WorkerView) -> bool:
-    if h.state == "starting":
+    if h.state == WS.STARTING:
         return True  # it will take work as soon as it says hello
-    if h.state not in ("ready", "retiring") or h.blocked:
+    if h.state not in (WS.READY, WS.RETIRING) or h.blocked:
         return False
     return bool(h.inflight) or h.flushing
 
@@ -102,6 +104,6 @@ def stalled(workers: Iterable[WorkerView], sink_frames: int) -> list[WorkerView]
     for h in workers:
         if _can_progress(h):
             return []
-        if h.blocked and h.state in ("ready", "retiring"):
+        if h.blocked and h.state in (WS.READY, WS.RETIRING):
             blocked.append(h)
     return blocked

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from multiproc import Batcher, Executor, ExecutorSpec, StageSpec, policy
+from multiproc.pool import WorkerState as WS
 
 from . import _fns
 
 
 @dataclass
 class FakeWorker:
-    state: str = "ready"
+    state: WS = WS.READY
     inflight: dict = field(default_factory=dict)
     blocked: bool = False
     flushing: bool = False
@@ -37,9 +38,9 @@ def test_stall_releases_every_blocked_worker_when_nothing_can_move():
     "other",
     [
         FakeWorker(inflight={7: "frame"}),  # working on a frame: it will emit or finish
-        FakeWorker(state="starting"),  # will take work once it says hello
+        FakeWorker(state=WS.STARTING),  # will take work once it says hello
         FakeWorker(flushing=True),  # a reducer emitting its last items
-        FakeWorker(state="retiring", inflight={7: "frame"}),
+        FakeWorker(state=WS.RETIRING, inflight={7: "frame"}),
     ],
 )
 def test_no_stall_while_another_worker_can_progress(other):
@@ -51,7 +52,7 @@ def test_no_stall_while_the_consumer_has_frames_to_take():
 
 
 def test_dead_workers_are_neither_progress_nor_released():
-    dead = FakeWorker(state="dead", blocked=True, inflight={1: "f"})
+    dead = FakeWorker(state=WS.DEAD, blocked=True, inflight={1: "f"})
     assert policy.stalled([dead], sink_frames=0) == []
 
 
