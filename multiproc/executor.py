@@ -22,32 +22,30 @@ import collections
 import itertools
 import logging
 import os
-import pickle
 import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from . import channel, lifetime, policy, pool, stats
+from . import protocol as P
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
-    RemoteTraceback,
     SpecError,
-    StageError,
-    StageTimeoutError,
-    TooManyErrorsError,
-    WorkerDiedError,
 )
-from .spec import ExecutorSpec, check_picklable, too_many_errors
+from .frames import Order, Run, StageState, Unit
+from .lifecycle import MAX_SLOTS, Workers
+from .pool import WorkerState as WS
+from .router import Router
+from .spec import ExecutorSpec, check_picklable
 from .worker import short_repr
 
 log = logging.getLogger(__name__)
 
-_MAX_SLOTS = 1024
 _exec_ids = itertools.count()
 _swept = threading.Event()  # stale segments are swept once per process
 
@@ -55,104 +53,6 @@ _swept = threading.Event()  # stale segments are swept once per process
 def _modules_of(fn: Any) -> list[str]:
     mods = [getattr(fn, "__module__", None), getattr(type(fn), "__module__", None)]
     return [m for m in mods if m and m != "builtins"]
-
-
-@dataclass
-class _Frame:
-    id: int
-    seq: tuple
-    payload: Any
-    n: int
-    producer: int  # wid, or -1 when made by the router
-    skip: frozenset = frozenset()
-    consumed: set = field(default_factory=set)
-    inline: int = 0  # bytes carried in the control message (0 for shared memory)
-
-
-# Inline frames a queue may hold before the stage feeding it gets no new work: with tiny
-# items a byte budget alone lets a fast producer run minutes ahead of its consumer (16 MiB of
-# 256-byte items), taking CPU from the bottleneck and the router for work nobody waits for.
-MAX_INLINE_FRAMES = 256
-
-
-class _Queue(collections.deque):
-    """A queue of frames that knows how many inline bytes and frames it holds.
-
-    Small frames travel in the control message, outside the arena whose budget blocks a
-    producer; the router stops giving a stage new work while the queue after it holds its
-    budget in such bytes, or ``MAX_INLINE_FRAMES`` such frames. Frames parked in a reorder
-    buffer are not in any queue, so a stage is never held back waiting for frames only it can
-    produce.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.inline = 0
-        self.inline_frames = 0
-
-    def append(self, f: _Frame) -> None:
-        self.inline += f.inline
-        self.inline_frames += f.inline > 0
-        super().append(f)
-
-    def appendleft(self, f: _Frame) -> None:
-        self.inline += f.inline
-        self.inline_frames += f.inline > 0
-        super().appendleft(f)
-
-    def popleft(self) -> _Frame:
-        f = super().popleft()
-        self.inline -= f.inline
-        self.inline_frames -= f.inline > 0
-        return f
-
-    def full(self, budget: int) -> bool:
-        """Whether the stage feeding this queue (with byte ``budget``) must wait."""
-        return self.inline >= budget or self.inline_frames >= MAX_INLINE_FRAMES
-
-
-def _inline_size(payload: Any) -> int:
-    """Bytes a small inline payload ``("inline", header, [buffers])`` carries (0 for frames
-    in shared memory and for frames that spilled inline: the spill protocol paces those)."""
-    if payload[0] != "inline":
-        return 0
-    size = len(payload[1]) + sum(len(b) for b in payload[2])
-    return size if size <= channel.INLINE_MAX_BYTES else 0
-
-
-@dataclass
-class _Unit:
-    id: int
-    pos: int
-    unit: Any
-    committed: int = 0  # frames already committed (skipped on re-delivery)
-
-
-@dataclass
-class _Order:
-    """Reorders frames by sequence key ``(domain, unit, frame)`` (ordered mode)."""
-
-    frames: dict = field(default_factory=dict)
-    next_seq: tuple | None = None
-
-
-@dataclass
-class _StageState:
-    index: int
-    target: int
-    budget: int
-    concurrency: int = 1
-    ready: _Queue = field(default_factory=_Queue)
-    order: _Order = field(default_factory=_Order)
-    restarts: int = 0
-    closed: bool = False  # no more input will arrive
-    done: bool = False
-    flush_sent: bool = False
-    out_counter: int = 0
-    slots: set = field(default_factory=set)
-    retired: Any = None  # counters of workers that are gone, summed
-    skipped: int = 0  # items dropped under on_error="skip"
-    last_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=3))
 
 
 @dataclass(frozen=True)
@@ -172,21 +72,7 @@ class Busy:
         )
 
 
-class _Run:
-    """Bookkeeping of one pass over a list of units."""
-
-    def __init__(self, units: Sequence, epoch: int):
-        self.units = collections.deque(_Unit(i, i, u) for i, u in enumerate(units))
-        self.n_units = len(self.units)
-        self.units_done = 0
-        self.unit_frames: dict = {}  # (domain, pos) -> frames in that unit, once known
-        self.epoch = epoch
-        self.sink: _Queue = _Queue()
-        self.sink_order = _Order()
-        self.finished = False
-
-
-class Executor:
+class Executor(Router, Workers):
     """Runs an :class:`ExecutorSpec`; see the module docstring.
 
     Args:
@@ -215,7 +101,7 @@ class Executor:
         self._cond = threading.Condition(self._lock)
         self._commands: collections.deque = collections.deque()
         self._sink_frees: collections.deque = collections.deque()
-        self._free_slots = list(range(_MAX_SLOTS - 1, -1, -1))
+        self._free_slots = list(range(MAX_SLOTS - 1, -1, -1))
         self._wids = itertools.count()
         self._frame_ids = itertools.count()
         self._workers: dict[int, pool.WorkerHandle] = {}
@@ -238,13 +124,13 @@ class Executor:
         res = self._res
         res.wake_r, res.wake_w = os.pipe()
         os.set_blocking(res.wake_w, False)
-        res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", _MAX_SLOTS, create=True)
+        res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", MAX_SLOTS, create=True)
         self._counters = res.counters
         self._stages = [
-            _StageState(i, s.workers, s.buffer_bytes, s.concurrency)
+            StageState(i, s.workers, s.buffer_bytes, s.concurrency)
             for i, s in enumerate(spec.stages)
         ]
-        self._run: _Run | None = None
+        self._run: Run | None = None
         self._error: BaseException | None = None
         self._closed = False
         self._delivered_items = 0
@@ -284,14 +170,14 @@ class Executor:
                 raise ExecutorError(
                     "Executor.run: a run is already active; finish or close it first"
                 )
-            self._run = _Run(units, epoch)
+            self._run = Run(units, epoch)
             for st in self._stages:
                 st.closed = st.done = st.flush_sent = False
-                st.order = _Order()
+                st.order = Order()
                 st.out_counter = 0
             for h in self._workers.values():
                 if h.alive() and self.spec.stages[h.stage].stateful:
-                    self._send(h, ("epoch", epoch))
+                    self._send(h, P.Epoch(epoch))
         self._wake()
         return self._iterate(self._run)
 
@@ -311,10 +197,11 @@ class Executor:
         """Set the byte budget of a stage's outbound channel while running."""
         i = self._stage_index(stage)
         s = self.spec.stages[i]
-        if not isinstance(budget_bytes, int) or not 64 * 1024 <= budget_bytes <= s.max_buffer_bytes:
+        lo = policy.MIN_SHARE_BYTES
+        if not isinstance(budget_bytes, int) or not lo <= budget_bytes <= s.max_buffer_bytes:
             raise SpecError(
                 f"set_budget(): stage {s.name!r}: budget_bytes must be an int in "
-                f"[65536, {s.max_buffer_bytes}] (max_buffer_bytes), got {budget_bytes!r}"
+                f"[{lo}, {s.max_buffer_bytes}] (max_buffer_bytes), got {budget_bytes!r}"
             )
         self._command(("budget", i, budget_bytes))
 
@@ -371,7 +258,7 @@ class Executor:
                 stages.append(
                     stats.StageSnapshot(
                         name=self._names[st.index],
-                        workers=sum(1 for h in live if h.state != "retiring"),
+                        workers=sum(1 for h in live if h.state != WS.RETIRING),
                         items_in=sum(r.items_in for r in rows),
                         items_out=sum(r.items_out for r in rows),
                         busy_ns=sum(r.busy_ns for r in rows),
@@ -420,7 +307,7 @@ class Executor:
         if not work_id:
             return "its current work"
         held = h.inflight.get(work_id - 1)
-        if isinstance(held, _Unit):
+        if isinstance(held, Unit):
             at = f", at or after its item {item - 1}" if item > 1 else ""
             return f"work unit {short_repr(held.unit)}{at}"
         at = f"item {item - 1} of " if item else ""
@@ -453,7 +340,7 @@ class Executor:
         self.close()
 
     # ---------------------------------------------------------------- consumer side
-    def _iterate(self, run: _Run) -> Iterator[Any]:
+    def _iterate(self, run: Run) -> Iterator[Any]:
         release = self._sink_release()
         try:
             while True:
@@ -474,7 +361,7 @@ class Executor:
             self.close()
             raise
 
-    def _next_frame(self, run: _Run):
+    def _next_frame(self, run: Run):
         with self._cond:
             while True:
                 if self._closed and not run.finished:
@@ -487,7 +374,7 @@ class Executor:
                     frame = run.sink.popleft()
                     self._frame_left(frame)
                     if frame.inline and was_full:
-                        self._wake()  # the last stage may be waiting for room here (_Queue)
+                        self._wake()  # the last stage may be waiting for room here (FrameQueue)
                     if not run.sink:
                         self._break_stall()  # the consumer held the last thing that could move
                     return frame.payload
@@ -542,491 +429,6 @@ class Executor:
             self._commands.append(cmd)
         self._wake()
 
-    def _wake(self) -> None:
-        self._res.wake()
-
-    def _send(self, h: pool.WorkerHandle, msg) -> None:
-        h.post(msg)
-
-    # ---------------------------------------------------------------- worker lifecycle
-    def _spawn(self, stage: int) -> None:
-        s = self.spec.stages[stage]
-        st = self._stages[stage]
-        wid = next(self._wids)
-        if not self._free_slots:
-            raise ExecutorError(f"stage {s.name!r}: more than {_MAX_SLOTS} workers started")
-        slot = self._free_slots.pop()
-        seg_name = f"ttp_{self._tag}_w{wid}"
-        size = s.max_buffer_bytes
-        channel.create_segment(seg_name, size)
-        self._segments.add(seg_name)
-        index = sum(1 for h in self._workers.values() if h.stage == stage)
-        h = pool.WorkerHandle(wid, stage, index, slot, seg_name, thread=s.worker_type == "thread")
-        self._by_seg[seg_name] = wid
-        self._workers[wid] = h
-        st.slots.add(slot)
-        n_alive = max(1, self._n_active(stage) + 1)
-        args = (
-            self._stage_bytes[stage],
-            wid,
-            slot,
-            index,
-            f"ttp_{self._tag}_stats",
-            _MAX_SLOTS,
-            seg_name,
-            size,
-            max(st.budget // n_alive, 64 * 1024),
-        )
-        h.start_ns = time.monotonic_ns()
-        pool.start_worker(h, args, self._preload)
-        if self._run is not None:
-            self._send(h, ("epoch", self._run.epoch))  # stateful stages seed by epoch
-        if st.concurrency != s.concurrency:
-            self._send(h, ("concurrency", st.concurrency))
-        self._rebudget(stage)
-
-    def _n_active(self, stage: int) -> int:
-        return sum(
-            1
-            for h in self._workers.values()
-            if h.stage == stage and h.state in ("starting", "ready")
-        )
-
-    def _rebudget(self, stage: int) -> None:
-        st = self._stages[stage]
-        active = [
-            h
-            for h in self._workers.values()
-            if h.stage == stage and h.state in ("starting", "ready")
-        ]
-        if not active:
-            return
-        share = max(st.budget // len(active), 64 * 1024)
-        for h in active:
-            self._send(h, ("budget", share))
-
-    def _resize(self, stage: int, n: int) -> None:
-        st = self._stages[stage]
-        st.target = n
-        active = [
-            h
-            for h in self._workers.values()
-            if h.stage == stage and h.state in ("starting", "ready")
-        ]
-        for _ in range(n - len(active)):
-            self._spawn(stage)
-        if len(active) > n:
-            # Retire the least loaded (then newest) workers: they finish what they hold first.
-            victims = sorted(active, key=lambda h: (len(h.inflight), -h.wid))[: len(active) - n]
-            for h in victims:
-                h.state = "retiring"
-                self._send(h, ("retire",))
-            self._rebudget(stage)
-
-    def _on_gone(self, h: pool.WorkerHandle, died: bool, why: str = "") -> None:
-        """A worker ended: re-deliver what it held; replace it if it died."""
-        s = self.spec.stages[h.stage]
-        st = self._stages[h.stage]
-        prev = h.state
-        h.state = "dead" if died else "gone"
-        h.close_outbox(timeout_s=0.5)  # the peer is gone: a pending send fails at once
-        try:
-            h.conn.close()
-        except Exception:
-            pass
-        if h.proc is not None and not h.thread:
-            h.proc.join(0.1)
-        run = self._run
-        if died:
-            st.restarts += 1
-            log.warning(
-                "stage %r worker %d (pid %d) %s; re-delivering %d frames",
-                s.name,
-                h.wid,
-                h.pid,
-                why,
-                len(h.inflight) + len(h.held),
-            )
-        # Everything it held goes back to the front of its stage's queue, in sequence order.
-        back = list(h.inflight.values()) + list(h.held.values())
-        keep = set()
-        for f in h.held.values():
-            self._pending_count[f.producer] += 1  # queued again
-            if f.payload[0] == "shm":
-                keep.add((f.payload[1].segment, f.payload[1].offset))
-        h.inflight.clear()
-        h.held.clear()
-        if s.kind == "source":
-            for u in sorted(back, key=lambda u: u.pos, reverse=True):
-                run.units.appendleft(u)
-        else:
-            for f in sorted(back, key=lambda f: f.seq, reverse=True):
-                f.skip = frozenset(f.consumed)
-                st.ready.appendleft(f)
-        # Frames it consumed but had not yet released: it never will (held frames excepted:
-        # they are delivered again from the same memory).
-        for seg, off in list(h.owes - keep):
-            self._free(seg, off)
-        h.owes.clear()
-        self._retire_slot(h)
-        if h.flushing:
-            h.flushing = False
-            st.flush_sent = False  # flush again once the re-delivered frames are through
-        self._maybe_unlink(h.seg_name)
-        if died:
-            if st.restarts > self.spec.max_restarts:
-                raise WorkerDiedError(
-                    f"stage {s.name!r} worker {h.wid} (pid {h.pid}) {why}; {st.restarts} worker "
-                    f"deaths in this stage exceed max_restarts={self.spec.max_restarts}"
-                )
-            if prev != "retiring" and not self._closed:
-                self._spawn(h.stage)
-
-    def _retire_slot(self, h: pool.WorkerHandle) -> None:
-        """Fold a finished worker's counters into its stage's totals and reuse its slot."""
-        st = self._stages[h.stage]
-        if h.slot not in st.slots:
-            return
-        row = self._counters.row(h.slot)
-        if st.retired is None:
-            st.retired = row.copy()
-            st.retired[stats.STARTED_NS] = 0
-        else:
-            add = row.copy()
-            for c in (stats.PID, stats.STARTED_NS):
-                add[c] = 0
-            st.retired += add
-        st.retired[stats.PID] = 0
-        row[:] = 0
-        st.slots.discard(h.slot)
-        self._free_slots.append(h.slot)
-
-    def _maybe_unlink(self, seg: str) -> None:
-        wid = self._by_seg.get(seg)
-        h = self._workers.get(wid)
-        if h is not None and not h.alive() and self._seg_refs[seg] <= 0:
-            channel.remove_segment(seg)
-            self._segments.discard(seg)
-            self._cache.drop(seg)
-            # Consumers still map it; their mapping keeps its pages alive until dropped.
-            for c in self._workers.values():
-                if c.stage == h.stage + 1 and c.alive():
-                    self._send(c, ("drop", seg))
-            del self._by_seg[seg]
-            del self._workers[wid]
-
-    # ---------------------------------------------------------------- accounting
-    def _free(self, seg: str, off: int) -> None:
-        wid = self._by_seg.get(seg)
-        if wid is None:
-            return
-        self._seg_refs[seg] -= 1
-        h = self._workers[wid]
-        self._seg_bytes[h.stage] -= self._sizes.pop((seg, off), 0)
-        if h.alive():
-            self._pending_free.setdefault(wid, []).append(off)
-        else:
-            self._maybe_unlink(seg)
-
-    def _flush_frees(self) -> None:
-        pf = self._pending_free
-        if not pf:
-            return
-        for wid, offs in pf.items():
-            h = self._workers.get(wid)
-            if h is not None and h.alive():
-                self._send(h, ("free", offs))
-        pf.clear()
-
-    def _new_frame(self, seq, payload, n, producer: int, stage: int) -> _Frame:
-        f = _Frame(next(self._frame_ids), seq, payload, n, producer, inline=_inline_size(payload))
-        if payload[0] == "shm":
-            ref = payload[1]
-            self._seg_refs[ref.segment] += 1
-            self._seg_bytes[stage] += ref.size
-            self._sizes[(ref.segment, ref.offset)] = ref.size
-        self._pending_count[producer] += 1
-        return f
-
-    def _frame_left(self, f: _Frame) -> None:
-        """A frame stopped being queued or in flight (it is consumed or held)."""
-        self._pending_count[f.producer] -= 1
-        h = self._workers.get(f.producer)
-        if (
-            h is not None
-            and h.blocked
-            and policy.may_spill(self._pending_count[f.producer])
-            and h.alive()
-        ):
-            self._spill_ok(h)
-
-    def _spill_ok(self, h: pool.WorkerHandle) -> None:
-        self._send(h, ("spill_ok",))
-        h.blocked = False
-
-    def _break_stall(self) -> None:
-        """Let blocked workers through when nothing else can move (see ``policy``)."""
-        run = self._run
-        if run is None or run.finished or not any(h.blocked for h in self._workers.values()):
-            return
-        for h in policy.stalled(self._workers.values(), len(run.sink)):
-            self._spill_ok(h)
-
-    # ---------------------------------------------------------------- routing
-    def _deliver(self, stage: int, f: _Frame) -> None:
-        """Hand a frame produced by ``stage`` to the next stage (or the sink)."""
-        nxt = stage + 1
-        run = self._run
-        if nxt == len(self.spec.stages):
-            if self.spec.ordered:
-                self._reorder_put(run.sink_order, f, run.sink)
-            else:
-                run.sink.append(f)
-            self._cond.notify_all()
-            return
-        st = self._stages[nxt]
-        if self.spec.ordered and self.spec.stages[nxt].stateful:
-            self._reorder_put(st.order, f, st.ready)
-        else:
-            st.ready.append(f)
-
-    def _reorder_put(self, order: _Order, f: _Frame, out: collections.deque) -> None:
-        order.frames[f.seq] = f
-        self._drain_reorder(order, out)
-
-    def _drain_reorder(self, order: _Order, out: collections.deque) -> None:
-        run = self._run
-        while order.frames:
-            nxt = order.next_seq
-            if nxt is None:
-                nxt = (min(order.frames)[0], 0, 0)  # a domain's first frame
-            f = order.frames.pop(nxt, None)
-            if f is not None:
-                out.append(f)
-                order.next_seq = (nxt[0], nxt[1], nxt[2] + 1)
-                continue
-            total = run.unit_frames.get((nxt[0], nxt[1]))
-            if total is not None and nxt[2] >= total:
-                order.next_seq = (nxt[0], nxt[1] + 1, 0)
-                continue
-            order.next_seq = nxt
-            break
-
-    def _dispatch(self) -> None:
-        run = self._run
-        if run is None or run.finished:
-            return
-        credits = self.spec.credits
-        for i, s in enumerate(self.spec.stages):
-            st = self._stages[i]
-            ready = [h for h in self._workers.values() if h.stage == i and h.state == "ready"]
-            if not ready:
-                continue
-            after = self._stages[i + 1].ready if i + 1 < len(self._stages) else run.sink
-            if after.full(st.budget):
-                continue  # see _Queue
-            if s.kind == "source":
-                while run.units:
-                    h = min(ready, key=lambda h: len(h.inflight))
-                    if len(h.inflight) >= credits:
-                        break
-                    u = run.units.popleft()
-                    h.inflight[u.id] = u
-                    self._send(h, ("unit", u.id, u.unit, u.committed))
-                continue
-            while st.ready:
-                h = min(ready, key=lambda h: len(h.inflight))
-                if len(h.inflight) >= credits:
-                    break
-                f = st.ready.popleft()
-                if s.stateful:
-                    st.flush_sent = False  # input after a flush: flush again at the end
-                h.inflight[f.id] = f
-                self._send(h, ("run", f.id, f.payload, f.skip))
-
-    def _check_progress(self) -> None:
-        """Close stages whose input is exhausted; flush stateful ones; finish the run."""
-        run = self._run
-        if run is None or run.finished:
-            return
-        for i, s in enumerate(self.spec.stages):
-            st = self._stages[i]
-            if st.done:
-                continue
-            ws = [h for h in self._workers.values() if h.stage == i and h.alive()]
-            busy = any(h.inflight for h in ws)
-            if i == 0:
-                st.closed = run.units_done == run.n_units
-            else:
-                st.closed = self._stages[i - 1].done
-            if not st.closed or busy or st.ready or st.order.frames:
-                return
-            if s.stateful:
-                if any(h.state == "starting" for h in ws):
-                    return
-                if not st.flush_sent:
-                    st.flush_sent = True
-                    for h in ws:
-                        if h.state == "ready":
-                            h.flushing = True
-                            self._send(h, ("flush",))
-                if any(h.flushing for h in ws) or st.ready or any(h.held for h in ws):
-                    return
-            st.done = True
-        if run.sink_order.frames:
-            return
-        run.finished = True
-        self._cond.notify_all()
-
-    # ---------------------------------------------------------------- messages
-    def _on_message(self, h: pool.WorkerHandle, msg) -> None:
-        kind = msg[0]
-        run = self._run
-        i = h.stage
-        s = self.spec.stages[i]
-        st = self._stages[i]
-        if kind == "hello":
-            if h.state == "starting":
-                h.state = "ready"
-            h.ready_ns = time.monotonic_ns()
-            self._start_latencies_ns.append(h.ready_ns - h.start_ns)
-        elif kind == "emit":
-            _, _, uid, k, payload, n = msg
-            u = h.inflight.get(uid)
-            if u is None:
-                return
-            u.committed = k + 1
-            f = self._new_frame((0, u.pos, k), payload, n, h.wid, i)
-            self._deliver(i, f)
-        elif kind == "unit_done":
-            _, _, uid, total, frees = msg
-            self._take_frees(h, frees)
-            u = h.inflight.pop(uid, None)
-            if u is None:
-                return
-            run.unit_frames[(0, u.pos)] = total
-            run.units_done += 1
-            if self.spec.ordered:
-                self._drain_all_reorders()
-        elif kind in ("done", "flushed", "handoff"):
-            _, _, fid, outs, consumed, frees = msg
-            f_in = None
-            if kind == "done":
-                f_in = h.inflight.pop(fid, None)
-                if f_in is None:
-                    raise ExecutorError(
-                        f"stage {s.name!r} worker {h.wid} finished unknown frame {fid}"
-                    )
-                self._frame_left(f_in)
-                if f_in.payload[0] == "shm":
-                    h.owes.add((f_in.payload[1].segment, f_in.payload[1].offset))
-                if s.stateful:
-                    h.held[fid] = f_in
-            if consumed:
-                for cfid, idxs in consumed.items():
-                    f = h.held.get(cfid)
-                    if f is None:
-                        continue
-                    f.consumed.update(idxs)
-                    if len(f.consumed) >= f.n:
-                        del h.held[cfid]
-            if kind == "flushed":
-                h.held.clear()  # a flushed reducer holds nothing
-            self._take_frees(h, frees)
-            for payload, n in outs:
-                if s.stateful:
-                    seq = (i + 1, st.out_counter, 0)
-                    if kind != "handoff":
-                        run.unit_frames[(i + 1, st.out_counter)] = 1
-                        st.out_counter += 1
-                    f = self._new_frame(seq, payload, n, h.wid, i)
-                    if kind == "handoff":
-                        # Items given back by a retiring worker re-enter their own stage.
-                        f.seq = (-1, f.id, 0)
-                        st.ready.appendleft(f)
-                    else:
-                        self._deliver(i, f)
-                else:
-                    self._deliver(i, self._new_frame(f_in.seq, payload, n, h.wid, i))
-            if kind == "flushed":
-                h.flushing = False
-            if self.spec.ordered:
-                self._drain_all_reorders()
-        elif kind == "frees":
-            self._take_frees(h, msg[2])
-        elif kind == "blocked":
-            h.blocked = True
-            self._take_frees(h, msg[2])
-            if policy.may_spill(self._pending_count[h.wid]):
-                self._spill_ok(h)
-        elif kind == "unblocked":
-            h.blocked = False
-        elif kind == "bye":
-            self._take_frees(h, msg[2])
-            h.state = "gone"
-        elif kind == "error":
-            _, _, fid, exc_bytes, tname, text, tb, where = msg
-            self._error = self._make_error(s.name, h, exc_bytes, tname, text, tb, where)
-        elif kind == "skipped":
-            self._on_skipped(h, *msg[2:])
-        else:
-            raise ExecutorError(f"unknown message {kind!r} from stage {s.name!r} worker {h.wid}")
-
-    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str) -> None:
-        """Count a skip (on_error='skip'); log the first; past max_errors, fail the run."""
-        s = self.spec.stages[h.stage]
-        st = self._stages[h.stage]
-        st.skipped += 1
-        st.last_errors.append(f"worker {h.wid}, {where}: {tname}: {text}")
-        if st.skipped == 1:
-            log.warning(
-                "stage %r skipped an item (on_error='skip'; more are counted in the stage's "
-                "errors): worker %d, %s: %s: %s", s.name, h.wid, where, tname, text,
-            )  # fmt: skip
-        items_in = sum(int(self._counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
-        if st.retired is not None:
-            items_in += int(st.retired[stats.ITEMS_IN])
-        if self._error is None and too_many_errors(st.skipped, items_in, s.max_errors):
-            last = "; ".join(st.last_errors)
-            self._error = TooManyErrorsError(
-                f"stage {s.name!r}: {st.skipped} items skipped of {items_in} taken in, more "
-                f"than max_errors={s.max_errors!r} allows; last errors: {last}"
-            )
-
-    def _drain_all_reorders(self) -> None:
-        run = self._run
-        for st in self._stages:
-            if st.order.frames:
-                self._drain_reorder(st.order, st.ready)
-        if run.sink_order.frames:
-            before = len(run.sink)
-            self._drain_reorder(run.sink_order, run.sink)
-            if len(run.sink) != before:
-                self._cond.notify_all()
-
-    def _take_frees(self, h: pool.WorkerHandle, frees) -> None:
-        for seg, off in frees or ():
-            h.owes.discard((seg, off))
-            self._free(seg, off)
-
-    def _make_error(self, stage: str, h, exc_bytes, tname, text, tb, where) -> BaseException:
-        note = f"in stage {stage!r}, worker {h.wid} (pid {h.pid}), {where}"
-        exc = None
-        if exc_bytes is not None:
-            try:
-                exc = pickle.loads(exc_bytes)
-            except Exception:
-                exc = None
-        if exc is None:
-            exc = StageError(f"{tname}: {text} ({note})")
-        exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"raised {note}")
-        exc.stage = stage
-        exc.worker = h.wid
-        return exc
-
-    # ---------------------------------------------------------------- the router loop
     @staticmethod
     def _route(ref: weakref.ref, stop: threading.Event) -> None:
         """The router thread: holds the executor only while it handles events, never while it
@@ -1058,127 +460,3 @@ class Executor:
                 if ex._error is None:
                     ex._error = e
                 ex._cond.notify_all()
-
-    def _waitables(self) -> tuple[list | None, list, float | None]:
-        with self._lock:
-            if self._closed:
-                return None, [], None
-            handles = [h for h in self._workers.values() if h.alive()]
-            timeout = self._next_deadline_s(handles)
-        waitables = [self._res.wake_r]
-        for h in handles:
-            waitables.append(h.conn)
-            if h.sentinel is not None:
-                waitables.append(h.sentinel)
-        return waitables, handles, timeout
-
-    def _next_deadline_s(self, handles: list) -> float | None:
-        """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
-        if not self._timeouts or self._error is not None:
-            return None
-        now = time.monotonic_ns()
-        soonest = None
-        for h in handles:
-            limit = self._timeouts.get(h.stage)
-            if limit is None or not h.inflight:
-                continue
-            since = int(self._counters.row(h.slot)[stats.IN_FN_SINCE_NS])
-            left = limit - (now - since) / 1e9 if since else limit
-            soonest = left if soonest is None else min(soonest, left)
-        return None if soonest is None else max(soonest, 0.005)
-
-    def _check_timeouts(self) -> None:
-        limits = self._timeouts
-        if not limits or self._error is not None:
-            return
-        busy = self._busy(time.monotonic_ns(), min(limits.values()), set(limits))
-        stuck = [b for b in busy if b.seconds > limits[self._names.index(b.stage)]]
-        if stuck:
-            b = stuck[0]
-            limit = limits[self._names.index(b.stage)]
-            self._error = StageTimeoutError(
-                f"{b} (timeout_s={limit:g}); it is stopped when the executor closes", tuple(stuck)
-            )
-
-    def _on_ready(self, ready: list, handles: list) -> bool:
-        """Handle what woke the router; False when the executor is closed."""
-        wake_r = self._res.wake_r
-        with self._cond:
-            if self._closed:
-                return False
-            if wake_r in ready:
-                try:
-                    os.read(wake_r, 65536)
-                except BlockingIOError:
-                    pass
-            conn_of = {id(h.conn): h for h in handles}
-            sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
-            dead = []
-            for r in ready:
-                if r == wake_r:
-                    continue
-                h = conn_of.get(id(r))
-                if h is not None:
-                    self._drain_conn(h, dead)
-                    continue
-                h = sent_of.get(r)
-                if h is not None:
-                    # Read what it sent before dying: committed work counts.
-                    self._drain_conn(h, dead)
-                    if h not in dead:
-                        dead.append(h)
-            for h in dead:
-                if h.alive() or h.state == "gone":
-                    self._finish_worker(h)
-            while self._commands:
-                cmd = self._commands.popleft()
-                if cmd[0] == "resize":
-                    self._resize(cmd[1], cmd[2])
-                elif cmd[0] == "budget":
-                    self._stages[cmd[1]].budget = cmd[2]
-                    self._rebudget(cmd[1])
-                elif cmd[0] == "concurrency":
-                    for h in self._workers.values():
-                        if h.stage == cmd[1] and h.state in ("starting", "ready"):
-                            self._send(h, ("concurrency", cmd[2]))
-            while self._sink_frees:
-                seg, off = self._sink_frees.popleft()
-                self._free(seg, off)
-            self._check_timeouts()
-            if self._error is None:
-                self._dispatch()
-                self._check_progress()
-                self._break_stall()
-            self._flush_frees()
-            if self._error is not None:
-                self._cond.notify_all()
-        return True
-
-    def _drain_conn(self, h: pool.WorkerHandle, dead: list) -> None:
-        try:
-            while h.conn.poll():
-                msg = h.conn.recv()
-                self._on_message(h, msg)
-                if h.state == "gone":
-                    if h not in dead:
-                        dead.append(h)
-                    return
-        except (EOFError, OSError, pickle.UnpicklingError):
-            if h not in dead:
-                dead.append(h)
-
-    def _finish_worker(self, h: pool.WorkerHandle, why: str | None = None) -> None:
-        if h.state == "gone":
-            self._on_gone(h, died=False)
-            pool.stop_worker(h, 1.0)
-            return
-        if not h.thread:
-            h.proc.join(0.5)
-        if why is None:
-            why = pool.describe_exit(h)
-        if h.state == "retiring" and not h.inflight and not h.held:
-            self._on_gone(h, died=False)
-            return
-        if self._closed or self._res.stop.is_set():
-            return
-        self._on_gone(h, died=True, why=why)

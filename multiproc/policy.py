@@ -1,4 +1,8 @@
-"""Backpressure decisions of the router, as pure functions over worker views.
+"""The router's decisions, as pure functions over worker views (tested without processes).
+
+Which worker gets the next frame (:func:`pick_worker`), how a stage's budget splits
+(:func:`budget_share`), which workers retire on a shrink (:func:`to_retire`), how many items
+a frame holds (:func:`frame_items`), and backpressure.
 
 A producing worker whose frame does not fit in its arena (the arena is full, or the frame is
 bigger than the worker's whole budget) tells the router it is *blocked* and waits. The router
@@ -18,17 +22,47 @@ large (:func:`frame_items`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import Protocol
+from collections.abc import Iterable, Sequence
+from typing import Protocol, TypeVar
+
+from .pool import WorkerState as WS
 
 
 class WorkerView(Protocol):
     """What the policies read of a worker (``pool.WorkerHandle`` has these fields)."""
 
-    state: str  # starting, ready, retiring, gone, dead
+    state: WS
     inflight: dict
     blocked: bool
     flushing: bool
+
+
+class _Worker(Protocol):
+    wid: int
+    inflight: dict
+
+
+W = TypeVar("W", bound=_Worker)
+
+# The smallest share of a stage's budget a worker gets, however many workers share it.
+MIN_SHARE_BYTES = 64 * 1024
+
+
+def pick_worker(ready: Sequence[W], credits: int) -> W | None:
+    """The least loaded of ``ready`` workers, or None when each has ``credits`` in flight."""
+    h = min(ready, key=lambda h: len(h.inflight))
+    return h if len(h.inflight) < credits else None
+
+
+def budget_share(budget: int, workers: int) -> int:
+    """Each worker's share of its stage's byte budget (its arena's limit)."""
+    return max(budget // max(workers, 1), MIN_SHARE_BYTES)
+
+
+def to_retire(active: Sequence[W], n: int) -> list[W]:
+    """The ``n`` workers to retire on a shrink: the least loaded, then the newest (they finish
+    what they hold before they go, so the least held means the least waited for)."""
+    return sorted(active, key=lambda h: (len(h.inflight), -h.wid))[:n]
 
 
 # A source's frames hold at most this many bytes of items (and at least one item).
@@ -50,9 +84,9 @@ def may_spill(pending_frames: int) -> bool:
 
 
 def _can_progress(h: WorkerView) -> bool:
-    if h.state == "starting":
+    if h.state == WS.STARTING:
         return True  # it will take work as soon as it says hello
-    if h.state not in ("ready", "retiring") or h.blocked:
+    if h.state not in (WS.READY, WS.RETIRING) or h.blocked:
         return False
     return bool(h.inflight) or h.flushing
 
@@ -70,6 +104,6 @@ def stalled(workers: Iterable[WorkerView], sink_frames: int) -> list[WorkerView]
     for h in workers:
         if _can_progress(h):
             return []
-        if h.blocked and h.state in ("ready", "retiring"):
+        if h.blocked and h.state in (WS.READY, WS.RETIRING):
             blocked.append(h)
     return blocked

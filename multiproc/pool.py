@@ -8,6 +8,7 @@ imports; forking a server that has already imported torch and this package costs
 
 from __future__ import annotations
 
+import enum
 import io
 import multiprocessing as mp
 import os
@@ -20,6 +21,7 @@ from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
 from . import channel, lifetime
+from . import protocol as P
 from . import worker as _worker
 
 _PRELOAD = ["multiproc.worker", "torch", "numpy", "cloudpickle"]
@@ -79,6 +81,16 @@ class _WorkerProcess(ForkServerProcess):
         return _NoMainPopen(process_obj)
 
 
+class WorkerState(str, enum.Enum):
+    """Where a worker is in its life (the router's view)."""
+
+    STARTING = "starting"  # forked, has not said hello: counts as capacity, takes work queued
+    READY = "ready"  # takes frames or units
+    RETIRING = "retiring"  # told to retire: finishes what it holds, takes nothing new
+    GONE = "gone"  # retired and said bye
+    DEAD = "dead"  # ended without bye: what it held is delivered again
+
+
 @dataclass
 class WorkerHandle:
     """The executor's view of one worker."""
@@ -92,7 +104,7 @@ class WorkerHandle:
     conn: object = None
     proc: object = None
     pid: int = 0
-    state: str = "starting"  # starting, ready, retiring, gone, dead
+    state: WorkerState = WorkerState.STARTING
     start_ns: int = 0
     ready_ns: int = 0
     inflight: dict = field(default_factory=dict)  # frame id -> Frame, or unit id -> Unit
@@ -121,7 +133,7 @@ class WorkerHandle:
         return None if self.thread else self.proc.sentinel
 
     def alive(self) -> bool:
-        return self.state in ("starting", "ready", "retiring")
+        return self.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.RETIRING)
 
 
 def _send_loop(conn, outbox: queue.SimpleQueue) -> None:
@@ -252,7 +264,7 @@ class Resources:
             if h.outbox is None:
                 continue  # interrupted before its start: nothing to tell
             if h.alive():
-                h.post(("exit",))
+                h.post(P.wire(P.Exit()))
             h.post(None)  # the sender thread ends after delivering "exit"
         deadline = time.monotonic() + timeout_s
         for h in list(self.workers.values()):

@@ -7,8 +7,7 @@ results into its own arena, and commits them with one message. Releasing an inpu
 after the outputs made from it are committed, so the executor can re-deliver whatever a dead
 worker held.
 
-Messages in:  run, unit, free, budget, concurrency, spill_ok, drop, flush, retire, exit.
-Messages out: hello, emit, unit_done, done, flushed, handoff, blocked, frees, error, bye.
+The messages, both ways, are the classes of :mod:`multiproc.protocol`.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from collections.abc import Callable
 import cloudpickle
 
 from . import channel, concurrency, lifetime, policy, reducers, serialize, stats
+from . import protocol as P
 from .channel import Allocator, MappingCache, Segment
 from .errors import StageError
 from .spec import Skipped
@@ -157,14 +157,17 @@ class _Worker:
         out, self.pending_frees = self.pending_frees, []
         return out
 
+    def _say(self, msg) -> None:
+        self.conn.send(P.wire(msg))
+
     def _recv(self):
         if self.deferred:
             return self.deferred.popleft()
         frees = self._take_frees()
         if frees:
-            self.conn.send(("frees", self.wid, frees))
+            self._say(P.Frees(self.wid, frees))
         t0 = _ns()
-        msg = self.conn.recv()
+        msg = P.read(self.conn.recv())
         self.row[stats.BLOCKED_IN_NS] += _ns() - t0
         return msg
 
@@ -177,31 +180,31 @@ class _Worker:
 
     def _handle_control(self, msg) -> bool:
         """Handle a message that needs no stage work; False if it must wait its turn."""
-        kind = msg[0]
-        if kind == "free":
-            for off in msg[1]:
-                self.alloc.free(off)
-            if self.shrunk and self.alloc.used <= self.alloc.limit:
-                self._release_free()
-        elif kind == "budget":
-            limit = min(self.alloc.size, msg[1])
-            self.shrunk = limit < self.alloc.limit
-            self.alloc.limit = limit
-            if self.shrunk and self.alloc.used <= limit:
-                self._release_free()
-        elif kind == "concurrency":
-            self.calls.set_width(msg[1])
-        elif kind == "drop":
-            self.cache.drop(msg[1])
-        elif kind == "exit":
-            raise _Exit
-        elif kind == "spill_ok":
-            pass  # only meaningful while blocked
-        elif kind == "epoch":
-            self.epoch = msg[1]
-            self.reducer = None
-        else:
-            return False
+        match msg:
+            case P.Free(offsets):
+                for off in offsets:
+                    self.alloc.free(off)
+                if self.shrunk and self.alloc.used <= self.alloc.limit:
+                    self._release_free()
+            case P.Budget(nbytes):
+                limit = min(self.alloc.size, nbytes)
+                self.shrunk = limit < self.alloc.limit
+                self.alloc.limit = limit
+                if self.shrunk and self.alloc.used <= limit:
+                    self._release_free()
+            case P.Concurrency(n):
+                self.calls.set_width(n)
+            case P.Drop(segment):
+                self.cache.drop(segment)
+            case P.Exit():
+                raise _Exit
+            case P.SpillOk():
+                pass  # only meaningful while blocked
+            case P.Epoch(epoch):
+                self.epoch = epoch
+                self.reducer = None
+            case _:
+                return False
         return True
 
     def _encode(self, obj):
@@ -215,22 +218,22 @@ class _Worker:
         if payload is not None:
             return payload, nbytes
         t0 = _ns()
-        self.conn.send(("blocked", self.wid, self._take_frees()))
+        self._say(P.Blocked(self.wid, self._take_frees()))
         since = self.cell[stats.IN_FN_SINCE_NS]
         self.cell[stats.IN_FN_SINCE_NS] = 0  # waiting for room is not being stuck in fn
         try:
             while True:
-                msg = self.conn.recv()
-                if msg[0] == "spill_ok":
+                msg = P.read(self.conn.recv())
+                if type(msg) is P.SpillOk:
                     self.row[stats.SPILLED] += 1
                     return channel.encode(obj, None, None)
                 if not self._handle_control(msg):
                     self.deferred.append(msg)
                     continue
-                if (msg[0] == "free" or msg[0] == "budget") and nbytes <= self.alloc.limit:
+                if type(msg) in (P.Free, P.Budget) and nbytes <= self.alloc.limit:
                     payload, nbytes = channel.encode(obj, self.alloc, self.seg)
                     if payload is not None:
-                        self.conn.send(("unblocked", self.wid))
+                        self._say(P.Unblocked(self.wid))
                         return payload, nbytes
         finally:
             waited = _ns() - t0
@@ -286,20 +289,11 @@ class _Worker:
         self.row[stats.ERRORS] += 1
         if self.stage.on_error == "skip":
             # The executor counts, logs and bounds skips (max_errors); only errors cost this.
-            self.conn.send(("skipped", self.wid, where, type(exc).__name__, str(exc)[:300]))
+            self._say(P.Skipped(self.wid, where, type(exc).__name__, str(exc)[:300]))
             return True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self.conn.send(
-            (
-                "error",
-                self.wid,
-                frame_id,
-                _exc_payload(exc),
-                type(exc).__name__,
-                str(exc),
-                tb,
-                where,
-            )
+        self._say(
+            P.Error(self.wid, frame_id, _exc_payload(exc), type(exc).__name__, str(exc), tb, where)
         )
         return False
 
@@ -351,7 +345,7 @@ class _Worker:
             self.row[stats.CPU_NS] += _cpu_ns() - c0 + self.calls.take_cpu_ns()
             self.runq.update(self.row)
         self.row[stats.FRAMES_IN] += 1
-        self.conn.send(("unit_done", self.wid, unit_id, k, self._take_frees()))
+        self._say(P.UnitDone(self.wid, unit_id, k, self._take_frees()))
 
     def _send_unit_frame(self, unit_id, k: int, items: list, unit) -> bool:
         """Commit frame ``k`` of a unit; False when an error was reported instead."""
@@ -363,7 +357,7 @@ class _Worker:
         self.row[stats.FRAMES_OUT] += 1
         self.row[stats.ITEMS_OUT] += len(items)
         self.row[stats.ITEMS_IN] += len(items)
-        self.conn.send(("emit", self.wid, unit_id, k, payload, len(items)))
+        self._say(P.Emit(self.wid, unit_id, k, payload, len(items)))
         return True
 
     def run_frame(self, frame_id, payload, skip: frozenset) -> None:
@@ -419,8 +413,8 @@ class _Worker:
             self.row[stats.BYTES_OUT] += nbytes
             self.row[stats.FRAMES_OUT] += 1
             self.row[stats.ITEMS_OUT] += len(out)
-            self.conn.send(
-                ("done", self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees())
+            self._say(
+                P.Done(self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees())
             )
         finally:
             cell[stats.IN_FN_SINCE_NS] = 0
@@ -445,9 +439,11 @@ class _Worker:
                     return
                 consumed.setdefault(frame_id, []).append(i)
         del items
-        self._commit_stateful("done", frame_id, ready, consumed)
+        self._commit_stateful(P.Done, frame_id, ready, consumed)
 
-    def _commit_stateful(self, kind: str, frame_id, ready: list, consumed: dict) -> None:
+    def _commit_stateful(self, kind: type, frame_id, ready: list, consumed: dict) -> None:
+        """Emit a reducer's outputs with the inputs they consumed (``kind``: ``P.Done`` or
+        ``P.Flushed``)."""
         outs_items = []
         for tags, out in ready:
             if out is not reducers.DROPPED:
@@ -458,12 +454,12 @@ class _Worker:
         del ready, outs_items
         if outs is None:
             return
-        self.conn.send((kind, self.wid, frame_id, outs, consumed, self._take_frees()))
+        self._say(kind(self.wid, frame_id, outs, consumed, self._take_frees()))
 
     def flush(self) -> None:
         t0 = _ns()
         ready = self.reducer.flush() if self.reducer is not None else []
-        self._commit_stateful("flushed", None, ready, {})
+        self._commit_stateful(P.Flushed, None, ready, {})
         self.row[stats.BUSY_NS] += _ns() - t0
 
     def handoff(self) -> None:
@@ -479,7 +475,7 @@ class _Worker:
         if outs is None:
             return
         self.row[stats.ITEMS_IN] -= len(items)
-        self.conn.send(("handoff", self.wid, None, outs, consumed, self._take_frees()))
+        self._say(P.Handoff(self.wid, None, outs, consumed, self._take_frees()))
 
     # -- main loop --------------------------------------------------------------------------
     def loop(self) -> None:
@@ -492,25 +488,25 @@ class _Worker:
         self.runq = _RunQueue()
         concurrency._install(self.calls)  # sources reach it through concurrency.current()
         self.started = True
-        self.conn.send(("hello", self.wid, os.getpid()))
+        self._say(P.Hello(self.wid, os.getpid()))
         while True:
             msg = self._recv()
             if self._handle_control(msg):
                 continue
-            kind = msg[0]
-            if kind == "run":
-                self.run_frame(msg[1], msg[2], msg[3])
-            elif kind == "unit":
-                self.run_unit(msg[1], msg[2], msg[3])
-            elif kind == "flush":
-                self.flush()
-            elif kind == "retire":
-                if self.stage.kind == "stateful":
-                    self.handoff()
-                self.conn.send(("bye", self.wid, self._take_frees()))
-                return
-            else:
-                raise RuntimeError(f"worker got unknown message {kind!r}")
+            match msg:
+                case P.Run(frame_id, payload, skip):
+                    self.run_frame(frame_id, payload, skip)
+                case P.Unit(unit_id, unit, skip_frames):
+                    self.run_unit(unit_id, unit, skip_frames)
+                case P.Flush():
+                    self.flush()
+                case P.Retire():
+                    if self.stage.kind == "stateful":
+                        self.handoff()
+                    self._say(P.Bye(self.wid, self._take_frees()))
+                    return
+                case _:
+                    raise RuntimeError(f"worker got a message it does not take: {msg!r}")
 
     def close(self) -> None:
         concurrency._install(None)
@@ -539,18 +535,10 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
     except BaseException as e:  # report anything else (e.g. init failed) before dying
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         try:
-            conn.send(
-                (
-                    "error",
-                    args[1] if len(args) > 1 else -1,
-                    None,
-                    _exc_payload(e),
-                    type(e).__name__,
-                    str(e),
-                    tb,
-                    "worker start" if w is None or not w.started else "the worker's loop",
-                )
-            )
+            where = "worker start" if w is None or not w.started else "the worker's loop"
+            wid = args[1] if len(args) > 1 else -1
+            msg = P.Error(wid, None, _exc_payload(e), type(e).__name__, str(e), tb, where)
+            conn.send(P.wire(msg))
         except Exception:
             print(tb, file=sys.stderr)
     finally:

@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 
 from multiproc import Batcher, Executor, ExecutorSpec, StageSpec, policy
+from multiproc.pool import WorkerState as WS
 
 from . import _fns
 
 
 @dataclass
 class FakeWorker:
-    state: str = "ready"
+    state: WS = WS.READY
     inflight: dict = field(default_factory=dict)
     blocked: bool = False
     flushing: bool = False
@@ -37,9 +38,9 @@ def test_stall_releases_every_blocked_worker_when_nothing_can_move():
     "other",
     [
         FakeWorker(inflight={7: "frame"}),  # working on a frame: it will emit or finish
-        FakeWorker(state="starting"),  # will take work once it says hello
+        FakeWorker(state=WS.STARTING),  # will take work once it says hello
         FakeWorker(flushing=True),  # a reducer emitting its last items
-        FakeWorker(state="retiring", inflight={7: "frame"}),
+        FakeWorker(state=WS.RETIRING, inflight={7: "frame"}),
     ],
 )
 def test_no_stall_while_another_worker_can_progress(other):
@@ -51,7 +52,7 @@ def test_no_stall_while_the_consumer_has_frames_to_take():
 
 
 def test_dead_workers_are_neither_progress_nor_released():
-    dead = FakeWorker(state="dead", blocked=True, inflight={1: "f"})
+    dead = FakeWorker(state=WS.DEAD, blocked=True, inflight={1: "f"})
     assert policy.stalled([dead], sink_frames=0) == []
 
 
@@ -156,3 +157,27 @@ def test_a_smaller_budget_gives_the_arena_pages_back():
         after = _arena_bytes()
     assert before >= 16 << 20, before
     assert after <= 2 << 20, (before, after)
+
+
+@dataclass
+class Loaded:
+    wid: int
+    inflight: dict
+
+
+def test_the_least_loaded_worker_gets_the_next_frame_within_its_credits():
+    a, b = Loaded(0, {1: 0, 2: 0}), Loaded(1, {3: 0})
+    assert policy.pick_worker([a, b], credits=2) is b
+    assert policy.pick_worker([a, Loaded(1, {3: 0, 4: 0})], credits=2) is None
+
+
+def test_a_budget_splits_evenly_with_a_floor():
+    assert policy.budget_share(64 << 20, 4) == 16 << 20
+    assert policy.budget_share(64 << 10, 8) == policy.MIN_SHARE_BYTES
+    assert policy.budget_share(1 << 20, 0) == 1 << 20
+
+
+def test_a_shrink_retires_the_least_loaded_then_the_newest():
+    old_idle, new_idle, busy = Loaded(1, {}), Loaded(5, {}), Loaded(2, {9: 0})
+    assert policy.to_retire([busy, old_idle, new_idle], 2) == [new_idle, old_idle]
+    assert policy.to_retire([busy, old_idle], 1) == [old_idle]

@@ -298,7 +298,7 @@ def test_small_frames_are_held_back_by_the_budget_too():
 def test_tiny_frames_are_held_back_by_count_under_a_large_budget():
     """Under a byte budget that holds tens of thousands of tiny frames, the queue in front of
     a slower stage stops at MAX_INLINE_FRAMES frames instead (seconds, not minutes, of work)."""
-    from multiproc.executor import MAX_INLINE_FRAMES
+    from multiproc.frames import MAX_INLINE_FRAMES
 
     queued = _queue_in_front_of_a_slow_stage(64 << 20)
     assert MAX_INLINE_FRAMES // 2 < max(queued) <= MAX_INLINE_FRAMES + 8, queued

@@ -1,0 +1,174 @@
+"""Workers come and go: spawn, resize, retire, and recovery of what a dead one held.
+
+:class:`Workers` is the part of :class:`~multiproc.executor.Executor` that starts worker
+processes (or threads) in free counter slots, splits a stage's budget among them, retires the
+ones :func:`multiproc.policy.to_retire` picks when a stage shrinks, and, when one ends, puts
+every frame, unit or stateful holding it had back at the front of its stage's queue, so each is
+delivered again exactly once (a source's committed frames are skipped).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from . import channel, policy, pool, stats
+from . import protocol as P
+from .errors import (
+    ExecutorError,
+    WorkerDiedError,
+)
+from .pool import WorkerState as WS
+
+log = logging.getLogger("multiproc.executor")
+
+MAX_SLOTS = 1024  # workers ever started by one executor (counter slots are reused)
+
+
+class Workers:
+    """Worker lifecycle of the executor (see the module docstring)."""
+
+    def _spawn(self, stage: int) -> None:
+        s = self.spec.stages[stage]
+        st = self._stages[stage]
+        wid = next(self._wids)
+        if not self._free_slots:
+            raise ExecutorError(f"stage {s.name!r}: more than {MAX_SLOTS} workers started")
+        slot = self._free_slots.pop()
+        seg_name = f"ttp_{self._tag}_w{wid}"
+        size = s.max_buffer_bytes
+        channel.create_segment(seg_name, size)
+        self._segments.add(seg_name)
+        index = sum(1 for h in self._workers.values() if h.stage == stage)
+        h = pool.WorkerHandle(wid, stage, index, slot, seg_name, thread=s.worker_type == "thread")
+        self._by_seg[seg_name] = wid
+        self._workers[wid] = h
+        st.slots.add(slot)
+        n_alive = max(1, self._n_active(stage) + 1)
+        args = (
+            self._stage_bytes[stage],
+            wid,
+            slot,
+            index,
+            f"ttp_{self._tag}_stats",
+            MAX_SLOTS,
+            seg_name,
+            size,
+            policy.budget_share(st.budget, n_alive),
+        )
+        h.start_ns = time.monotonic_ns()
+        pool.start_worker(h, args, self._preload)
+        if self._run is not None:
+            self._send(h, P.Epoch(self._run.epoch))  # stateful stages seed by epoch
+        if st.concurrency != s.concurrency:
+            self._send(h, P.Concurrency(st.concurrency))
+        self._rebudget(stage)
+
+    def _active(self, stage: int) -> list[pool.WorkerHandle]:
+        """The stage's workers that take work (starting or ready; not retiring)."""
+        return [
+            h
+            for h in self._workers.values()
+            if h.stage == stage and h.state in (WS.STARTING, WS.READY)
+        ]
+
+    def _n_active(self, stage: int) -> int:
+        return len(self._active(stage))
+
+    def _rebudget(self, stage: int) -> None:
+        active = self._active(stage)
+        if not active:
+            return
+        share = policy.budget_share(self._stages[stage].budget, len(active))
+        for h in active:
+            self._send(h, P.Budget(share))
+
+    def _resize(self, stage: int, n: int) -> None:
+        st = self._stages[stage]
+        st.target = n
+        active = self._active(stage)
+        for _ in range(n - len(active)):
+            self._spawn(stage)
+        if len(active) > n:
+            for h in policy.to_retire(active, len(active) - n):
+                h.state = WS.RETIRING
+                self._send(h, P.Retire())
+            self._rebudget(stage)
+
+    def _on_gone(self, h: pool.WorkerHandle, died: bool, why: str = "") -> None:
+        """A worker ended: re-deliver what it held; replace it if it died."""
+        s = self.spec.stages[h.stage]
+        st = self._stages[h.stage]
+        prev = h.state
+        h.state = WS.DEAD if died else WS.GONE
+        h.close_outbox(timeout_s=0.5)  # the peer is gone: a pending send fails at once
+        try:
+            h.conn.close()
+        except Exception:
+            pass
+        if h.proc is not None and not h.thread:
+            h.proc.join(0.1)
+        run = self._run
+        if died:
+            st.restarts += 1
+            log.warning(
+                "stage %r worker %d (pid %d) %s; re-delivering %d frames",
+                s.name,
+                h.wid,
+                h.pid,
+                why,
+                len(h.inflight) + len(h.held),
+            )
+        # Everything it held goes back to the front of its stage's queue, in sequence order.
+        back = list(h.inflight.values()) + list(h.held.values())
+        keep = set()
+        for f in h.held.values():
+            self._pending_count[f.producer] += 1  # queued again
+            if f.payload[0] == "shm":
+                keep.add((f.payload[1].segment, f.payload[1].offset))
+        h.inflight.clear()
+        h.held.clear()
+        if s.kind == "source":
+            for u in sorted(back, key=lambda u: u.pos, reverse=True):
+                run.units.appendleft(u)
+        else:
+            for f in sorted(back, key=lambda f: f.seq, reverse=True):
+                f.skip = frozenset(f.consumed)
+                st.ready.appendleft(f)
+        # Frames it consumed but had not yet released: it never will (held frames excepted:
+        # they are delivered again from the same memory).
+        for seg, off in list(h.owes - keep):
+            self._free(seg, off)
+        h.owes.clear()
+        self._retire_slot(h)
+        if h.flushing:
+            h.flushing = False
+            st.flush_sent = False  # flush again once the re-delivered frames are through
+        self._maybe_unlink(h.seg_name)
+        if died:
+            if st.restarts > self.spec.max_restarts:
+                raise WorkerDiedError(
+                    f"stage {s.name!r} worker {h.wid} (pid {h.pid}) {why}; {st.restarts} worker "
+                    f"deaths in this stage exceed max_restarts={self.spec.max_restarts}"
+                )
+            if prev != WS.RETIRING and not self._closed:
+                self._spawn(h.stage)
+
+    def _retire_slot(self, h: pool.WorkerHandle) -> None:
+        """Fold a finished worker's counters into its stage's totals and reuse its slot."""
+        st = self._stages[h.stage]
+        if h.slot not in st.slots:
+            return
+        row = self._counters.row(h.slot)
+        if st.retired is None:
+            st.retired = row.copy()
+            st.retired[stats.STARTED_NS] = 0
+        else:
+            add = row.copy()
+            for c in (stats.PID, stats.STARTED_NS):
+                add[c] = 0
+            st.retired += add
+        st.retired[stats.PID] = 0
+        row[:] = 0
+        st.slots.discard(h.slot)
+        self._free_slots.append(h.slot)

@@ -1,0 +1,247 @@
+"""The messages between the router and a worker, one class each.
+
+On the wire a message is a plain tuple ``(TAG, *fields)`` (:func:`wire`): a tuple pickles
+several times faster than a named tuple, and a router handles one or more messages per frame.
+:func:`read` turns a received tuple back into its class, so both sides name every field.
+
+Router -> worker: :class:`Run`, :class:`Unit`, :class:`Flush`, :class:`Retire`, :class:`Free`,
+:class:`Budget`, :class:`Concurrency`, :class:`SpillOk`, :class:`Drop`, :class:`Epoch`,
+:class:`Exit`.
+
+Worker -> router: :class:`Hello`, :class:`Emit`, :class:`UnitDone`, :class:`Done`,
+:class:`Flushed`, :class:`Handoff`, :class:`Frees`, :class:`Blocked`, :class:`Unblocked`,
+:class:`Bye`, :class:`Error`, :class:`Skipped`.
+
+A worker commits its outputs and the release of its input in one message (``Done``,
+``UnitDone``), so whatever a dead worker held can be delivered again exactly once.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+# ------------------------------------------------------------------- router -> worker
+
+
+class Run(NamedTuple):
+    """Run the stage function over a frame; ``skip``: item positions already consumed."""
+
+    TAG = "run"
+    frame_id: int
+    payload: Any
+    skip: frozenset
+
+
+class Unit(NamedTuple):
+    """Read a work unit (source stages); its first ``skip_frames`` frames are committed."""
+
+    TAG = "unit"
+    unit_id: int
+    unit: Any
+    skip_frames: int
+
+
+class Flush(NamedTuple):
+    """Input is exhausted: a stateful stage emits what it still holds."""
+
+    TAG = "flush"
+
+
+class Retire(NamedTuple):
+    """Finish what is held, hand a stateful stage's items back, say :class:`Bye`, end."""
+
+    TAG = "retire"
+
+
+class Free(NamedTuple):
+    """Arena blocks (offsets) consumers no longer use."""
+
+    TAG = "free"
+    offsets: list
+
+
+class Budget(NamedTuple):
+    """This worker's new share of its stage's byte budget (its arena's limit)."""
+
+    TAG = "budget"
+    nbytes: int
+
+
+class Concurrency(NamedTuple):
+    """Calls of the stage function in flight in this worker."""
+
+    TAG = "concurrency"
+    n: int
+
+
+class SpillOk(NamedTuple):
+    """A blocked worker may send its frame inline (see ``policy``)."""
+
+    TAG = "spill_ok"
+
+
+class Drop(NamedTuple):
+    """Unmap another worker's arena (that worker is gone)."""
+
+    TAG = "drop"
+    segment: str
+
+
+class Epoch(NamedTuple):
+    """A new epoch starts: stateful stages build a fresh reducer seeded by it."""
+
+    TAG = "epoch"
+    epoch: int
+
+
+class Exit(NamedTuple):
+    """End now (the executor closes)."""
+
+    TAG = "exit"
+
+
+# ------------------------------------------------------------------- worker -> router
+
+
+class Hello(NamedTuple):
+    """The worker runs and takes work."""
+
+    TAG = "hello"
+    wid: int
+    pid: int
+
+
+class Emit(NamedTuple):
+    """A source committed frame ``k`` of a unit (``n`` items)."""
+
+    TAG = "emit"
+    wid: int
+    unit_id: int
+    k: int
+    payload: Any
+    n: int
+
+
+class UnitDone(NamedTuple):
+    """A source finished a unit of ``frames`` frames."""
+
+    TAG = "unit_done"
+    wid: int
+    unit_id: int
+    frames: int
+    frees: list
+
+
+class Done(NamedTuple):
+    """A frame is done: its outputs ``[(payload, n)]`` and, for stateful stages, the input
+    items now fully consumed (``{frame_id: [positions]}``)."""
+
+    TAG = "done"
+    wid: int
+    frame_id: int | None
+    outs: list
+    consumed: dict | None
+    frees: list
+
+
+class Flushed(NamedTuple):
+    """A stateful stage's last outputs, after :class:`Flush` (fields as :class:`Done`)."""
+
+    TAG = "flushed"
+    wid: int
+    frame_id: None
+    outs: list
+    consumed: dict | None
+    frees: list
+
+
+class Handoff(NamedTuple):
+    """A retiring stateful worker gives its held items back (fields as :class:`Done`)."""
+
+    TAG = "handoff"
+    wid: int
+    frame_id: None
+    outs: list
+    consumed: dict | None
+    frees: list
+
+
+class Frees(NamedTuple):
+    """Arena blocks of other workers this worker no longer uses."""
+
+    TAG = "frees"
+    wid: int
+    frees: list
+
+
+class Blocked(NamedTuple):
+    """The worker's next frame does not fit its arena; it waits (see ``policy``)."""
+
+    TAG = "blocked"
+    wid: int
+    frees: list
+
+
+class Unblocked(NamedTuple):
+    """Room appeared before the router let the frame through."""
+
+    TAG = "unblocked"
+    wid: int
+
+
+class Bye(NamedTuple):
+    """A retiring worker is done."""
+
+    TAG = "bye"
+    wid: int
+    frees: list
+
+
+class Error(NamedTuple):
+    """The stage function raised (``on_error='raise'``), or the worker could not start."""
+
+    TAG = "error"
+    wid: int
+    work_id: int | None
+    exc: bytes | None  # the pickled exception, when it pickles
+    type_name: str
+    text: str
+    traceback: str
+    where: str
+
+
+class Skipped(NamedTuple):
+    """An item was dropped under ``on_error='skip'``."""
+
+    TAG = "skipped"
+    wid: int
+    where: str
+    type_name: str
+    text: str
+
+
+_BY_TAG: dict[str, Any] = {
+    cls.TAG: cls
+    for cls in (
+        Run, Unit, Flush, Retire, Free, Budget, Concurrency, SpillOk, Drop, Epoch, Exit,
+        Hello, Emit, UnitDone, Done, Flushed, Handoff, Frees, Blocked, Unblocked, Bye, Error,
+        Skipped,
+    )
+}  # fmt: skip
+
+
+def wire(msg: NamedTuple) -> tuple:
+    """The tuple that travels: ``(TAG, *fields)``."""
+    return (msg.TAG, *msg)  # type: ignore[attr-defined]
+
+
+def read(msg: tuple) -> Any:
+    """The message class instance of a received tuple.
+
+    Raises:
+        ValueError: an unknown tag (a peer of another version, or a bug).
+    """
+    cls = _BY_TAG.get(msg[0])
+    if cls is None:
+        raise ValueError(f"unknown message {msg[0]!r}")
+    return cls._make(msg[1:])
