@@ -38,6 +38,7 @@ from .errors import (
     SpecError,
 )
 from .frames import Order, Run, StageState, Unit
+from .fusion import Fusion
 from .lifecycle import MAX_SLOTS, Workers
 from .pool import WorkerState as WS
 from .router import Router
@@ -72,7 +73,7 @@ class Busy:
         )
 
 
-class Executor(Router, Workers):
+class Executor(Router, Workers, Fusion):
     """Runs an :class:`ExecutorSpec`; see the module docstring.
 
     Args:
@@ -95,6 +96,7 @@ class Executor(Router, Workers):
             dict.fromkeys(m for s in spec.stages for m in _modules_of(s.fn) if m != "__main__")
         )
         self._names = [s.name for s in spec.stages]
+        self._init_fusion()
         self._timeouts = {i: s.timeout_s for i, s in enumerate(spec.stages) if s.timeout_s}
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
         self._lock = threading.Lock()
@@ -252,6 +254,7 @@ class Executor(Router, Workers):
                 ]
                 if st.retired is not None:
                     rows.append(stats.read_row(self._names[st.index], -1, st.retired, now))
+                rows += self._fused_rows(st.index, now)
                 live = [h for h in self._workers.values() if h.stage == st.index and h.alive()]
                 used = sum(self._seg_refs[h.seg_name] for h in live)
                 queued = len(st.ready)

@@ -55,9 +55,12 @@ class Workers:
             seg_name,
             size,
             policy.budget_share(st.budget, n_alive),
+            self._chains[stage],
         )
         h.start_ns = time.monotonic_ns()
         pool.start_worker(h, args, self._preload)
+        if self._depth(stage):
+            self._send(h, P.Fuse(self._depth(stage)))
         if self._run is not None:
             self._send(h, P.Epoch(self._run.epoch))  # stateful stages seed by epoch
         if st.concurrency != s.concurrency:
@@ -86,6 +89,8 @@ class Workers:
     def _resize(self, stage: int, n: int) -> None:
         st = self._stages[stage]
         st.target = n
+        if self._fused[stage]:
+            return  # its host runs it; the target is kept for when it is split again
         active = self._active(stage)
         for _ in range(n - len(active)):
             self._spawn(stage)

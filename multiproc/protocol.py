@@ -5,8 +5,8 @@ several times faster than a named tuple, and a router handles one or more messag
 :func:`read` turns a received tuple back into its class, so both sides name every field.
 
 Router -> worker: :class:`Run`, :class:`Unit`, :class:`Flush`, :class:`Retire`, :class:`Free`,
-:class:`Budget`, :class:`Concurrency`, :class:`SpillOk`, :class:`Drop`, :class:`Epoch`,
-:class:`Exit`.
+:class:`Budget`, :class:`Concurrency`, :class:`Fuse`, :class:`SpillOk`, :class:`Drop`,
+:class:`Epoch`, :class:`Exit`.
 
 Worker -> router: :class:`Hello`, :class:`Emit`, :class:`UnitDone`, :class:`Done`,
 :class:`Flushed`, :class:`Handoff`, :class:`Frees`, :class:`Blocked`, :class:`Unblocked`,
@@ -74,6 +74,13 @@ class Concurrency(NamedTuple):
     n: int
 
 
+class Fuse(NamedTuple):
+    """Run the next ``depth`` stages' functions too, on this stage's outputs (fusion)."""
+
+    TAG = "fuse"
+    depth: int
+
+
 class SpillOk(NamedTuple):
     """A blocked worker may send its frame inline (see ``policy``)."""
 
@@ -112,7 +119,8 @@ class Hello(NamedTuple):
 
 
 class Emit(NamedTuple):
-    """A source committed frame ``k`` of a unit (``n`` items)."""
+    """A source committed frame ``k`` of a unit (``n`` items), the output of the stage
+    ``depth`` after its own (0: its own; more when stages are fused into it)."""
 
     TAG = "emit"
     wid: int
@@ -120,6 +128,7 @@ class Emit(NamedTuple):
     k: int
     payload: Any
     n: int
+    depth: int
 
 
 class UnitDone(NamedTuple):
@@ -133,8 +142,9 @@ class UnitDone(NamedTuple):
 
 
 class Done(NamedTuple):
-    """A frame is done: its outputs ``[(payload, n)]`` and, for stateful stages, the input
-    items now fully consumed (``{frame_id: [positions]}``)."""
+    """A frame is done: its outputs ``[(payload, n)]`` (made by the stage ``depth`` after
+    the worker's own, see :class:`Emit`) and, for stateful stages, the input items now fully
+    consumed (``{frame_id: [positions]}``)."""
 
     TAG = "done"
     wid: int
@@ -142,6 +152,7 @@ class Done(NamedTuple):
     outs: list
     consumed: dict | None
     frees: list
+    depth: int = 0
 
 
 class Flushed(NamedTuple):
@@ -208,6 +219,7 @@ class Error(NamedTuple):
     text: str
     traceback: str
     where: str
+    depth: int = 0  # whose function: the stage this many after the worker's own
 
 
 class Skipped(NamedTuple):
@@ -218,12 +230,13 @@ class Skipped(NamedTuple):
     where: str
     type_name: str
     text: str
+    depth: int = 0  # whose function: the stage this many after the worker's own
 
 
 _BY_TAG: dict[str, Any] = {
     cls.TAG: cls
     for cls in (
-        Run, Unit, Flush, Retire, Free, Budget, Concurrency, SpillOk, Drop, Epoch, Exit,
+        Run, Unit, Flush, Retire, Free, Budget, Concurrency, Fuse, SpillOk, Drop, Epoch, Exit,
         Hello, Emit, UnitDone, Done, Flushed, Handoff, Frees, Blocked, Unblocked, Bye, Error,
         Skipped,
     )

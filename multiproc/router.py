@@ -208,13 +208,12 @@ class Router:
                     h.state = WS.READY
                 h.ready_ns = time.monotonic_ns()
                 self._start_latencies_ns.append(h.ready_ns - h.start_ns)
-            case P.Emit(_, uid, k, payload, n):
+            case P.Emit(_, uid, k, payload, n, depth):
                 u = h.inflight.get(uid)
                 if u is not None:
                     u.committed = k + 1
-                    self._deliver(
-                        h.stage, self._new_frame((0, u.pos, k), payload, n, h.wid, h.stage)
-                    )
+                    f = self._new_frame((0, u.pos, k), payload, n, h.wid, h.stage)
+                    self._deliver(h.stage + depth, f)
             case P.UnitDone(_, uid, total, frees):
                 self._take_frees(h, frees)
                 u = h.inflight.pop(uid, None)
@@ -237,11 +236,11 @@ class Router:
             case P.Bye(_, frees):
                 self._take_frees(h, frees)
                 h.state = WS.GONE
-            case P.Error(_, _, exc_bytes, tname, text, tb, where):
-                name = self.spec.stages[h.stage].name
+            case P.Error(_, _, exc_bytes, tname, text, tb, where, depth):
+                name = self.spec.stages[h.stage + depth].name
                 self._error = self._make_error(name, h, exc_bytes, tname, text, tb, where)
-            case P.Skipped(_, where, tname, text):
-                self._on_skipped(h, where, tname, text)
+            case P.Skipped(_, where, tname, text, depth):
+                self._on_skipped(h, where, tname, text, h.stage + depth)
             case _:
                 name = self.spec.stages[h.stage].name
                 raise ExecutorError(f"stage {name!r} worker {h.wid} sent {msg!r}")
@@ -290,16 +289,18 @@ class Router:
                 else:
                     self._deliver(i, f)
             else:
-                self._deliver(i, self._new_frame(f_in.seq, payload, n, h.wid, i))
+                f = self._new_frame(f_in.seq, payload, n, h.wid, i)
+                self._deliver(i + getattr(msg, "depth", 0), f)
         if type(msg) is P.Flushed:
             h.flushing = False
         if self.spec.ordered:
             self._drain_all_reorders()
 
-    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str) -> None:
-        """Count a skip (on_error='skip'); log the first; past max_errors, fail the run."""
-        s = self.spec.stages[h.stage]
-        st = self._stages[h.stage]
+    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str, j: int) -> None:
+        """Count a skip of stage ``j`` (on_error='skip', run by worker ``h`` of that stage or
+        of its fusion host); log the first; past max_errors, fail the run."""
+        s = self.spec.stages[j]
+        st = self._stages[j]
         st.skipped += 1
         st.last_errors.append(f"worker {h.wid}, {where}: {tname}: {text}")
         if st.skipped == 1:
@@ -310,6 +311,7 @@ class Router:
         items_in = sum(int(self._counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
         if st.retired is not None:
             items_in += int(st.retired[stats.ITEMS_IN])
+        items_in += sum(r.items_in for r in self._fused_rows(j, 0))
         if self._error is None and too_many_errors(st.skipped, items_in, s.max_errors):
             last = "; ".join(st.last_errors)
             self._error = TooManyErrorsError(
@@ -428,6 +430,8 @@ class Router:
                 elif cmd[0] == "budget":
                     self._stages[cmd[1]].budget = cmd[2]
                     self._rebudget(cmd[1])
+                elif cmd[0] == "fusion":
+                    self._apply_fusion()
                 elif cmd[0] == "concurrency":
                     for h in self._workers.values():
                         if h.stage == cmd[1] and h.state in (WS.STARTING, WS.READY):
@@ -438,6 +442,8 @@ class Router:
             self._check_timeouts()
             if self._error is None:
                 self._dispatch()
+                if any(self._fused):
+                    self._settle_fusion()
                 self._check_progress()
                 self._break_stall()
             self._flush_frees()

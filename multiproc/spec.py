@@ -254,6 +254,31 @@ class ExecutorSpec:
             raise SpecError(f"ExecutorSpec: credits must be a positive int, got {self.credits!r}")
 
 
+# Stages that may run in the previous stage's workers (StageSpec.kind of both sides).
+FUSABLE_INTO: tuple[StageKind, ...] = ("map", "flat_map", "batch_map")
+FUSION_HOSTS: tuple[StageKind, ...] = ("source", "map", "flat_map", "batch_map")
+
+
+def fuse_blocker(host: StageSpec, stage: StageSpec) -> str | None:
+    """Why ``stage`` cannot run in the workers of ``host`` (the stage before it), or None.
+
+    A fused stage's function runs in the host's worker on the host's outputs, one call at a
+    time, with no channel hop; it must hold nothing across calls, and run where the host does.
+    """
+    if host.kind not in FUSION_HOSTS:
+        return f"stage {host.name!r} is {host.kind}: only stateless stages host others"
+    if stage.kind not in FUSABLE_INTO:
+        return f"stage {stage.name!r} is {stage.kind}: only stateless stages fuse"
+    if host.worker_type != stage.worker_type:
+        return (
+            f"stages {host.name!r} and {stage.name!r} run in different worker types "
+            f"({host.worker_type}, {stage.worker_type})"
+        )
+    if host.timeout_s != stage.timeout_s:
+        return f"stages {host.name!r} and {stage.name!r} have different timeout_s"
+    return None
+
+
 def check_picklable(stage: StageSpec) -> bytes:
     """Pickle a stage for process workers, or raise SpecError naming the stage."""
     try:

@@ -33,7 +33,19 @@ from .channel import Segment
     WORK_ID,  # the frame or unit it works on, plus one (0: none)
     WORK_ITEM,  # the item of that frame or unit it is at, plus one
 ) = range(17)
-N_COUNTERS = 24
+# A worker that also runs the next stages' functions (fusion) counts their work apart, so each
+# stage's totals stay its own: for the stage d after the worker's own (d = 1..MAX_FUSED),
+# columns FUSED + FUSED_WIDTH * (d - 1) + one of these.
+MAX_FUSED = 4
+FUSED = 17
+F_ITEMS_IN, F_ITEMS_OUT, F_BUSY_NS, F_CPU_NS, F_ERRORS = range(5)
+FUSED_WIDTH = 5
+N_COUNTERS = FUSED + MAX_FUSED * FUSED_WIDTH + 3
+
+
+def fused_col(d: int, field: int) -> int:
+    """Column of ``field`` (``F_*``) for the stage ``d`` after a worker's own."""
+    return FUSED + FUSED_WIDTH * (d - 1) + field
 
 
 class CounterTable:
@@ -149,4 +161,26 @@ def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats
         alive_ns=max(0, now_ns - int(r[STARTED_NS])) if r[STARTED_NS] else 0,
         cpu_ns=int(r[CPU_NS]),
         runq_ns=int(r[RUNQ_NS]),
+    )
+
+
+def read_fused(stage: str, row: np.ndarray, d: int) -> WorkerStats:
+    """The work a worker did for the stage ``d`` after its own (fusion), as a row of that
+    stage (``slot`` -1, ``pid`` 0: no worker of that stage did it)."""
+    return WorkerStats(
+        stage=stage,
+        slot=-1,
+        pid=0,
+        items_in=int(row[fused_col(d, F_ITEMS_IN)]),
+        items_out=int(row[fused_col(d, F_ITEMS_OUT)]),
+        frames_in=0,
+        frames_out=0,
+        busy_ns=int(row[fused_col(d, F_BUSY_NS)]),
+        blocked_in_ns=0,
+        blocked_out_ns=0,
+        bytes_out=0,
+        errors=int(row[fused_col(d, F_ERRORS)]),
+        spilled=0,
+        alive_ns=0,
+        cpu_ns=int(row[fused_col(d, F_CPU_NS)]),
     )

@@ -120,6 +120,7 @@ class _Worker:
         seg_name: str,
         seg_size: int,
         budget: int,
+        chain: tuple[bytes, ...] = (),
     ):
         self.conn = conn
         self.stage = cloudpickle.loads(stage_bytes)
@@ -145,6 +146,12 @@ class _Worker:
         self.calls = concurrency.CallPool(self.stage.concurrency, self.stage.max_concurrency)
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
         self.runq = _RunQueue(enabled=False)  # opened by loop(), in the worker's thread
+        # Fusion: the pickled specs of the next stages this worker may run too (unpickled and
+        # initialized on first use), and how many of them it runs now.
+        self.chain_bytes = chain
+        self.chain: list = []
+        self.depth = 0
+        self.chain_ns = self.chain_cpu_ns = 0  # time in those stages' functions, this frame
 
     # -- plumbing ---------------------------------------------------------------------------
     def _release(self, ref) -> None:
@@ -194,6 +201,8 @@ class _Worker:
                     self._release_free()
             case P.Concurrency(n):
                 self.calls.set_width(n)
+            case P.Fuse(depth):
+                self.depth = min(depth, len(self.chain_bytes))
             case P.Drop(segment):
                 self.cache.drop(segment)
             case P.Exit():
@@ -258,7 +267,7 @@ class _Worker:
                 self.row[stats.ITEMS_OUT] += len(chunk)
         return outs
 
-    def _encode_items(self, frame_id, items: list, where: Callable[[], str]):
+    def _encode_items(self, frame_id, items: list, where: Callable[[], str], depth: int = 0):
         """Encode a frame of items; an item that does not pickle is reported, naming it and
         its type, or dropped under ``on_error='skip'``. Returns ``(payload, nbytes, items)``,
         or None when the error was reported (the stage stops). ``where()`` names the frame
@@ -278,24 +287,78 @@ class _Worker:
                     "arrays, or make the type picklable"
                 )
                 exc.__cause__ = e
-                if not self._error(frame_id, exc, f"{where}, item {i}"):
+                if not self._error(frame_id, exc, f"{where}, item {i}", depth):
                     return None
             keep = [x for i, x in enumerate(items) if i not in bad]
             payload, nbytes = self._encode(keep)
             return payload, nbytes, keep
 
-    def _error(self, frame_id, exc: BaseException, where: str) -> bool:
-        """Report or count a stage-function failure; True when processing may go on."""
-        self.row[stats.ERRORS] += 1
-        if self.stage.on_error == "skip":
+    def _error(self, frame_id, exc: BaseException, where: str, depth: int = 0) -> bool:
+        """Report or count a failure of the function of the stage ``depth`` after this
+        worker's own (fusion); True when processing may go on."""
+        if depth:
+            stage = self.chain[depth - 1]
+            self.row[stats.fused_col(depth, stats.F_ERRORS)] += 1
+        else:
+            stage = self.stage
+            self.row[stats.ERRORS] += 1
+        if stage.on_error == "skip":
             # The executor counts, logs and bounds skips (max_errors); only errors cost this.
-            self._say(P.Skipped(self.wid, where, type(exc).__name__, str(exc)[:300]))
+            self._say(P.Skipped(self.wid, where, type(exc).__name__, str(exc)[:300], depth))
             return True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        self._say(
-            P.Error(self.wid, frame_id, _exc_payload(exc), type(exc).__name__, str(exc), tb, where)
-        )
+        text, tname = str(exc), type(exc).__name__
+        self._say(P.Error(self.wid, frame_id, _exc_payload(exc), tname, text, tb, where, depth))
         return False
+
+    # -- fusion ---------------------------------------------------------------------------
+    def _chained(self, d: int):
+        """The spec of the stage ``d`` after this worker's own, ready to run here."""
+        while len(self.chain) < d:
+            st = cloudpickle.loads(self.chain_bytes[len(self.chain)])
+            if st.init is not None:
+                st.init(st.name, self.index)
+            self.chain.append(st)
+        return self.chain[d - 1]
+
+    def _run_chain(self, work_id, items: list, depth: int, where: str) -> list | None:
+        """Run the next ``depth`` stages' functions over ``items`` (one call at a time), each
+        stage's time, items and errors in its own columns; None when an error stops the run."""
+        row = self.row
+        for d in range(1, depth + 1):
+            st = self._chained(d)
+            t0, c0 = _ns(), _cpu_ns()
+            row[stats.fused_col(d, stats.F_ITEMS_IN)] += len(items)
+            out: list = []
+            try:
+                if st.kind == "batch_map":
+                    try:
+                        out = list(st.fn(items))
+                    except Exception as e:
+                        if not self._error(work_id, e, f"{where}, stage {st.name!r}", d):
+                            return None
+                else:
+                    fn, flat = st.fn, st.kind == "flat_map"
+                    for i, x in enumerate(items):
+                        try:
+                            if flat:
+                                out.extend(fn(x))
+                            else:
+                                out.append(fn(x))
+                        except Exception as e:
+                            if not self._error(
+                                work_id, e, f"{where}, stage {st.name!r}, item {i}", d
+                            ):
+                                return None
+            finally:
+                ns, cpu = _ns() - t0, _cpu_ns() - c0
+                row[stats.fused_col(d, stats.F_BUSY_NS)] += ns
+                row[stats.fused_col(d, stats.F_CPU_NS)] += cpu
+                self.chain_ns += ns
+                self.chain_cpu_ns += cpu
+            row[stats.fused_col(d, stats.F_ITEMS_OUT)] += len(out)
+            items = out
+        return items
 
     # -- stage kinds -----------------------------------------------------------------------
     def run_unit(self, unit_id, unit, skip_frames: int) -> None:
@@ -304,6 +367,7 @@ class _Worker:
         buf: list = []
         cell = self.cell
         t0, c0 = _ns(), _cpu_ns()
+        self.chain_ns = self.chain_cpu_ns = 0
         cell[stats.WORK_ID] = unit_id + 1
         cell[stats.WORK_ITEM] = 1  # per frame, not per item: a store per item costs ~30 ns
         cell[stats.IN_FN_SINCE_NS] = _mono_ns()
@@ -341,27 +405,43 @@ class _Worker:
         finally:
             cell[stats.IN_FN_SINCE_NS] = 0
             cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
-            self.row[stats.BUSY_NS] += _ns() - t0
-            self.row[stats.CPU_NS] += _cpu_ns() - c0 + self.calls.take_cpu_ns()
-            self.runq.update(self.row)
+            self._add_own_time(t0, c0)
         self.row[stats.FRAMES_IN] += 1
         self._say(P.UnitDone(self.wid, unit_id, k, self._take_frees()))
 
+    def _add_own_time(self, t0: int, c0: int) -> None:
+        """Count the time since ``t0`` (wall) and ``c0`` (CPU) as this stage's, less what
+        fused stages' functions took (counted as theirs)."""
+        self.row[stats.BUSY_NS] += _ns() - t0 - self.chain_ns
+        self.row[stats.CPU_NS] += _cpu_ns() - c0 - self.chain_cpu_ns + self.calls.take_cpu_ns()
+        self.chain_ns = self.chain_cpu_ns = 0
+        self.runq.update(self.row)
+
     def _send_unit_frame(self, unit_id, k: int, items: list, unit) -> bool:
         """Commit frame ``k`` of a unit; False when an error was reported instead."""
-        out = self._encode_items(unit_id, items, lambda: f"work unit {short_repr(unit)}, frame {k}")
+        made = len(items)
+        depth = self.depth
+        if depth:
+            where = f"work unit {short_repr(unit)}, frame {k}"
+            items = self._run_chain(unit_id, items, depth, where)
+            if items is None:
+                return False
+        out = self._encode_items(
+            unit_id, items, lambda: f"work unit {short_repr(unit)}, frame {k}", depth
+        )
         if out is None:
             return False
         payload, nbytes, items = out
+        self.row[stats.ITEMS_IN] += made
+        self.row[stats.ITEMS_OUT] += made if depth else len(items)
         self.row[stats.BYTES_OUT] += nbytes
         self.row[stats.FRAMES_OUT] += 1
-        self.row[stats.ITEMS_OUT] += len(items)
-        self.row[stats.ITEMS_IN] += len(items)
-        self._say(P.Emit(self.wid, unit_id, k, payload, len(items)))
+        self._say(P.Emit(self.wid, unit_id, k, payload, len(items), depth))
         return True
 
     def run_frame(self, frame_id, payload, skip: frozenset) -> None:
         t0, c0 = _ns(), _cpu_ns()
+        self.chain_ns = self.chain_cpu_ns = 0
         items = channel.decode(payload, self.cache, self._release)
         self.row[stats.FRAMES_IN] += 1
         self.row[stats.ITEMS_IN] += len(items)
@@ -406,22 +486,27 @@ class _Worker:
                         if not self._error(frame_id, e, f"item {i} of frame {frame_id}"):
                             return
             del items
-            encoded = self._encode_items(frame_id, out, lambda: f"frame {frame_id}")
+            made = len(out)
+            depth = self.depth
+            if depth:
+                out = self._run_chain(frame_id, out, depth, f"frame {frame_id}")
+                if out is None:
+                    return
+            encoded = self._encode_items(frame_id, out, lambda: f"frame {frame_id}", depth)
             if encoded is None:
                 return
             payload_out, nbytes, out = encoded
+            # Counted once sent (a frame waiting for room is not out yet); what the stage
+            # made, or, unfused, what pickled of it.
+            self.row[stats.ITEMS_OUT] += made if depth else len(out)
             self.row[stats.BYTES_OUT] += nbytes
             self.row[stats.FRAMES_OUT] += 1
-            self.row[stats.ITEMS_OUT] += len(out)
-            self._say(
-                P.Done(self.wid, frame_id, [(payload_out, len(out))], None, self._take_frees())
-            )
+            outs = [(payload_out, len(out))]
+            self._say(P.Done(self.wid, frame_id, outs, None, self._take_frees(), depth))
         finally:
             cell[stats.IN_FN_SINCE_NS] = 0
             cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
-            self.row[stats.BUSY_NS] += _ns() - t0
-            self.row[stats.CPU_NS] += _cpu_ns() - c0 + self.calls.take_cpu_ns()
-            self.runq.update(self.row)
+            self._add_own_time(t0, c0)
 
     def _run_stateful(self, frame_id, items: list, skip: frozenset) -> None:
         if self.reducer is None:

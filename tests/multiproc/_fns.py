@@ -189,3 +189,11 @@ class ReadBigDieOnce:
 
 def id_of(x):
     return x["id"]
+
+
+def times_two(x):
+    return x * 2
+
+
+def minus_three(x):
+    return x - 3
