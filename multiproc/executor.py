@@ -38,9 +38,9 @@ from .errors import (
     SpecError,
 )
 from .frames import Order, Run, StageState, Unit
+from .frames import WorkerState as WS
 from .fusion import Fusion
 from .lifecycle import MAX_SLOTS, Workers
-from .pool import WorkerState as WS
 from .router import Router
 from .spec import ExecutorSpec, check_picklable
 from .worker import short_repr

@@ -1,5 +1,7 @@
 """What the router keeps about frames, units and stages (no processes, no I/O).
 
+Also the states a worker goes through, as the router sees them (:class:`WorkerState`).
+
 A frame is a list of items in flight between stages: in a producer's arena (``payload`` is
 ``("shm", ref)``) or carried in the control message (``("inline", ...)``). The router knows
 every frame's place: queued for a stage (:class:`FrameQueue`), parked for ordered delivery
@@ -9,11 +11,22 @@ every frame's place: queued for a stage (:class:`FrameQueue`), parked for ordere
 from __future__ import annotations
 
 import collections
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from . import channel
+
+
+class WorkerState(str, enum.Enum):
+    """Where a worker is in its life (the router's view)."""
+
+    STARTING = "starting"  # forked, has not said hello: counts as capacity, takes work queued
+    READY = "ready"  # takes frames or units
+    RETIRING = "retiring"  # told to retire: finishes what it holds, takes nothing new
+    GONE = "gone"  # retired and said bye
+    DEAD = "dead"  # ended without bye: what it held is delivered again
 
 
 @dataclass

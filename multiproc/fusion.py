@@ -20,7 +20,7 @@ from __future__ import annotations
 from . import protocol as P
 from . import stats
 from .errors import SpecError
-from .pool import WorkerState as WS
+from .frames import WorkerState as WS
 from .spec import FUSABLE_INTO, fuse_blocker
 
 

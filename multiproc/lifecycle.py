@@ -18,7 +18,7 @@ from .errors import (
     ExecutorError,
     WorkerDiedError,
 )
-from .pool import WorkerState as WS
+from .frames import WorkerState as WS
 
 log = logging.getLogger("multiproc.executor")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol, TypeVar
 
-from .pool import WorkerState as WS
+from .frames import WorkerState as WS
 
 
 class WorkerView(Protocol):

@@ -8,7 +8,6 @@ imports; forking a server that has already imported torch and this package costs
 
 from __future__ import annotations
 
-import enum
 import io
 import multiprocessing as mp
 import os
@@ -23,6 +22,7 @@ from multiprocessing.context import ForkServerProcess, set_spawning_popen
 from . import channel, lifetime
 from . import protocol as P
 from . import worker as _worker
+from .frames import WorkerState
 
 _PRELOAD = ["multiproc.worker", "torch", "numpy", "cloudpickle"]
 _ctx_lock = threading.Lock()
@@ -79,16 +79,6 @@ class _WorkerProcess(ForkServerProcess):
     @staticmethod
     def _Popen(process_obj):
         return _NoMainPopen(process_obj)
-
-
-class WorkerState(str, enum.Enum):
-    """Where a worker is in its life (the router's view)."""
-
-    STARTING = "starting"  # forked, has not said hello: counts as capacity, takes work queued
-    READY = "ready"  # takes frames or units
-    RETIRING = "retiring"  # told to retire: finishes what it holds, takes nothing new
-    GONE = "gone"  # retired and said bye
-    DEAD = "dead"  # ended without bye: what it held is delivered again
 
 
 @dataclass

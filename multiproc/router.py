@@ -28,7 +28,7 @@ from .errors import (
     TooManyErrorsError,
 )
 from .frames import Frame, inline_size
-from .pool import WorkerState as WS
+from .frames import WorkerState as WS
 from .spec import too_many_errors
 
 log = logging.getLogger("multiproc.executor")

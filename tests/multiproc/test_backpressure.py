@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from multiproc import Batcher, Executor, ExecutorSpec, StageSpec, policy
-from multiproc.pool import WorkerState as WS
+from multiproc.frames import WorkerState as WS
 
 from . import _fns
 

@@ -92,8 +92,13 @@ def test_fuse_and_split_storm_with_killed_workers_delivers_each_item_once():
                     except SpecError:
                         pass  # a chain may not reach that far from its host
             if k % 2_500 == 1_000 and kills < 6:
-                pids = [w.pid for w in ex.snapshot(per_worker=True).stage(
-                    rng.choice(["read", "a", "b", "c"])).per_worker if w.pid]
+                pids = [
+                    w.pid
+                    for w in ex.snapshot(per_worker=True)
+                    .stage(rng.choice(["read", "a", "b", "c"]))
+                    .per_worker
+                    if w.pid
+                ]
                 if pids:
                     os.kill(rng.choice(pids), signal.SIGKILL)
                     kills += 1
