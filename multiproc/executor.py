@@ -153,7 +153,7 @@ class Executor(Router, Workers, Fusion):
         res.router = self._thread
         with self._lock:
             for st in self._stages:
-                for _ in range(st.target):
+                for _ in range(0 if self._fused[st.index] else st.target):
                     self._spawn(st.index)
         self._thread.start()
 
@@ -234,6 +234,12 @@ class Executor(Router, Workers, Fusion):
     @property
     def stage_names(self) -> list[str]:
         return list(self._names)
+
+    def started(self) -> bool:
+        """Whether as many workers have started (said hello) as the stages that run their
+        own (not fused) want."""
+        want = sum(st.target for st in self._stages if not self._fused[st.index])
+        return len(self._start_latencies_ns) >= want
 
     def start_latencies_ms(self) -> list[float]:
         """Time from a worker's start request to its first message, for every worker so far."""

@@ -30,7 +30,6 @@ class Fusion:
     def _init_fusion(self) -> None:
         stages = self.spec.stages
         n = len(stages)
-        self._fused = [False] * n
         # For each stage, how many of the stages after it its workers can run.
         self._chain_len = []
         for i, host in enumerate(stages):
@@ -46,7 +45,11 @@ class Fusion:
         self._chains = [
             tuple(self._stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(self._chain_len)
         ]
-        self._depth_sent = [0] * n
+        self._fused = [s.fused for s in stages]
+        for j in range(n):
+            if self._fused[j] and (why := self._fuse_error(j, self._fused)) is not None:
+                raise SpecError(f"stage {self._names[j]!r}: fused=True, but {why}")
+        self._depth_sent = [self._depth(i) for i in range(n)]
 
     # ---------------------------------------------------------------- public API
     def fused(self) -> tuple[bool, ...]:

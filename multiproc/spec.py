@@ -128,6 +128,8 @@ class StageSpec:
             running one frame's items, or a source's reads through
             :func:`multiproc.concurrency.current`); ``set_concurrency`` changes it while
             running, up to ``max_concurrency``. For calls that wait (I/O), not compute.
+        fused: start with this stage's function running in the previous stage's workers
+            (``Executor.set_fused`` changes it while running; see :mod:`multiproc.fusion`).
     """
 
     name: str
@@ -147,6 +149,7 @@ class StageSpec:
     timeout_s: float | None = None
     concurrency: int = 1
     max_concurrency: int = 64
+    fused: bool = False
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
@@ -239,6 +242,13 @@ class ExecutorSpec:
         for s in stages[1:]:
             if s.kind == "source":
                 raise SpecError(f"stage {s.name!r}: only the first stage may be a source")
+        for j, s in enumerate(stages):
+            if not isinstance(s.fused, bool):
+                raise SpecError(f"stage {s.name!r}: fused must be a bool, got {s.fused!r}")
+            if s.fused:
+                why = fuse_blocker(stages[j - 1], s) if j else "it is the first stage"
+                if why is not None:
+                    raise SpecError(f"stage {s.name!r}: fused=True, but {why}")
         if self.ordered:
             for s in stages:
                 if s.stateful and s.max_workers != 1:

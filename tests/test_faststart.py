@@ -37,8 +37,7 @@ def _wait_for_workers(dl, deadline_s=60.0):
     while True:
         ex = dl.loader.tunable.executor if dl.loader.tunable is not None else None
         if ex is not None:
-            want = sum(ex.workers(i) for i in range(len(ex.spec.stages)))
-            if len(ex.start_latencies_ms()) >= want:
+            if ex.started():
                 return
         assert time.monotonic() < end, "the workers never started"
         time.sleep(0.02)

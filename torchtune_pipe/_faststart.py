@@ -200,8 +200,7 @@ class FastStart:
         ex = self._executor
         if ex is None:
             return True
-        want = sum(ex.workers(i) for i in range(len(ex.spec.stages)))
-        return len(ex.start_latencies_ms()) >= want
+        return ex.started()
 
     def _read_inline(self, work: Work) -> list:
         t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()

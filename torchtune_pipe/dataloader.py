@@ -4,8 +4,8 @@
 same order as torch's for the same seed. Underneath, a map-style dataset becomes a *fetch*
 stage (``__getitem__``/``__getitems__`` on the sampler's batches, drawn in the main process
 exactly as torch draws them) and a *collate* stage; with ``num_workers="auto"`` they are two
-stages a tuner splits the CPUs between, with an integer they are one stage of that many
-workers (torch's own arrangement). An ``IterableDataset`` is read as ``num_workers`` shards
+stages that start fused (collate runs in the fetch workers, torch's own arrangement) and that
+a tuner may split and give CPUs each, with an integer they are one stage of that many workers. An ``IterableDataset`` is read as ``num_workers`` shards
 (``get_worker_info()`` works as in torch) and delivered round-robin, as torch does.
 
 It deliberately does not subclass torch's DataLoader (frameworks that re-instantiate
@@ -176,8 +176,8 @@ class DataLoader:
     """``torch.utils.data.DataLoader``'s interface on a tuned, resumable pipeline.
 
     Args: those of ``torch.utils.data.DataLoader`` (same defaults, same validation), plus:
-        num_workers: an int (as torch), or ``"auto"``: separate fetch and collate stages whose
-            workers ``tuner`` moves (default tuner ``"intune"``).
+        num_workers: an int (as torch), or ``"auto"``: fetch and collate stages, starting
+            fused, whose workers and fusion ``tuner`` moves (default tuner ``"intune"``).
         tuner: a name from :data:`~torchtune_pipe.tuning.TUNERS` or a
             :class:`~torchtune_pipe.tuning.Tuner`, with any ``num_workers`` > 0 (None: fixed
             workers, or ``"intune"`` with ``"auto"``). An integer ``num_workers`` is one
@@ -346,7 +346,9 @@ class DataLoader:
                 self.source, name="fetch", workers=1, init=init,
                 max_concurrency=max_concurrency,
             )  # fmt: skip
-            pipe = pipe.map(_Collate(collate_fn), name="collate", workers=1)
+            # Collate starts in the fetch workers (torch's arrangement: no hop per batch);
+            # the tuner splits it into its own stage when that measures better.
+            pipe = pipe.map(_Collate(collate_fn), name="collate", workers=1, fused=True)
         else:
             pipe = Pipeline.from_source(
                 _Collated(self.source, collate_fn),

@@ -131,6 +131,7 @@ class Pipeline:
         max_errors: int | float | None = DEFAULT_MAX_ERRORS,
         concurrency: int = 1,
         max_concurrency: int | None = None,
+        fused: bool = False,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
 
@@ -148,6 +149,9 @@ class Pipeline:
                 that wait on I/O; see :class:`Stage`).
             max_concurrency: how far the pipeline may raise ``concurrency`` while running
                 (default: ``concurrency``, i.e. fixed; give it only for a thread-safe ``fn``).
+            fused: start with ``fn`` running in the previous stage's workers (a source or
+                map stage of the same worker type), with no hop between them; the tuner may
+                split it while running.
         """
         method = f"map({name!r})" if name else "map()"
         if not callable(fn):
@@ -161,6 +165,7 @@ class Pipeline:
         if worker_type == "process":
             _check_pickles(method, "fn", fn)
         stage = _with_concurrency(method, stage, concurrency, max_concurrency)
+        stage = _with_fused(method, self.stages, stage, fused)
         return self._add(_with_max_errors(method, stage, max_errors), method)
 
     def shuffle(
@@ -249,6 +254,7 @@ class Pipeline:
                 max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
                 on_error=st.on_error, init=st.init, max_errors=st.max_errors,
                 concurrency=st.concurrency, max_concurrency=st.max_concurrency,
+                fused=st.fused,
             )  # fmt: skip
             fn: Callable[..., Any]
             if st.kind == "source":
@@ -330,6 +336,20 @@ def _with_concurrency(method: str, stage: Stage, concurrency: Any, max_concurren
             f"{method}: concurrency ({concurrency}) must be <= max_concurrency ({max_concurrency})"
         )
     return dataclasses.replace(stage, concurrency=concurrency, max_concurrency=max_concurrency)
+
+
+def _with_fused(method: str, before: tuple[Stage, ...], stage: Stage, fused: Any) -> Stage:
+    if not isinstance(fused, bool):
+        raise PipelineError(f"{method}: fused must be a bool, got {fused!r}")
+    if fused:
+        prev = before[-1]
+        if prev.kind not in ("source", "map") or prev.worker_type != stage.worker_type:
+            raise PipelineError(
+                f"{method}: fused=True runs fn in the workers of stage {prev.name!r}, which "
+                f"must be a source or map stage with worker_type={stage.worker_type!r} (it is "
+                f"a {prev.kind} stage with worker_type={prev.worker_type!r})"
+            )
+    return dataclasses.replace(stage, fused=fused)
 
 
 def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:

@@ -53,6 +53,9 @@ class Stage:
             while running in ``[1, max_concurrency]``; ``max_concurrency`` is 1 unless given,
             because only the stage's author knows that its function is safe to call from
             several threads at once.
+        fused: (map stages) start with ``fn`` running in the previous stage's workers, on
+            their outputs, with no hop between them; the tuner may split or fuse it while
+            running (see :mod:`multiproc.fusion`).
     """
 
     name: str
@@ -73,6 +76,7 @@ class Stage:
     max_errors: int | float | None = DEFAULT_MAX_ERRORS
     concurrency: int = 1
     max_concurrency: int = 1
+    fused: bool = False
 
     @property
     def stateful(self) -> bool:
