@@ -153,9 +153,9 @@ def test_a_continued_loop_steps_instead_of_resetting():
     class CountingTuner(ShiftingTuner):
         resets = 0
 
-        def reset(self, obs):
+        def reset(self, obs, start=None):
             CountingTuner.resets += 1
-            return super().reset(obs)
+            return super().reset(obs, start)
 
     tuner = CountingTuner()
     pipe = SignallingTunable((0.01, 0.02), cpus=4, target=2)

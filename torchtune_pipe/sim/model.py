@@ -41,7 +41,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, waits_on_io
 from torchtune_pipe.tuning.concurrency import plan_concurrency
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
@@ -389,7 +389,7 @@ class SimPipeline:
                     buffer_bytes=alloc.buffer_bytes[i],
                     buffer_fill=fills[i],
                     cpu_s_per_item=noisy(c[i] * sm.ratio),
-                    io_bound=d[i] > c[i],
+                    io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
                     memory_bytes=self._stage_memory(alloc.workers, i),

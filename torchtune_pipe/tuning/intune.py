@@ -83,7 +83,6 @@ from .intune_state import (
     reward,
 )
 from .planner import plan
-from .safety import safe
 
 __all__ = [
     "ACTIONS_PER_STAGE",
@@ -121,6 +120,9 @@ GUARD_WINDOW = 20
 GUARD_DROP = 0.05
 # The plan is taken without asking the network when it promises this much more throughput.
 PLAN_MIN_GAIN = 0.05
+# The first allocation's worst case is fitted to this share of MEMORY_SAFE_SHARE of the limit:
+# a start measured under nothing yet (no per-worker memory) keeps more headroom than a step.
+START_MEMORY_SHARE = 0.9
 
 
 class PlannerOnly:
@@ -222,7 +224,7 @@ class InTuneTuner:
         self.episode_reward = 0.0
 
     # -- Tuner ----------------------------------------------------------------------------
-    def reset(self, obs: Observation, *, start: Allocation | None = None) -> Allocation:
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
         """Load the agent for this pipeline length; start from the even CPU split.
 
         Args:
@@ -244,7 +246,7 @@ class InTuneTuner:
         self.episode_reward = 0.0
         if start is None:
             start = HeuristicTuner().reset(obs)
-        self._alloc = safe(fit_memory(start, obs, self.memory, 0.9), obs)
+        self._alloc = fit_memory(start, obs, self.memory, START_MEMORY_SHARE)
         return self._alloc
 
     def step(self, obs: Observation) -> Allocation:
@@ -258,7 +260,7 @@ class InTuneTuner:
             )
         self.encoder.update_references(obs)
         self.memory.update(obs)
-        current = self._alloc
+        current = self._ran(obs)
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
@@ -271,7 +273,7 @@ class InTuneTuner:
         self._before = None
         # A rescale, an undone move or the guard's return brings back workers measured under
         # other CPUs or buffers: the worst case must fit again with the buffers of today.
-        current = safe(fit_memory(current, obs, self.memory), obs)
+        current = fit_memory(current, obs, self.memory)
         per_worker, fixed = self.memory.split(obs)
         planned = plan(obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed)
         state = self.encoder.encode(obs, current, self._last, planned)
@@ -305,10 +307,17 @@ class InTuneTuner:
         self.steps += 1
         self._prev = (state, mask, index)
         self._last = self.actions.decode(index)
-        self._alloc = safe(self.actions.apply(current, index, obs, planned), obs)
+        self._alloc = self.actions.apply(current, index, obs, planned)
         if self._alloc.workers != current.workers:
             self._before = (current, obs.throughput)
         return self._alloc
+
+    def _ran(self, obs: Observation) -> Allocation:
+        """The allocation ``obs`` ran under: the last decision as the hard limits let it
+        through (:class:`~.safety.Guarded` clamps it; the tuner does not)."""
+        assert self._alloc is not None
+        ran = obs.allocation()
+        return ran.replace(concurrency=self._alloc.concurrency) if self._alloc.concurrency else ran
 
     def _guard(self, obs: Observation, current: Allocation) -> Allocation:
         """Go back to the best recently measured allocation when this one is clearly worse.

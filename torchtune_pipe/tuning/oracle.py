@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .base import Allocation, MiB, Observation
 from .baselines import even_split
-from .safety import safe
 
 log = logging.getLogger(__name__)
 
@@ -210,8 +209,9 @@ class OracleTuner:
         self.scores: list[float] = []
         self.best: Allocation | None = None
 
-    def reset(self, obs: Observation) -> Allocation:
-        """Build the candidate list and start the first trial."""
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Build the candidate list and start the first trial (after ``start``, when given:
+        the first interval of a trial is warm-up, not scored)."""
         n = len(obs.stages)
         hi = [s.max_workers for s in obs.stages]
         workers = self._given or candidate_workers(n, int(obs.cpus), hi, self.max_candidates)
@@ -220,7 +220,7 @@ class OracleTuner:
         self.candidates = [Allocation(w, (self.buffer_bytes,) * n) for w in workers]
         self.scores, self.best = [], None
         self._trial, self._samples = 0, []
-        return safe(self.candidates[0], obs)
+        return start if start is not None else self.candidates[0]
 
     @property
     def searching(self) -> bool:
@@ -230,17 +230,17 @@ class OracleTuner:
     def step(self, obs: Observation) -> Allocation:
         """Score the running candidate; move to the next one or settle on the best."""
         if self.best is not None:
-            return safe(self.best, obs)
+            return self.best
         self._trial += 1
         if self._trial > self.warmup_steps:
             self._samples.append(-math.inf if obs.oom else obs.throughput)
         if self._trial < self.trial_steps:
-            return safe(self.candidates[len(self.scores)], obs)
+            return self.candidates[len(self.scores)]
         self.scores.append(sum(self._samples) / len(self._samples))
         self._trial, self._samples = 0, []
         if len(self.scores) < len(self.candidates):
-            return safe(self.candidates[len(self.scores)], obs)
+            return self.candidates[len(self.scores)]
         i = max(range(len(self.scores)), key=self.scores.__getitem__)
         self.best = self.candidates[i]
         log.info("oracle: settled on %s (%.1f items/s)", self.best.workers, self.scores[i])
-        return safe(self.best, obs)
+        return self.best
