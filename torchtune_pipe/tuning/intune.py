@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,14 +76,16 @@ from .intune_space import (
     rescale,
 )
 from .intune_state import (
+    CHANGE_COST,
     GLOBAL_FEATURES,
     MEMORY_KNEE,
     STAGE_FEATURES,
     StateEncoder,
     memory_factor,
     reward,
+    transition_reward,
 )
-from .planner import plan
+from .planner import Plan, plan
 
 __all__ = [
     "ACTIONS_PER_STAGE",
@@ -108,8 +111,6 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
-# Reward charged for any action but the no-op: a change costs a worker start or a resize.
-CHANGE_COST = 0.005
 # A worker move after which throughput fell by more than this share is undone (measurement
 # noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
 REVERT_DROP = 0.06
@@ -123,6 +124,17 @@ PLAN_MIN_GAIN = 0.05
 # The first allocation's worst case is fitted to this share of MEMORY_SAFE_SHARE of the limit:
 # a start measured under nothing yet (no per-worker memory) keeps more headroom than a step.
 START_MEMORY_SHARE = 0.9
+
+
+@dataclass(frozen=True)
+class Pending:
+    """What :meth:`InTuneTuner.prepare` left for the action: the observation, the allocation
+    the action changes, the plan and the action mask."""
+
+    obs: Observation
+    current: Allocation
+    planned: Plan
+    mask: torch.Tensor
 
 
 class PlannerOnly:
@@ -214,6 +226,8 @@ class InTuneTuner:
         self.encoder: StateEncoder | None = None
         self.memory = MemoryModel()
         self._alloc: Allocation | None = None
+        self._taken: int | None = None
+        self.pending: Pending | None = None
         self._cpus = 0.0
         self._before: tuple[Allocation, float] | None = None
         self._tabu: dict[int, int] = {}
@@ -232,14 +246,22 @@ class InTuneTuner:
             start: start from this allocation instead (pre-training uses random starts).
         """
         n = len(obs.stages)
+        if self.agent is None or self.actions is None or self.actions.n_stages != n:
+            self.agent = self._load_agent(n)
+        return self.begin(obs, start)
+
+    def begin(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Start an episode without choosing actions: :meth:`reset` less the agent, for a
+        caller that picks the actions itself (the Gymnasium environment,
+        :class:`torchtune_pipe.sim.gym.PipeEnv`). Returns the first allocation."""
+        n = len(obs.stages)
         if self.actions is None or self.actions.n_stages != n:
             self.actions = ActionSpace(n)
             self.encoder = StateEncoder(n)
-            self.agent = self._load_agent(n)
         self.encoder.reset()
         self.memory = MemoryModel()
         self.memory.update(obs)
-        self._last, self._prev = None, None
+        self._last, self._prev, self._taken = None, None, None
         self._before, self._tabu = None, {}
         self._seen: dict[tuple[int, ...], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
@@ -253,6 +275,36 @@ class InTuneTuner:
         """Observe, learn from the last transition (fine-tuning), pick and apply one action."""
         if self.agent is None or self._alloc is None:
             return self.reset(obs)
+        state, mask = self.prepare(obs)
+        if self.agent.training_enabled and self._prev is not None:
+            ref = self.encoder.best
+            if self.reference is not None:
+                ref = max(ref, self.reference(obs))
+            self.last_reward = transition_reward(obs, ref, self._last)
+            self.episode_reward += self.last_reward
+            s0, m0, a0 = self._prev
+            self.agent.remember(s0, m0, a0, self.last_reward, state, mask, obs.oom)
+            if self.steps % self.learn_every == 0:
+                self.agent.learn()
+        eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
+        index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
+        if self.plan_gain is not None and self.plan_promises(self.plan_gain):
+            index = self.actions.plan_index
+        self._prev = (state, mask, index)
+        return self.take(index)
+
+    def prepare(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the choice of an action: the allocation it will change (undo,
+        guard and rescale applied, fitted to memory), the plan, the state and the action mask.
+
+        Returns:
+            (state vector, bool mask of the allowed actions).
+
+        Raises:
+            ValueError: when ``obs`` has another length than the pipeline :meth:`begin` saw.
+        """
+        if self.actions is None or self.encoder is None or self._alloc is None:
+            raise RuntimeError("InTuneTuner.prepare() called before reset() or begin()")
         if len(obs.stages) != self.actions.n_stages:
             raise ValueError(
                 f"InTuneTuner.step: pipeline has {len(obs.stages)} stages, the agent was reset "
@@ -266,8 +318,8 @@ class InTuneTuner:
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
             # The last worker move cost throughput: undo it and keep it off for a while.
             current = self._before[0]
-            if self._prev is not None:
-                self._tabu[self._prev[2]] = TABU_STEPS
+            if self._taken is not None:
+                self._tabu[self._taken] = TABU_STEPS
         else:
             current = self._guard(obs, current)
         self._before = None
@@ -284,32 +336,29 @@ class InTuneTuner:
                 del self._tabu[index]
             else:
                 self._tabu[index] = left - 1
-        if self.agent.training_enabled and self._prev is not None:
-            ref = self.encoder.best
-            if self.reference is not None:
-                ref = max(ref, self.reference(obs))
-            self.last_reward = reward(obs, ref)
-            if self._last is not None and self._last.stage is not None:
-                self.last_reward -= CHANGE_COST
-            self.episode_reward += self.last_reward
-            s0, m0, a0 = self._prev
-            self.agent.remember(s0, m0, a0, self.last_reward, state, mask, obs.oom)
-            if self.steps % self.learn_every == 0:
-                self.agent.learn()
-        eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
-        index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
-        if (
-            self.plan_gain is not None
-            and mask[self.actions.plan_index]
-            and planned.throughput > (1 + self.plan_gain) * planned.current
-        ):
-            index = self.actions.plan_index
+        self.pending = Pending(obs, current, planned, mask)
+        return state, mask
+
+    def plan_promises(self, gain: float) -> bool:
+        """Whether the prepared plan promises more than ``gain`` over the measured throughput
+        (and its action is open): then :meth:`step` takes it without asking the network."""
+        p = self.pending
+        assert p is not None and self.actions is not None
+        open_ = bool(p.mask[self.actions.plan_index])
+        return open_ and p.planned.throughput > (1 + gain) * p.planned.current
+
+    def take(self, index: int) -> Allocation:
+        """Take action ``index`` on the prepared allocation (:meth:`prepare`); returns the
+        allocation to apply."""
+        p = self.pending
+        if p is None or self.actions is None:
+            raise RuntimeError("InTuneTuner.take() called before prepare()")
         self.steps += 1
-        self._prev = (state, mask, index)
+        self._taken = index
         self._last = self.actions.decode(index)
-        self._alloc = self.actions.apply(current, index, obs, planned)
-        if self._alloc.workers != current.workers:
-            self._before = (current, obs.throughput)
+        self._alloc = self.actions.apply(p.current, index, p.obs, p.planned)
+        if self._alloc.workers != p.current.workers:
+            self._before = (p.current, p.obs.throughput)
         return self._alloc
 
     def _ran(self, obs: Observation) -> Allocation:

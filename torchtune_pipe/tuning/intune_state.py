@@ -17,6 +17,8 @@ from .safety import is_io_bound, oversubscribe_factor
 MEMORY_KNEE = 0.8
 STAGE_FEATURES = 11
 GLOBAL_FEATURES = 16
+# Reward charged for any action but the no-op: a change costs a worker start or a resize.
+CHANGE_COST = 0.005
 
 
 def memory_factor(used_fraction: float, knee: float = MEMORY_KNEE) -> float:
@@ -36,6 +38,15 @@ def reward(obs: Observation, reference_throughput: float, knee: float = MEMORY_K
         return -1.0
     used = obs.memory_used_bytes / max(1, obs.memory_limit_bytes)
     return obs.throughput / max(reference_throughput, 1e-12) * memory_factor(used, knee)
+
+
+def transition_reward(
+    obs: Observation, reference_throughput: float, action: Action | None
+) -> float:
+    """The reward of the transition that ``action`` led to ``obs``: :func:`reward`, less
+    ``CHANGE_COST`` when the action changed a stage (the no-op and the plan are free)."""
+    r = reward(obs, reference_throughput)
+    return r - CHANGE_COST if action is not None and action.stage is not None else r
 
 
 class StateEncoder:
