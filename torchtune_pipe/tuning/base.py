@@ -43,8 +43,10 @@ class StageStats:
         busy: fraction of wall time a worker spent in the stage function (0..1), waiting on
             I/O inside it included; waiting for output space is ``blocked_out``, not busy.
         blocked_in: fraction of wall time a worker waited for input (0..1).
-        blocked_out: fraction of wall time a worker waited for output space (0..1);
-            ``busy + blocked_in + blocked_out <= 1`` (the simulator's sum is 1).
+        blocked_out: fraction of wall time a worker waited for output space (0..1). In the
+            simulator ``busy + blocked_in + blocked_out`` is 1; live it is at most 1 over a
+            long interval, but a wait is counted when it ends, with all its time, so over a
+            short one the sum may pass 1 (each fraction is clipped to 1).
         buffer_bytes: byte budget of the stage's outbound buffer (channel), in bytes.
         buffer_fill: fraction of that budget in use at the end of the interval (0..1).
         cpu_s_per_item: CPU seconds the stage's workers spent per emitted item (s/item; 0

@@ -156,7 +156,8 @@ def candidate_workers(
     hi = _bounds(n, max_workers)
     cpus = max(n, int(cpus))
     k = 1
-    while math.comb(cpus // k - 1, n - 1) > max_candidates and cpus // k > n:
+    # Coarser blocks while there are too many, as long as every stage still gets one block.
+    while math.comb(cpus // k - 1, n - 1) > max_candidates and cpus // (k + 1) >= n:
         k += 1
     units = cpus // k
     out: list[tuple[int, ...]] = []
