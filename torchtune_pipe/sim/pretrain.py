@@ -30,9 +30,8 @@ from torchtune_pipe.tuning.base import Allocation, MiB, Observation, Tuner
 from torchtune_pipe.tuning.dqn import DQNAgent, DQNConfig
 from torchtune_pipe.tuning.intune import ActionSpace, InTuneTuner, StateEncoder, weights_path
 from torchtune_pipe.tuning.loop import run_episode
-from torchtune_pipe.tuning.oracle import oracle_search
+from torchtune_pipe.tuning.oracle import best_static
 from torchtune_pipe.tuning.planner import MEMORY_SHARE
-from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 
 logger = logging.getLogger(__name__)
 
@@ -85,26 +84,14 @@ def sample_episode(
 
 
 def oracle_value(sim: SimPipeline, cpus: float, t: float | None = None) -> float:
-    """Best static throughput on ``cpus`` CPUs now, or at time ``t`` (coordinate search on
-    the simulator).
-
-    The safety policy lets tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
-    core when stages wait on I/O or on their input), so the oracle searches those totals too:
-    a yardstick that tuners could beat would measure nothing.
-    """
-    n = sim.n_stages
-    factors = (1, 2, MAX_OVERSUBSCRIBE)
-    # One search per worker total: a search started far past the memory limit sees only
-    # zeros around it and cannot climb.
-    return max(
-        oracle_search(
-            lambda a: sim.evaluate(a, cpus=cpus, t=t),
-            n,
-            max(n, int(cpus * f)),
-            [s.max_workers for s in sim.workload.stages],
-        )[1]
-        for f in factors
-    )
+    """Best static throughput on ``cpus`` CPUs now, or at time ``t``
+    (:func:`~torchtune_pipe.tuning.oracle.best_static` on the simulator's steady state)."""
+    return best_static(
+        lambda a: sim.evaluate(a, cpus=cpus, t=t),
+        sim.n_stages,
+        cpus,
+        [s.max_workers for s in sim.workload.stages],
+    )[1]
 
 
 def _random_start(obs: Observation, rng: random.Random) -> Allocation:

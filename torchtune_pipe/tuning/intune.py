@@ -1,53 +1,33 @@
 """InTune: a DQN agent that moves CPUs and buffer memory between pipeline stages.
 
-Every tuning step the agent encodes the latest :class:`Observation` into a fixed-length state,
-masks the actions that would break a hard limit, and takes the masked arg-max of its Q network
-(:mod:`torchtune_pipe.tuning.dqn`). One action changes one stage by a little, so the pipeline
-never jumps to an untested allocation.
+One step (:meth:`InTuneTuner.step`) is :meth:`~InTuneTuner.prepare`, a choice, and
+:meth:`~InTuneTuner.take`:
 
-**Actions** (``2 + 6 * n_stages``): no-op, then per stage ``+1, -1, +5, -5`` workers,
-buffer up, buffer down, and last "plan": set every stage's workers to the planner's balanced
-allocation computed from the latest measurement (:mod:`~torchtune_pipe.tuning.planner`). The
-plan crosses a rescaled machine in one step; the small moves correct what the fluid model
-gets wrong, and the agent learns which to trust when (the state carries the planner's
-predicted gain). Buffers move in geometric steps of 50 % rounded to whole MiB (at
-least 1 MiB): item sizes span kilobytes to hundreds of megabytes, so a fixed MiB step is
-either too fine for one workload or too coarse for another.
+1. ``prepare`` starts from the allocation that ran (the observation's: the hard limits may have
+   changed the last decision), then: after a CPU-count change carries it over
+   (:func:`~.intune_space.rescale`); else undoes a worker move after which throughput fell by
+   more than ``REVERT_DROP`` (the move is masked for ``TABU_STEPS`` steps); else returns to the
+   best allocation of the last ``GUARD_WINDOW`` steps when the current one is worse by more
+   than ``GUARD_DROP``. It fits the result to memory (:func:`~.intune_space.fit_memory`),
+   computes the planner's allocation (:func:`~.planner.plan`), encodes the state
+   (:class:`~.intune_state.StateEncoder`) and masks the actions
+   (:meth:`~.intune_space.ActionSpace.mask`).
+2. The Q network (:mod:`~torchtune_pipe.tuning.dqn`) takes the masked arg-max; the plan action
+   is taken without asking it when the plan promises more than ``PLAN_MIN_GAIN``.
+3. ``take`` applies the action (:meth:`~.intune_space.ActionSpace.apply`).
 
-**Masking.** An action is masked when it would take a stage below ``min_workers`` (>= 1) or
-above ``max_workers``, past the CPU budget, or past the memory limit in the worst case (every
-buffer full, every new worker costing the memory a worker costs now). The CPU budget follows
-:mod:`torchtune_pipe.tuning.safety`: workers of a stage observed waiting on I/O are charged
-only their busy share of a core, so such stages may hold more workers than there are cores
-(up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total). A stage gains workers by
-a small move only while its workers are busy at least ``GROW_MIN_BUSY`` of the time or wait on
-I/O (``intune_space.can_use_workers``): workers waiting on their neighbours do not raise
-its rate, and each move costs a worker start and a measurement. A buffer shrinks below
-``KEEP_BUFFER_BYTES`` (64 MiB) only while the worst case is past the memory limit or the model
-is the bottleneck: small buffers make busy neighbours wait on each other, and where workers
-hold most of the memory they save little. Every step's allocation is refitted to memory
-(buffers first, down to that floor, then workers) before the action is chosen.
+**Actions** (``2 + 6 * n_stages``): the no-op; per stage ``+1, -1, +5, -5`` workers, buffer
+up, buffer down (geometric steps of 50 % in whole MiB, at least 1 MiB); last, "plan": every
+stage's workers from the planner. **Reward**
+(:func:`~.intune_state.transition_reward`): throughput over a reference, times a factor that
+is 1 up to ``MEMORY_KNEE`` of the memory limit and falls by a smoothstep to 0 at the limit,
+less ``CHANGE_COST`` for a move; ``-1`` on an OOM, which ends the episode. The reference is the
+simulator's oracle offline and the best throughput seen since the CPU count last changed
+online.
 
-**Planning.** When the planner promises more than ``PLAN_MIN_GAIN`` over the measured
-throughput, the plan action is taken without asking the network (``plan_gain``): after a
-rescale or from a bad start the pipeline is balanced within a step or two, and repeated plans
-converge like a fixed-point iteration as measurements sharpen. The network decides everything
-else: buffers, the small moves around the plan, and when to plan for smaller gains.
-
-**Undo.** A worker move after which throughput falls by more than ``REVERT_DROP`` is undone
-at the next step and masked for ``TABU_STEPS`` steps: the Q network proposes, the measurement
-has the last word. The agent sees the undo as the move's outcome, so it learns from it too.
-Moves that each cost less than that can still add up: the tuner also returns to the best
-allocation measured in the last ``GUARD_WINDOW`` steps when the current one is worse by more
-than ``GUARD_DROP``.
-
-**Reward.** ``r = (throughput / reference) * m(u)`` with ``u = memory_used / memory_limit``
-and ``m(u) = 1`` for ``u <= 0.8``, ``m(u) = 1 - s((u - 0.8) / 0.2)`` above, where
-``s(x) = 3x^2 - 2x^3`` (smoothstep) so ``m`` falls smoothly to 0 at the limit; an OOM gives
-``-1`` and ends the episode. Any action but the no-op costs ``CHANGE_COST`` (0.005), so the
-agent settles instead of shuffling buffers that make no difference. ``reference`` is the best
-throughput reachable with the current CPUs: offline the simulator's oracle, online the best throughput seen since the CPU count last
-changed.
+The tuner proposes; :class:`~.safety.Guarded` applies the hard limits to what it proposes. Why
+the plan, the undo, the guard and the buffer floor: CONTRIBUTING.md, "The InTune learner";
+the measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -85,6 +65,7 @@ from .intune_state import (
     reward,
     transition_reward,
 )
+from .intune_weights import WEIGHTS_DIR, PlannerOnly, load_agent, shipped_lengths, weights_path
 from .planner import Plan, plan
 
 __all__ = [
@@ -105,12 +86,13 @@ __all__ = [
     "memory_factor",
     "rescale",
     "reward",
+    "shipped_lengths",
     "weights_path",
+    "WEIGHTS_DIR",
 ]
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
 # A worker move after which throughput fell by more than this share is undone (measurement
 # noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
 REVERT_DROP = 0.06
@@ -124,6 +106,21 @@ PLAN_MIN_GAIN = 0.05
 # The first allocation's worst case is fitted to this share of MEMORY_SAFE_SHARE of the limit:
 # a start measured under nothing yet (no per-worker memory) keeps more headroom than a step.
 START_MEMORY_SHARE = 0.9
+# Fine-tuning online: exploration rate, and one gradient update per this many steps (with
+# torch's default intra-op threads a tiny update can cost tens of ms of CPU on a busy machine,
+# and the tuning loop must stay under 2 % of a core).
+FINETUNE_EPSILON = 0.02
+FINETUNE_LEARN_EVERY = 5
+# Fine-tuning's learner: a small replay and a low learning rate, so live transitions correct
+# the pre-trained weights without forgetting them.
+FINETUNE_CONFIG = DQNConfig(
+    lr=1e-4,
+    batch_size=32,
+    replay_size=2000,
+    warmup=64,
+    eps_start=FINETUNE_EPSILON,
+    eps_end=FINETUNE_EPSILON,
+)
 
 
 @dataclass(frozen=True)
@@ -135,37 +132,6 @@ class Pending:
     current: Allocation
     planned: Plan
     mask: torch.Tensor
-
-
-class PlannerOnly:
-    """Stands in for the agent where no weights exist for a pipeline length: always the
-    no-op, so the planner's jumps (taken without asking the network, ``plan_gain``), the
-    undo rule and the guard steer the pipeline alone."""
-
-    training_enabled = False
-
-    def act(self, state: torch.Tensor, mask: torch.Tensor, epsilon: float = 0.0) -> int:
-        return 0
-
-    def epsilon(self, step: int) -> float:
-        return 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-
-def shipped_lengths(directory: Path = WEIGHTS_DIR) -> list[int]:
-    """Pipeline lengths (stage counts) with weights in ``directory``."""
-    found = (
-        p.name.removeprefix("intune_").removesuffix("stages.pt")
-        for p in Path(directory).glob("intune_*stages.pt")
-    )
-    return sorted(int(n) for n in found if n.isdigit())
-
-
-def weights_path(n_stages: int, directory: Path = WEIGHTS_DIR) -> Path:
-    """Where the shipped weights for an ``n_stages`` pipeline live."""
-    return Path(directory) / f"intune_{n_stages}stages.pt"
 
 
 class InTuneTuner:
@@ -182,9 +148,7 @@ class InTuneTuner:
         config: DQN hyper-parameters for learning; defaults suit fine-tuning.
         reference: throughput that normalises the reward; None uses the best throughput
             seen since the CPU count last changed.
-        learn_every: steps per gradient update while learning. Fine-tuning updates every 5th
-            step: with torch's default intra-op threads a tiny update can cost tens of ms of
-            CPU on a busy machine, and the tuning loop must stay under 2 % of a core.
+        learn_every: steps per gradient update while learning (``FINETUNE_LEARN_EVERY``).
         plan_gain: take the planner's allocation without asking the network when it promises
             this share more throughput than measured (None: the network alone decides).
         seed: seeds exploration and replay sampling.
@@ -202,10 +166,10 @@ class InTuneTuner:
         weights: str | Path | Mapping[str, Any] | None = None,
         *,
         finetune: bool = False,
-        epsilon: float | None = 0.02,
+        epsilon: float | None = FINETUNE_EPSILON,
         config: DQNConfig | None = None,
         reference: Callable[[Observation], float] | None = None,
-        learn_every: int = 5,
+        learn_every: int = FINETUNE_LEARN_EVERY,
         plan_gain: float | None = PLAN_MIN_GAIN,
         seed: int = 0,
     ) -> None:
@@ -216,9 +180,7 @@ class InTuneTuner:
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
-        self.config = config or DQNConfig(
-            lr=1e-4, batch_size=32, replay_size=2000, warmup=64, eps_start=0.02, eps_end=0.02
-        )
+        self.config = config or FINETUNE_CONFIG
         self.reference = reference
         self.seed = seed
         self.agent: DQNAgent | PlannerOnly | None = None
@@ -410,36 +372,10 @@ class InTuneTuner:
             self.agent.enable_training(seed=self.seed, config=self.config)
 
     def _load_agent(self, n: int) -> DQNAgent | PlannerOnly:
-        src = self.weights
-        if isinstance(src, Mapping):
-            state = src
-        else:
-            path = Path(src) if src is not None else WEIGHTS_DIR
-            if path.is_dir():
-                path = weights_path(n, path)
-            if src is None and not path.is_file():
-                lengths = shipped_lengths()
-                logger.info(
-                    "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
-                    "planner tunes this one alone", n, ", ".join(map(str, lengths)) or "none",
-                )  # fmt: skip
-                if self.plan_gain is None:
-                    self.plan_gain = PLAN_MIN_GAIN
-                return PlannerOnly()
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"InTuneTuner: no pre-trained weights for {n} stages at {path}; train them "
-                    f"with `python -m torchtune_pipe.sim.pretrain --stages {n} --out DIR` and "
-                    "pass weights=DIR"
-                )
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        if "agent" in state:
-            if int(state["n_stages"]) != n:
-                raise ValueError(
-                    f"InTuneTuner: weights are for {state['n_stages']} stages, the pipeline has {n}"
-                )
-            state = state["agent"]
-        agent = DQNAgent.from_state_dict(state)
-        if self.finetune:
+        agent = load_agent(self.weights, n)
+        if isinstance(agent, PlannerOnly):
+            if self.plan_gain is None:
+                self.plan_gain = PLAN_MIN_GAIN
+        elif self.finetune:
             agent.enable_training(seed=self.seed, config=self.config)
         return agent

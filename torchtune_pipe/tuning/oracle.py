@@ -1,11 +1,13 @@
 """The yardstick: the best static allocation, by exhaustive or coordinate search.
 
-:func:`oracle_search` searches with an ``evaluate(allocation) -> throughput`` function (the
-simulator's steady-state ``evaluate``): exhaustively when the number of allocations is small,
-otherwise by coordinate search (move ``k`` workers between two stages, or add/remove ``k``,
-with ``k`` halving down to 1). :class:`OracleTuner` does the same on a live pipeline by trying
-a list of candidate static allocations for a few intervals each and settling on the best.
-Neither is meant for production: both cost many evaluations.
+:func:`oracle_search` is the one search, with any ``evaluate(allocation) -> throughput``
+function: the simulator's steady-state ``evaluate`` (:func:`best_static`, the held-out
+evaluation and pre-training's reference) or a live measurement (``benchmarks/tuners_real.py``).
+It searches exhaustively when the number of allocations is small, otherwise by coordinate
+search (move ``k`` workers between two stages, or add/remove ``k``, with ``k`` halving down to
+1). :class:`OracleTuner` does the same on a live pipeline through the tuning loop, trying a
+list of candidate static allocations for a few intervals each and settling on the best.
+None is meant for production: all cost many evaluations.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .base import Allocation, MiB, Observation
 from .baselines import even_split
+from .safety import MAX_OVERSUBSCRIBE
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +106,33 @@ def oracle_search(
             best = (found, value(found))
     log.debug("oracle_search: %d evaluations, best %s", len(cache), best)
     return best
+
+
+def best_static(
+    evaluate: Callable[[Allocation], float],
+    n_stages: int,
+    cpus: float,
+    max_workers: int | Sequence[int],
+    factors: Sequence[float] = (1, 2, MAX_OVERSUBSCRIBE),
+) -> tuple[Allocation, float]:
+    """The best static allocation on ``cpus`` CPUs among worker totals up to each of
+    ``cpus * factors``.
+
+    The hard limits let tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
+    core when stages wait on I/O or on their neighbours), so the yardstick searches those
+    totals too: one tuners could beat would measure nothing. One search per total: a search
+    started far past the memory limit sees only zeros around it and cannot climb.
+
+    Returns:
+        (best allocation, its value).
+    """
+    return max(
+        (
+            oracle_search(evaluate, n_stages, max(n_stages, int(cpus * f)), max_workers)
+            for f in factors
+        ),
+        key=lambda found: found[1],
+    )
 
 
 def _coordinate_search(
