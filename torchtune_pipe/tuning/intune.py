@@ -32,7 +32,6 @@ the measurements: BENCHMARKS.md.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,7 +90,6 @@ __all__ = [
     "WEIGHTS_DIR",
 ]
 
-logger = logging.getLogger(__name__)
 
 # A worker move after which throughput fell by more than this share is undone (measurement
 # noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
