@@ -98,3 +98,11 @@ def test_guarded_applies_the_limits_once_and_keeps_concurrency():
     assert Guarded(guard).tunable is pipe
     with pytest.raises(ValueError, match="stages"):
         guard.apply(Allocation((1,), (MiB,)))
+
+
+def test_fit_memory_refuses_the_costliest_growth_first():
+    # Worst case now: 40 + 50 + 800 + 32 MiB. Growing both stages passes the limit; refusing
+    # the 200 MiB workers' growth is enough, so the 50 MiB workers' growth stays.
+    obs = _obs(limit=1100 * MiB)
+    out = fit_memory(Allocation((3, 6), (16 * MiB, 16 * MiB)), obs)
+    assert out.workers == (3, 4)

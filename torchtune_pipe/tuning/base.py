@@ -66,7 +66,9 @@ class StageStats:
         memory_bytes: bytes the stage's workers hold, its buffer excluded: the part of
             :attr:`Observation.memory_used_bytes` they account for (live: their proportional
             set sizes less the shared-memory arenas; simulator: workers times the worker RSS
-            plus the stage's resident state). 0 when not measured.
+            plus what each of its workers holds, ``StageModel.worker_bytes``; its resident
+            state, held whatever the knobs, is no worker's). A worker added to the stage is
+            taken to cost what one holds now. 0 when not measured.
     """
 
     name: str

@@ -42,18 +42,6 @@ from .base import (
     memory_parts,
 )
 
-__all__ = [
-    "Guarded",
-    "charge",
-    "charge_floor",
-    "fit_memory",
-    "is_io_bound",
-    "is_waiting",
-    "oversubscribe_factor",
-    "safe",
-    "within_limits",
-]
-
 LimitsFn = Callable[[Observation], Limits]
 
 # An I/O worker is charged at least this share of a core (a stalled device is not free).
@@ -164,7 +152,7 @@ def fit_memory(
     """Keep ``alloc``'s worst-case memory within ``share`` of ``obs``'s limit (module docstring).
 
     In order, until the worst case fits: refuse buffer growth past what runs now, then worker
-    growth; halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a worker from
+    growth (stage by stage, the stage whose workers hold the most first); halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a worker from
     the stage whose workers hold the most (never below its ``min_workers``); halve buffers down
     to ``min_buffer_bytes``. An allocation that fits is returned unchanged.
 
@@ -183,8 +171,13 @@ def fit_memory(
         return parts.worst_case_bytes(Allocation(tuple(workers), tuple(buffers))) > limit
 
     buffers = [min(b, c) for b, c in zip(buffers, now.buffer_bytes, strict=True)]
-    if over():
-        workers = [min(w, c) for w, c in zip(workers, now.workers, strict=True)]
+    # Worker growth is refused stage by stage, the costliest workers first: one stage whose
+    # workers hold a lot (a cache, a shuffle buffer) does not stop the others from growing.
+    grown = [j for j in range(len(workers)) if workers[j] > now.workers[j]]
+    for j in sorted(grown, key=lambda k: -parts.per_worker_bytes[k]):
+        if not over():
+            break
+        workers[j] = now.workers[j]
     floors = [max(1, s.min_workers) for s in obs.stages]
     for floor in (SHED_BUFFER_FLOOR_BYTES, None):
         while over():
