@@ -32,6 +32,7 @@ the measurements: BENCHMARKS.md.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,6 +90,8 @@ __all__ = [
     "weights_path",
     "WEIGHTS_DIR",
 ]
+
+logger = logging.getLogger(__name__)
 
 
 # A worker move after which throughput fell by more than this share is undone (measurement
@@ -372,6 +375,10 @@ class InTuneTuner:
     def _load_agent(self, n: int) -> DQNAgent | PlannerOnly:
         agent = load_agent(self.weights, n)
         if isinstance(agent, PlannerOnly):
+            logger.info(
+                "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
+                "planner tunes this one alone", n, ", ".join(map(str, shipped_lengths())) or "none",
+            )  # fmt: skip
             if self.plan_gain is None:
                 self.plan_gain = PLAN_MIN_GAIN
         elif self.finetune:

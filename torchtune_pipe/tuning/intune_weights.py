@@ -7,7 +7,6 @@ One weight file per pipeline length (``intune_{n}stages.pt``), written by
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -15,8 +14,6 @@ from typing import Any
 import torch
 
 from .dqn import DQNAgent
-
-logger = logging.getLogger(__name__)
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 
@@ -60,7 +57,7 @@ def load_agent(
 
     Returns:
         The agent; :class:`PlannerOnly` when ``weights`` is None and no weights ship for
-        this length (logged).
+        this length.
 
     Raises:
         FileNotFoundError: ``weights`` names no file for this length.
@@ -74,11 +71,6 @@ def load_agent(
         if path.is_dir():
             path = weights_path(n, path)
         if weights is None and not path.is_file():
-            lengths = shipped_lengths()
-            logger.info(
-                "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
-                "planner tunes this one alone", n, ", ".join(map(str, lengths)) or "none",
-            )  # fmt: skip
             return PlannerOnly()
         if not path.is_file():
             raise FileNotFoundError(
