@@ -49,7 +49,7 @@ from tuners_real import table  # noqa: E402
 
 from multiproc import Snapshot  # noqa: E402
 from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload  # noqa: E402
-from torchtune_pipe.tuning.base import Allocation  # noqa: E402
+from torchtune_pipe.tuning.base import Allocation, waits_on_io  # noqa: E402
 
 log = logging.getLogger("sim_validate")
 
@@ -61,9 +61,6 @@ ALLOCATIONS: tuple[tuple[int, int, int], ...] = (
     (1, 1, 3),
     (2, 1, 2),
 )
-# Below this share of CPU in a stage's busy time the rest counts as I/O wait (as telemetry's
-# io_bound test does); at or above it the stage is CPU-bound.
-CPU_BOUND_SHARE = 0.5
 
 
 def run_delay_ns(snapshot: Snapshot) -> list[int]:
@@ -108,7 +105,7 @@ def fit_stages(
         wait_s = max(0, delay1[i] - delay0[i]) / 1e9 / items_in
         # A waiting stage keeps its wake-up delays (they lengthen every wait it makes); a
         # computing stage's run-queue delay is CPU it did not get, charged below via share.
-        cpu_bound = cpu_s >= CPU_BOUND_SHARE * max(busy_s - wait_s, 1e-12)
+        cpu_bound = not waits_on_io(cpu_s, max(busy_s - wait_s, 1e-12))  # telemetry's rule
         # A waiting stage's wait is read from its workers' whole lives (less the time blocked
         # on the channels), not only from busy time: a source waits before its first item too.
         active_ns = c.worker_ns - p.worker_ns

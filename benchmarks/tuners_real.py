@@ -26,7 +26,6 @@ Run: ``.venv/bin/python benchmarks/tuners_real.py --out tuners_real.json``;
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import logging
 import os
@@ -43,7 +42,8 @@ sys.path[:0] = [str(_HERE), str(_HERE.parent)]
 import _real_fns  # noqa: E402
 from _common import machine_info, write_json  # noqa: E402
 
-from torchtune_pipe.tuning.base import MiB  # noqa: E402
+from torchtune_pipe.tuning.base import Allocation, MiB  # noqa: E402
+from torchtune_pipe.tuning.oracle import oracle_search  # noqa: E402
 
 log = logging.getLogger("tuners_real")
 
@@ -52,28 +52,27 @@ TARGET = 0.9
 
 
 # ---------------------------------------------------------------------------- measuring
-def grid(n: int, max_stage: int, max_total: int) -> list[tuple[int, ...]]:
-    """Worker tuples with ``1 <= w_i <= max_stage`` and ``sum(w) <= max_total``."""
-    rng = range(1, max_stage + 1)
-    return [w for w in itertools.product(rng, repeat=n) if sum(w) <= max_total]
-
-
-def oracle_search(
+def search_live(
     recipe: _real_fns.Recipe,
-    candidates: Sequence[tuple[int, ...]],
+    max_stage: int,
+    max_total: int,
     settle_s: float,
     measure_s: float,
 ) -> dict:
-    """Measure each static candidate on one live pipeline; returns the scores and the best."""
+    """Measure every static worker tuple with ``1 <= w_i <= max_stage`` and ``sum(w) <=
+    max_total`` on one live pipeline (the library's :func:`oracle_search`, exhaustive, with a
+    live measurement as its ``evaluate``); returns the scores and the best."""
+    n = len(recipe.stages)
     scores: list[dict] = []
-    with recipe.build((1,) * len(recipe.stages)).loader(timeout_s=60.0) as loader:
+    with recipe.build((1,) * n).loader(timeout_s=60.0) as loader:
         it = iter(loader)
         next(it)  # workers are up once the first item arrives
         ex = loader.tunable.executor
-        for w in candidates:
-            for i, n in enumerate(w):
-                if ex.workers(i) != n:
-                    ex.resize(i, n)
+
+        def measure(alloc: Allocation) -> float:
+            for i, w in enumerate(alloc.workers):
+                if ex.workers(i) != w:
+                    ex.resize(i, w)
             t0 = time.perf_counter()
             settle_end, end = t0 + settle_s, t0 + settle_s + measure_s
             samples, started = 0, None
@@ -86,12 +85,15 @@ def oracle_search(
                         started = now
                     samples += _samples(x, recipe)
             rate = samples / max(1e-9, time.perf_counter() - (started or settle_end))
-            scores.append({"workers": list(w), "throughput": rate})
-            log.info("oracle %s %s: %.1f samples/s", recipe.name, w, rate)
+            scores.append({"workers": list(alloc.workers), "throughput": rate})
+            log.info("oracle %s %s: %.1f samples/s", recipe.name, alloc.workers, rate)
+            return rate
+
+        oracle_search(measure, n, max_total, max_stage, exhaustive_limit=1 << 62)
     best = max(scores, key=lambda s: s["throughput"])
     # The tuners' hard limit charges every worker a core unless its stage waits on I/O, so
     # the best candidate within one worker per core (or one per stage) is reported apart.
-    cap = max(len(recipe.stages), len(os.sched_getaffinity(0)))
+    cap = max(n, len(os.sched_getaffinity(0)))
     capped = [s for s in scores if sum(s["workers"]) <= cap]
     return {
         "method": "grid of static allocations on one live pipeline",
@@ -250,8 +252,9 @@ def bench(args: argparse.Namespace) -> dict:
     }
     for name in chosen:
         recipe = recipes[name]
-        cands = grid(len(recipe.stages), args.oracle_max_stage, args.oracle_max_total)
-        search = oracle_search(recipe, cands, args.settle, args.measure)
+        search = search_live(
+            recipe, args.oracle_max_stage, args.oracle_max_total, args.settle, args.measure
+        )
         best = search["best"]["workers"]
         runs = {t: run_tuner(recipe, t, args.duration, args.interval, best) for t in tuners}
         oracle_run = runs.get("oracle")
@@ -274,7 +277,7 @@ def bench(args: argparse.Namespace) -> dict:
         }
         print(
             f"\n== {name}  stages {recipe.stages}  oracle allocation {best} "
-            f"(grid of {len(cands)}: {search['best']['throughput']:.1f}/s)"
+            f"(grid of {len(search['scores'])}: {search['best']['throughput']:.1f}/s)"
         )
         print(table(rows, COLUMNS), flush=True)
     result["load_avg_1m_end"] = os.getloadavg()[0]

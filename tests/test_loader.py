@@ -141,7 +141,7 @@ class _Shrink:
     def __init__(self):
         self.steps = 0
 
-    def reset(self, obs):
+    def reset(self, obs, start=None):
         return self.step(obs)
 
     def step(self, obs):

@@ -142,7 +142,7 @@ def test_a_worker_holding_200_mb_is_reported():
 def test_live_and_simulated_pipelines_report_memory_alike():
     """One shape, both sides of the seam: a source worker and two UDF workers that hold
     100 MB each. The live pipeline is read from /proc; the simulator is given the source
-    worker's measured size as its worker RSS and the UDF caches as the stage's resident state.
+    worker's measured size as its worker RSS and the UDF cache as what each UDF worker holds.
     Memory splits the same way on both, and a limit below the usage is an OOM on both."""
     hold = 100 * MiB
     with _held_pipeline(2, 100).loader() as loader:
@@ -153,7 +153,7 @@ def test_live_and_simulated_pipelines_report_memory_alike():
     base = live.stages[0].memory_bytes  # one worker that holds nothing of its own
     wl = Workload(
         "held",
-        (StageModel("source", "source", 1e-4), StageModel("udf", "map", 1e-4, resident_bytes=2 * hold)),
+        (StageModel("source", "source", 1e-4), StageModel("udf", "map", 1e-4, worker_bytes=hold)),
         worker_rss_bytes=base,
         initial_buffer_bytes=1 << 20,
     )  # fmt: skip

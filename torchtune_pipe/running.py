@@ -16,16 +16,17 @@ from multiproc import Executor
 
 from . import telemetry
 from .memory import MemoryProbe
-from .stages import MIN_BUFFER_BYTES, StageChain
-from .tuning.base import Allocation, Limits, Observation, clamp
+from .stages import StageChain
+from .tuning.base import Allocation, Observation
 
 
 class RunningPipeline:
     """A running pipeline as a :class:`~torchtune_pipe.tuning.base.Tunable`.
 
-    ``observe()`` reports the interval since the previous call; ``apply()`` clamps the
-    allocation to the machine's limits (:func:`~torchtune_pipe.tuning.base.clamp`) and calls
-    ``executor.resize`` / ``executor.set_budget`` for the stages that change.
+    ``observe()`` reports the interval since the previous call; ``apply()`` calls
+    ``executor.resize`` / ``executor.set_budget`` for the stages that change. It applies what
+    it is given: the tuning loop wraps it in :class:`~torchtune_pipe.tuning.safety.Guarded`,
+    which applies the hard limits (CPU budget, memory) once per decision.
     """
 
     def __init__(self, executor: Executor, meter: telemetry.Meter):
@@ -38,41 +39,22 @@ class RunningPipeline:
         self._last = self.meter.observe()
         return self._last
 
-    def fit(self, allocation: Allocation, obs: Observation | None = None) -> Allocation:
-        """``allocation`` clamped to the limits of ``obs`` (default: the last observation):
-        the CPU budget, and the memory limit with the pipeline's measured memory
-        (:func:`~torchtune_pipe.tuning.safety.fit_memory`: growth whose worst case passes the
-        limit is refused, and near the limit buffers are shed first, then workers). The tuning
-        loop applies what this returns, so shedding happens even when a tuner's decision
-        stays the same while memory grows."""
-        from .tuning.safety import fit_memory, oversubscribe_factor
-
-        obs = obs or self._last or self.observe()
-        limits = Limits(
-            cpus=obs.cpus,
-            memory_bytes=obs.memory_limit_bytes,
-            min_workers=tuple(b.min_workers for b in self.meter.bounds),
-            max_workers=tuple(b.max_workers for b in self.meter.bounds),
-            min_buffer_bytes=MIN_BUFFER_BYTES,
-        )
-        a = clamp(allocation, limits, oversubscribe_factor(obs, allocation))
-        return fit_memory(a, obs, min_buffer_bytes=MIN_BUFFER_BYTES)
-
     def apply(self, allocation: Allocation) -> None:
-        """Resize stages and buffers to ``allocation`` as :meth:`fit` clamps it; calls in
-        flight per worker where the allocation leaves them open follow the measured rule
-        (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`)."""
+        """Resize stages and buffers to ``allocation`` (budgets within each stage's
+        ``max_buffer_bytes``); calls in flight per worker where the allocation leaves them open
+        follow the measured rule (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
+        """
         from .tuning.concurrency import plan_concurrency
 
         obs = self._last or self.observe()
-        a = plan_concurrency(obs, self.fit(allocation, obs))
+        a = plan_concurrency(obs, allocation)
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):
                 ex.resize(i, a.workers[i])
             if a.concurrency[i] != ex.concurrency(i):
                 ex.set_concurrency(i, a.concurrency[i])
-            budget = max(a.buffer_bytes[i], MIN_BUFFER_BYTES)
+            budget = a.buffer_bytes[i]
             if st.max_buffer_bytes is not None:
                 budget = min(budget, st.max_buffer_bytes)
             if budget != ex.budget(i):

@@ -25,15 +25,13 @@ import psutil
 from multiproc import Snapshot
 
 from . import memory as _memory
-from .tuning.base import Observation, StageStats
+from .tuning.base import Observation, StageStats, waits_on_io
 
 log = logging.getLogger(__name__)
 
 _CGROUP = Path("/sys/fs/cgroup")
 # Workers report their run-queue delay where the kernel exports it (multiproc.worker).
 _RUNQUEUE = os.path.exists("/proc/thread-self/schedstat")
-# A stage whose workers burn less CPU than this share of their busy time waits on I/O.
-_IO_CPU_SHARE = 0.5
 
 
 # ---------------------------------------------------------------------------- machine facts
@@ -234,7 +232,7 @@ def observe(
                 buffer_bytes=s.buffer_budget_bytes,
                 buffer_fill=min(1.0, s.buffer_used_bytes / max(1, s.buffer_budget_bytes)),
                 cpu_s_per_item=cpu_ns / 1e9 / out if out > 0 else 0.0,
-                io_bound=busy_ns > 0 and cpu_ns < _IO_CPU_SHARE * busy_ns,
+                io_bound=waits_on_io(cpu_ns, busy_ns),
                 idle=out <= 0 and ran_ns == 0 and s.items_out > 0,
                 items_in_per_s=max(0, d("items_in")) / dt,
                 runqueue=min(1.0, max(0, d("runq_ns")) / capacity) if _RUNQUEUE else None,

@@ -99,8 +99,8 @@ class StepTuner:
         self.steps = 0
         self.alloc: Allocation | None = None
 
-    def reset(self, obs: Observation) -> Allocation:
-        self.alloc = Allocation((1,) * len(obs.stages), (2 * MiB,) * len(obs.stages))
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        self.alloc = start or Allocation((1,) * len(obs.stages), (2 * MiB,) * len(obs.stages))
         return self.alloc
 
     def step(self, obs: Observation) -> Allocation:

@@ -1,4 +1,4 @@
-"""The Gymnasium environment and its action/observation/reward encoding."""
+"""The Gymnasium environment is the InTune agent's own task: its state, actions, masks, reward."""
 
 from __future__ import annotations
 
@@ -8,96 +8,82 @@ import pytest
 from gymnasium.utils.env_checker import check_env
 
 from torchtune_pipe.sim import gym as sim_gym
-from torchtune_pipe.sim.gym import (
-    PipeEnv,
-    action_count,
-    action_mask,
-    apply_action,
-    decode_action,
-    encode_observation,
-    reward,
-)
+from torchtune_pipe.sim.gym import PipeEnv
 from torchtune_pipe.sim.workloads import netflix_like
-from torchtune_pipe.tuning.base import MiB, Observation, StageStats
-
-
-def make_obs(workers=(2, 3), buffers=(4 * MiB, 4 * MiB), cpus=8, used=0, limit=1024 * MiB):
-    stages = tuple(
-        StageStats(f"s{i}", w, min_workers=1, max_workers=10, buffer_bytes=b, busy=0.5)
-        for i, (w, b) in enumerate(zip(workers, buffers, strict=True))
-    )
-    return Observation(stages, 100.0, cpus, limit, used, latency_s=0.5, cpu_ghz=2.5)
+from torchtune_pipe.tuning.intune_space import ActionSpace
+from torchtune_pipe.tuning.intune_state import StateEncoder
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, within_limits
 
 
 def test_env_passes_gymnasium_checker():
-    env = PipeEnv(n_stages=4, episode_steps=20)
+    env = PipeEnv(n_stages=4, episode_steps=20, reference="upper_bound")
     check_env(env, skip_render_check=True)
 
 
-def test_env_with_fixed_workload_and_schedule_runs_an_episode():
-    env = PipeEnv(n_stages=5, workload=netflix_like(0), cpus=[(0, 8), (5, 32)], episode_steps=10)
-    obs, info = env.reset(seed=3)
-    assert obs.shape == env.observation_space.shape and info["action_mask"][0] == 1
+def test_spaces_are_the_agents():
+    env = PipeEnv(n_stages=3, episode_steps=5)
+    assert env.action_space.n == ActionSpace(3).n == 2 + 6 * 3
+    assert env.observation_space.shape == (StateEncoder(3).dim,) == (11 * 3 + 16,)
+
+
+def test_an_action_index_means_the_agents_allocation_change():
+    env = PipeEnv(n_stages=5, workload=netflix_like(0), cpus=16, episode_steps=10)
+    _, info = env.reset(seed=1)
+    space = ActionSpace(5)
+    for index in range(space.n):
+        if not info["action_mask"][index]:
+            continue
+        pending = env.tuner.pending
+        want = space.apply(pending.current, index, pending.obs, pending.planned)
+        _, _, terminated, _, info = env.step(index)
+        # What ran is the agent's change as the hard limits let it through, as live.
+        assert env.sim.allocation.workers == within_limits(want, pending.obs).workers, index
+        assert env.sim.allocation.buffer_bytes == within_limits(want, pending.obs).buffer_bytes
+        assert env.actions.decode(index) == space.decode(index)
+        if terminated:
+            break
+
+
+def test_episode_with_random_masked_actions_keeps_the_limits():
+    env = PipeEnv(n_stages=5, workload=netflix_like(0), cpus=[(0, 8), (5, 32)], episode_steps=12)
+    _, info = env.reset(seed=3)
+    assert info["action_mask"][0] == 1
+    env.action_space.seed(0)
     rewards, done = [], False
     while not done:
-        obs, r, terminated, truncated, info = env.step(env.action_space.sample())
+        decided_on = env.observation
+        action = env.action_space.sample(mask=info["action_mask"])
+        _, r, terminated, truncated, info = env.step(action)
         rewards.append(r)
         done = terminated or truncated
-    assert len(rewards) == 10 and truncated and not terminated
-    assert all(0.0 <= r <= 1.0 for r in rewards)
+        ran = env.sim.allocation
+        assert within_limits(ran, decided_on).workers == ran.workers
+        assert sum(ran.workers) <= MAX_OVERSUBSCRIBE * decided_on.cpus
+        assert min(ran.buffer_bytes) >= 1 << 20
+        for w, st in zip(ran.workers, decided_on.stages, strict=True):
+            assert st.min_workers <= w <= st.max_workers
+    assert len(rewards) == 12 and truncated and not terminated
+    assert all(-1.0 < r <= 1.0 for r in rewards)
     assert env.sim.cpus_at(env.sim.t) == 32
 
 
-def test_env_rejects_wrong_length_workload():
+def test_env_rejects_wrong_length_workload_and_bad_arguments():
     with pytest.raises(ValueError, match="stages"):
         PipeEnv(n_stages=3, workload=netflix_like(0))
-
-
-def test_decode_action_layout():
-    n = 3
-    assert action_count(n) == 19
-    assert decode_action(0, n) is None
-    assert decode_action(1, n) == (0, 1, 0)
-    assert decode_action(4, n) == (0, -5, 0)
-    assert decode_action(7, n) == (1, 1, 0)
-    assert decode_action(18, n) == (2, 0, -1)
-    with pytest.raises(ValueError, match="0..18"):
-        decode_action(19, n)
-
-
-def test_apply_action_respects_limits():
-    obs = make_obs(workers=(2, 3), cpus=4)
-    # +5 workers on stage 0: total capped at cpus * oversubscribe = 8 -> +3.
-    assert apply_action(obs, 3).workers == (5, 3)
-    assert apply_action(obs, 3, oversubscribe=1.0).workers == (2, 3)  # already at 5 > 4
-    assert apply_action(obs, 4).workers == (1, 3)  # -5 stops at one worker
-    assert apply_action(obs, 5).buffer_bytes == (20 * MiB, 4 * MiB)
-    assert apply_action(obs, 6).buffer_bytes == (1 * MiB, 4 * MiB)
-    mask = action_mask(obs, oversubscribe=1.0)
-    assert mask[0] == 1 and mask[1] == 0 and mask[2] == 1
-
-
-def test_reward_falls_to_zero_near_memory_limit():
-    limit = 1000 * MiB
-    assert reward(make_obs(used=0, limit=limit), 200.0) == pytest.approx(0.5)
-    assert reward(make_obs(used=int(0.95 * limit), limit=limit), 200.0) == pytest.approx(0.25)
-    assert reward(make_obs(used=limit, limit=limit), 200.0) == 0.0
-    oom = Observation(make_obs().stages, 100.0, 8, limit, 0, oom=True)
-    assert reward(oom, 200.0) == 0.0
-
-
-def test_encode_observation_is_bounded_and_sized():
-    v = encode_observation(make_obs(), 200.0)
-    assert v.dtype == np.float32
-    assert v.shape == (sim_gym.STAGE_FEATURES * 2 + sim_gym.GLOBAL_FEATURES,)
-    assert v[0] == pytest.approx(2 / 8) and v[2] == pytest.approx(0.5)
-    assert np.all(v >= 0) and np.all(v <= 4)
+    with pytest.raises(ValueError, match="reference"):
+        PipeEnv(n_stages=3, reference="best")
+    env = PipeEnv(n_stages=3, episode_steps=2, reference="upper_bound")
+    with pytest.raises(RuntimeError, match="before reset"):
+        env.step(0)
+    env.reset(seed=0)
+    with pytest.raises(ValueError, match="action"):
+        env.step(env.action_space.n)
 
 
 def test_register_is_lazy_and_idempotent():
     sim_gym.register()
     sim_gym.register()
-    env = gymnasium.make(sim_gym.ENV_ID, n_stages=3, episode_steps=5)
+    env = gymnasium.make(sim_gym.ENV_ID, n_stages=3, episode_steps=5, reference="upper_bound")
     obs, _ = env.reset(seed=0)
-    assert obs.shape == (3 * sim_gym.STAGE_FEATURES + sim_gym.GLOBAL_FEATURES,)
+    assert obs.shape == (StateEncoder(3).dim,) and obs.dtype == np.float32
     env.close()

@@ -13,12 +13,13 @@ from torchtune_pipe.sim.pretrain import (
     evaluate_agent,
     main,
     pretrain,
-    run_episode,
     sample_episode,
+    simulate,
 )
 from torchtune_pipe.sim.workloads import generate
 from torchtune_pipe.tuning.base import Allocation, MiB
 from torchtune_pipe.tuning.intune import InTuneTuner, weights_path
+from torchtune_pipe.tuning.loop import run_episode
 
 
 def test_training_episodes_never_use_heldout_seeds():
@@ -39,9 +40,13 @@ def test_short_training_run_improves_a_bad_allocation(one_thread):
     for workers in ((1, 15), (15, 1)):
         bad = Allocation(workers, (64 * MiB,) * 2)
         allocs: list[Allocation] = []
-        ep = Episode(wl, ((0.0, 16.0),), 64 << 30, 40, 1)
+        sim = simulate(Episode(wl, ((0.0, 16.0),), 64 << 30, 40, 1))
         run_episode(
-            InTuneTuner(state), ep, start=bad, on_step=lambda s, o, a=allocs: a.append(s.allocation)
+            sim,
+            InTuneTuner(state),
+            40,
+            start=bad,
+            on_step=lambda o, a=allocs, s=sim: a.append(s.allocation),
         )
         assert probe.evaluate(allocs[-1]) > 1.3 * probe.evaluate(bad), (workers, allocs[-1])
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from torchtune_pipe.tuning import AutotuneTuner, MiB, Observation, StageStats, run_episode
+from torchtune_pipe.tuning import AutotuneTuner, Guarded, MiB, Observation, StageStats, run_episode
 from torchtune_pipe.tuning.autotune import AutotuneConfig, LegacyPrefetch
 from torchtune_pipe.tuning.safety import CPU_MIN_CHARGE
 from torchtune_pipe.tuning.testing import LinearTunable
@@ -124,15 +124,16 @@ def test_parallelism_capped_at_start_cpus_adaptive_relaunches():
     final = {}
     for adaptive in (False, True):
         tuner = AutotuneTuner(adaptive=adaptive)
-        pipe = LinearTunable((0.01, 0.01), cpus=4)
+        inner = LinearTunable((0.01, 0.01), cpus=4)
+        pipe = Guarded(inner)  # the hard limits, as every driver applies them
         pipe.apply(tuner.reset(pipe.observe()))
         for _ in range(10):
             pipe.apply(tuner.step(pipe.observe()))
-        assert sum(pipe.allocation.workers) == 5  # 4 busy CPUs and the spare core
-        pipe.cpus = 16
+        assert sum(inner.allocation.workers) == 5  # 4 busy CPUs and the spare core
+        inner.cpus = 16
         for _ in range(10):
             pipe.apply(tuner.step(pipe.observe()))
-        final[adaptive] = pipe.allocation.workers
+        final[adaptive] = inner.allocation.workers
     assert final[False] == (4, 4)  # thread pool sized at start: added CPUs stay unused
     assert min(final[True]) >= 8  # re-launched with the new CPU count
 

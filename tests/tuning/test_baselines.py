@@ -18,7 +18,7 @@ from torchtune_pipe.tuning import (
     oversubscribe_factor,
     safe,
 )
-from torchtune_pipe.tuning.safety import SPARE_CORES
+from torchtune_pipe.tuning.safety import SPARE_CORES, within_limits
 
 
 def obs_of(workers=(1, 1, 1), cpus=10.0, memory=1 << 30, **stage_kw):
@@ -78,13 +78,16 @@ def test_static_returns_given_allocation_and_checks_length():
 def test_fixed_tuners_are_clamped_to_cpu_and_memory():
     tuner = StaticTuner(workers=(8, 8, 8), buffer_bytes=(400 * MiB, 400 * MiB, 200 * MiB))
     # Busy CPU-bound stages: 6 CPUs plus the measured pipeline's spare core.
-    alloc = tuner.reset(obs_of(cpus=6, memory=500 * MiB))
+    obs = obs_of(cpus=6, memory=500 * MiB)
+    alloc = within_limits(tuner.reset(obs), obs)
     assert sum(alloc.workers) == 7 and min(alloc.workers) >= 1
     assert sum(alloc.buffer_bytes) <= 500 * MiB
-    # The machine shrinks: the same tuner obeys the new budget at the next step.
-    assert sum(tuner.step(obs_of(cpus=3, memory=500 * MiB)).workers) == 4
+    # The machine shrinks: the same tuner's decision obeys the new budget at the next step.
+    obs = obs_of(cpus=3, memory=500 * MiB)
+    assert sum(within_limits(tuner.step(obs), obs).workers) == 4
     # Never fewer than one worker per stage, even with fewer CPUs than stages.
-    assert tuner.step(obs_of(cpus=1)).workers == (1, 1, 1)
+    obs = obs_of(cpus=1)
+    assert within_limits(tuner.step(obs), obs).workers == (1, 1, 1)
 
 
 def test_io_bound_classification():
@@ -189,7 +192,7 @@ def test_registry_makes_every_baseline():
         kw = {"workers": (1, 2, 3)} if name == "static" else {}
         tuner = make_tuner(name, **kw)
         assert isinstance(tuner, Tuner)
-        alloc = tuner.reset(obs)
+        alloc = within_limits(tuner.reset(obs), obs)
         assert len(alloc.workers) == 3 and sum(alloc.workers) <= 7  # 6 CPUs + the spare core
         assert len(tuner.step(obs).workers) == 3
     assert make_tuner("autotune-adaptive").config.adaptive

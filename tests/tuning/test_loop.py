@@ -153,9 +153,9 @@ def test_a_continued_loop_steps_instead_of_resetting():
     class CountingTuner(ShiftingTuner):
         resets = 0
 
-        def reset(self, obs):
+        def reset(self, obs, start=None):
             CountingTuner.resets += 1
-            return super().reset(obs)
+            return super().reset(obs, start)
 
     tuner = CountingTuner()
     pipe = SignallingTunable((0.01, 0.02), cpus=4, target=2)
@@ -167,3 +167,21 @@ def test_a_continued_loop_steps_instead_of_resetting():
     assert pipe.observed.wait(WAIT_S)
     second.stop()
     assert CountingTuner.resets == 1 and second.steps >= 2
+
+
+def test_loop_fits_memory_once_per_decision(monkeypatch):
+    from torchtune_pipe.tuning import safety
+
+    calls = []
+    fit = safety.fit_memory
+
+    def counting(*args, **kw):
+        calls.append(1)
+        return fit(*args, **kw)
+
+    monkeypatch.setattr(safety, "fit_memory", counting)
+    pipe = SignallingTunable((0.01, 0.02), cpus=4, target=4)
+    loop = TuningLoop(pipe, ShiftingTuner(), interval_s=0.005).start()
+    assert pipe.observed.wait(WAIT_S)
+    loop.stop()
+    assert len(calls) == loop.steps == len(pipe.applied)

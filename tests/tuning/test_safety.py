@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, memory_parts
-from torchtune_pipe.tuning.safety import MEMORY_SAFE_SHARE, SHED_BUFFER_FLOOR_BYTES, fit_memory
+from torchtune_pipe.tuning.safety import (
+    MEMORY_SAFE_SHARE,
+    SHED_BUFFER_FLOOR_BYTES,
+    Guarded,
+    fit_memory,
+    safe,
+    within_limits,
+)
+from torchtune_pipe.tuning.testing import LinearTunable
 
 
 def _obs(workers=(1, 4), buffers=(16 * MiB, 16 * MiB), per_worker=(50 * MiB, 200 * MiB),
@@ -65,3 +73,36 @@ def test_workers_never_go_below_the_minimum():
     assert out.workers == (1, 1) and out.buffer_bytes == (MiB, MiB)
     with pytest.raises(ValueError, match="3 stages but the pipeline has 2"):
         fit_memory(Allocation((1, 1, 1), (MiB,) * 3), obs)
+
+
+def test_safe_is_idempotent():
+    # The cap depends on the allocation checked: what was clamped to one cap fits its own.
+    stages = (
+        StageStats("read", 8, items_per_s=100.0, busy=0.9, cpu_s_per_item=0.002),
+        StageStats("udf", 30, items_per_s=100.0, busy=1.0, cpu_s_per_item=0.3),
+    )
+    obs = Observation(stages, 100.0, cpus=8, memory_limit_bytes=64 << 30, memory_used_bytes=0)
+    once = safe(Allocation((40, 30), (MiB, MiB)), obs)
+    assert sum(once.workers) < 70 and safe(once, obs) == once
+
+
+def test_guarded_applies_the_limits_once_and_keeps_concurrency():
+    pipe = LinearTunable((0.01, 0.02), cpus=2, memory_limit_bytes=1 << 30)
+    guard = Guarded(pipe)
+    obs = guard.observe()
+    guard.apply(Allocation((50, 50), (4 << 30, 1), concurrency=(2, 1)))
+    assert guard.applied == pipe.allocation == within_limits(pipe.applied[-1], obs)
+    assert sum(pipe.allocation.workers) <= 2 * 4 and min(pipe.allocation.buffer_bytes) >= MiB
+    assert pipe.allocation.concurrency == (2, 1)
+    # A guard of a guard is the same guard: limits are never applied twice.
+    assert Guarded(guard).tunable is pipe
+    with pytest.raises(ValueError, match="stages"):
+        guard.apply(Allocation((1,), (MiB,)))
+
+
+def test_fit_memory_refuses_the_costliest_growth_first():
+    # Worst case now: 40 + 50 + 800 + 32 MiB. Growing both stages passes the limit; refusing
+    # the 200 MiB workers' growth is enough, so the 50 MiB workers' growth stays.
+    obs = _obs(limit=1100 * MiB)
+    out = fit_memory(Allocation((3, 6), (16 * MiB, 16 * MiB)), obs)
+    assert out.workers == (3, 4)

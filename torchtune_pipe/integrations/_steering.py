@@ -8,7 +8,6 @@ and :class:`Steering` starts, restarts and stops the loop on a loader.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import threading
 from collections.abc import Callable
@@ -37,25 +36,19 @@ class Session:
         self.restored: Allocation | None = None
         self.last: Allocation | None = None
 
-    def reset(self, obs: Observation) -> Allocation:
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
         with self.lock:
             if self.started and self.last is not None:
                 return self.last
             self.started = True
-            start, self.restored = self.restored, None
+            start, self.restored = start or self.restored, None
             if start is not None and len(start.workers) != len(obs.stages):
                 log.warning(
                     "TuningCallback: restored allocation has %d stages, the pipeline %d; "
                     "starting the tuner afresh", len(start.workers), len(obs.stages),
                 )  # fmt: skip
                 start = None
-            if start is None:
-                self.last = self.tuner.reset(obs)
-            elif "start" in inspect.signature(self.tuner.reset).parameters:
-                self.last = self.tuner.reset(obs, start=start)
-            else:
-                self.tuner.reset(obs)  # initialise its state; the restored allocation runs first
-                self.last = start
+            self.last = self.tuner.reset(obs, start=start)
             return self.last
 
     def step(self, obs: Observation) -> Allocation:

@@ -24,8 +24,9 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    the blocked-on-output/input fractions a real pipeline reports.
 5. **Memory and OOM.** Memory used is filled buffer bytes + worker RSS + resident state (e.g.
    a shuffle buffer), the meaning :class:`~torchtune_pipe.tuning.base.Observation` gives it on
-   both sides of the seam; each stage reports its workers' part (RSS times workers plus its
-   resident state) as ``StageStats.memory_bytes``. Buffers fill at the rate imbalance across them, so an over-sized buffer
+   both sides of the seam; each stage reports its workers' part (workers times the worker RSS
+   plus the stage's ``worker_bytes``) as ``StageStats.memory_bytes``; resident state is held
+   by no worker. Buffers fill at the rate imbalance across them, so an over-sized buffer
    upstream of a bottleneck fills and may push the pipeline out of memory a few intervals
    later. Past the limit the episode is over: throughput 0 until :meth:`SimPipeline.reset`.
 6. **Noise.** Per interval, mean costs are resampled (lognormal, ``cv / sqrt(items)``) and the
@@ -42,7 +43,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
-from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, waits_on_io
 from torchtune_pipe.tuning.concurrency import plan_concurrency
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
@@ -86,7 +87,11 @@ class StageModel:
         min_workers: lower bound of the worker knob (>= 1).
         max_workers: upper bound of the worker knob.
         drift: optional cost drift; a ``(period_s, amplitude[, phase])`` tuple is accepted.
-        resident_bytes: memory the stage holds regardless of its knobs (a shuffle buffer).
+        resident_bytes: memory the stage holds regardless of its knobs (a shuffle buffer): not
+            its workers' (``StageStats.memory_bytes`` leaves it out), so a tuner or the hard
+            limits see a worker cost what a worker costs.
+        worker_bytes: memory each of the stage's workers holds besides the worker RSS (a cache
+            every worker builds): it grows with the workers, as it does live.
         max_concurrency: calls in flight per worker the stage allows (1: none). A worker with
             ``k`` calls in flight overlaps their waits on one core: per input item it costs
             ``max(c, (c + d) / k)`` seconds of wall time, of which ``c`` are CPU.
@@ -104,6 +109,7 @@ class StageModel:
     drift: Drift | None = None
     resident_bytes: int = 0
     max_concurrency: int = 1
+    worker_bytes: int = 0
 
     def __post_init__(self) -> None:
         where = f"StageModel {self.name!r}"
@@ -119,6 +125,8 @@ class StageModel:
             raise ValueError(f"{where}: cpu_cv must be >= 0, got {self.cpu_cv}")
         if self.ratio <= 0:
             raise ValueError(f"{where}: ratio must be > 0, got {self.ratio}")
+        if self.resident_bytes < 0 or self.worker_bytes < 0:
+            raise ValueError(f"{where}: resident_bytes and worker_bytes must be >= 0")
         if self.bytes_per_item <= 0:
             raise ValueError(f"{where}: bytes_per_item must be > 0, got {self.bytes_per_item}")
         if not 1 <= self.min_workers <= self.max_workers:
@@ -389,7 +397,7 @@ class SimPipeline:
                     buffer_bytes=alloc.buffer_bytes[i],
                     buffer_fill=fills[i],
                     cpu_s_per_item=noisy(c[i] * sm.ratio),
-                    io_bound=d[i] > c[i],
+                    io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
                     memory_bytes=self._stage_memory(alloc.workers, i),
@@ -530,11 +538,12 @@ class SimPipeline:
     def _stage_memory(self, workers: Sequence[int], i: int) -> int:
         """What stage ``i``'s workers hold (``StageStats.memory_bytes``)."""
         stage = self.workload.stages[i]
-        return int(workers[i] * self.workload.worker_rss_bytes + stage.resident_bytes)
+        return int(workers[i] * (self.workload.worker_rss_bytes + stage.worker_bytes))
 
     def _memory(self, workers: Sequence[int], levels: Sequence[float]) -> float:
         buffered = sum(levels[i] * self._bytes[i] for i in range(self.n_stages))
-        return buffered + sum(workers) * self.workload.worker_rss_bytes + self._resident
+        held = sum(self._stage_memory(workers, i) for i in range(self.n_stages))
+        return buffered + held + self._resident
 
     def _noisy(self, v: float) -> float:
         if self.noise <= 0 or v <= 0:
@@ -573,7 +582,7 @@ class SimPipeline:
         x *= eff
         busy = tuple(min(1.0, x * R[i] * (c[i] / phi + d[i]) / w[i]) for i in range(n))
         mem = sum(fill[i] * self._capacity(buffers[i], i) * self._bytes[i] for i in range(n))
-        mem += sum(w) * self.workload.worker_rss_bytes + self._resident
+        mem += sum(self._stage_memory(w, i) for i in range(self.n_stages)) + self._resident
         return SteadyState(
             x, phi, busy, tuple(fill), tuple(p_empty), tuple(p_full), mem, bottleneck, gap
         )

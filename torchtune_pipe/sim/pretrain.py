@@ -29,9 +29,9 @@ from torchtune_pipe.sim.workloads import generate, with_batch_size
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, Tuner
 from torchtune_pipe.tuning.dqn import DQNAgent, DQNConfig
 from torchtune_pipe.tuning.intune import ActionSpace, InTuneTuner, StateEncoder, weights_path
-from torchtune_pipe.tuning.oracle import oracle_search
+from torchtune_pipe.tuning.loop import run_episode
+from torchtune_pipe.tuning.oracle import best_static
 from torchtune_pipe.tuning.planner import MEMORY_SHARE
-from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 
 logger = logging.getLogger(__name__)
 
@@ -84,26 +84,14 @@ def sample_episode(
 
 
 def oracle_value(sim: SimPipeline, cpus: float, t: float | None = None) -> float:
-    """Best static throughput on ``cpus`` CPUs now, or at time ``t`` (coordinate search on
-    the simulator).
-
-    The safety policy lets tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
-    core when stages wait on I/O or on their input), so the oracle searches those totals too:
-    a yardstick that tuners could beat would measure nothing.
-    """
-    n = sim.n_stages
-    factors = (1, 2, MAX_OVERSUBSCRIBE)
-    # One search per worker total: a search started far past the memory limit sees only
-    # zeros around it and cannot climb.
-    return max(
-        oracle_search(
-            lambda a: sim.evaluate(a, cpus=cpus, t=t),
-            n,
-            max(n, int(cpus * f)),
-            [s.max_workers for s in sim.workload.stages],
-        )[1]
-        for f in factors
-    )
+    """Best static throughput on ``cpus`` CPUs now, or at time ``t``
+    (:func:`~torchtune_pipe.tuning.oracle.best_static` on the simulator's steady state)."""
+    return best_static(
+        lambda a: sim.evaluate(a, cpus=cpus, t=t),
+        sim.n_stages,
+        cpus,
+        [s.max_workers for s in sim.workload.stages],
+    )[1]
 
 
 def _random_start(obs: Observation, rng: random.Random) -> Allocation:
@@ -115,32 +103,9 @@ def _random_start(obs: Observation, rng: random.Random) -> Allocation:
     return Allocation(tuple(workers), tuple(buffers))
 
 
-def run_episode(
-    tuner: Tuner,
-    ep: Episode,
-    *,
-    start: Allocation | None = None,
-    on_step: Callable[[SimPipeline, Observation], None] | None = None,
-) -> list[Observation]:
-    """Drive ``tuner`` on the episode's simulator; returns every observation.
-
-    ``on_step(sim, obs)`` runs after each observation (evaluation hooks). The episode ends at
-    ``ep.steps`` or at an OOM.
-    """
-    sim = SimPipeline(ep.workload, list(ep.cpus), ep.memory_limit_bytes, seed=ep.seed)
-    obs = sim.observe()
-    alloc = tuner.reset(obs) if start is None else tuner.reset(obs, start=start)
-    out = [obs]
-    for _ in range(ep.steps):
-        sim.apply(alloc)
-        obs = sim.observe()
-        out.append(obs)
-        if on_step is not None:
-            on_step(sim, obs)
-        alloc = tuner.step(obs)
-        if obs.oom:
-            break
-    return out
+def simulate(ep: Episode) -> SimPipeline:
+    """The episode's simulator, before its first interval."""
+    return SimPipeline(ep.workload, list(ep.cpus), ep.memory_limit_bytes, seed=ep.seed)
 
 
 def train_config(total_steps: int) -> DQNConfig:
@@ -202,9 +167,9 @@ def pretrain(
         start = None
         if rng.random() < 0.5:
             start = _random_start(probe.observe(), rng)
-        obs = run_episode(tuner, ep, start=start)
+        obs = run_episode(simulate(ep), tuner, ep.steps, start=start)
         ooms += obs[-1].oom
-        rewards.append(tuner.episode_reward / max(1, len(obs) - 1))
+        rewards.append(tuner.episode_reward / max(1, len(obs)))
         if (k + 1) % 25 == 0:
             logger.info(
                 "pretrain %d stages: episode %d/%d, mean reward %.3f, eps %.2f, %.0fs",
@@ -272,9 +237,12 @@ class AgentReport:
 
 
 def _time_average(tuner: Tuner, ep: Episode) -> tuple[float, list[Observation], list]:
+    """Mean throughput of an episode, its observations and, per observation, the allocation
+    it was measured under."""
+    sim = simulate(ep)
     allocs: list[Allocation] = []
-    obs = run_episode(tuner, ep, on_step=lambda sim, o: allocs.append(sim.allocation))
-    return statistics.fmean(o.throughput for o in obs[1:]), obs, allocs
+    obs = run_episode(sim, tuner, ep.steps, on_step=lambda o: allocs.append(sim.allocation))
+    return statistics.fmean(o.throughput for o in obs), obs, allocs
 
 
 def evaluate_agent(
@@ -308,7 +276,7 @@ def evaluate_agent(
             ooms += obs[-1].oom
             probe = SimPipeline(wl, cpus, mem, seed=seed)
             # Costs drift: the last allocation and the oracle are judged at the same time.
-            at = obs[len(allocs)].t
+            at = obs[-1].t
             best = oracle_value(probe, cpus, at)
             steady.append(probe.evaluate(allocs[-1], t=at) / max(best, 1e-12))
             c = [rng.choice(CPU_CHOICES[1:]) for _ in range(3)]
@@ -328,15 +296,15 @@ def evaluate_agent(
             within = SimPipeline(wl, list(ep.cpus), kept, seed=seed)
             for t, x in sched[1:]:
                 for oracle_sim, out in ((rescaled, recovery), (within, reserve)):
-                    # The allocation of step k ran until obs[k + 1] and is judged, like the
+                    # The allocation of step k ran until obs[k] and is judged, like the
                     # new optimum, with the costs of that time. An OOM ends the episode early:
                     # steps never reached count as not back.
                     ahead = range(int(t), min(len(allocs), int(t) + steps))
                     back = (
                         j
                         for j, k in enumerate(ahead)
-                        if rescaled.evaluate(allocs[k], cpus=x, t=obs[k + 1].t)
-                        >= 0.9 * oracle_value(oracle_sim, x, obs[k + 1].t)
+                        if rescaled.evaluate(allocs[k], cpus=x, t=obs[k].t)
+                        >= 0.9 * oracle_value(oracle_sim, x, obs[k].t)
                     )
                     out.append(next(back, steps))
     return AgentReport(

@@ -5,8 +5,12 @@
 2. ``complexity``: gain over a baseline tuner as pipelines grow from 3 to 8 stages.
 3. ``cpus``: gain over the baseline from 8 to 128 CPUs.
 4. ``batch``: gain over the baseline as the batch size grows.
-5. ``oom``: out-of-memory episodes under memory pressure (the CPU count doubles mid-episode but
-   memory does not).
+5. ``oom``: out-of-memory episodes and steady throughput under memory pressure (the CPU count
+   doubles mid-episode but memory does not).
+
+Every decision passes the hard limits (:class:`~torchtune_pipe.tuning.safety.Guarded`) as it
+does on a live pipeline, so study 5 counts OOMs the guard could not prevent, not what a tuner
+would do unguarded.
 
 Gains compare steady-state throughput (mean over the second half of an episode). The baseline
 is ``autotune`` when it is among the tuners, else the first tuner. Results go to
@@ -28,8 +32,9 @@ from pathlib import Path
 from torchtune_pipe.sim.model import SimPipeline, Workload
 from torchtune_pipe.sim.workloads import PRESETS, generate, with_batch_size
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, Tuner
+from torchtune_pipe.tuning.loop import run_episode
 
-__all__ = ["CPU_SCHEDULE", "run_episode", "run_studies", "main"]
+__all__ = ["CPU_SCHEDULE", "run_studies", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -39,18 +44,12 @@ HELD_OUT_SEED = 10_000  # generated workloads at or above this seed are never tr
 MEMORY_BYTES = 48 * 1024 * MiB
 
 
-def run_episode(sim: SimPipeline, tuner: Tuner, steps: int) -> list[Observation]:
-    """Drive ``tuner`` on ``sim`` for ``steps`` intervals; after an OOM the pipeline is dead
-    and the remaining intervals are recorded as the simulator reports them (throughput 0)."""
-    obs = sim.observe()
-    alloc = tuner.reset(obs)
-    seen = []
-    for _ in range(steps):
-        sim.apply(alloc)
-        obs = sim.observe()
-        seen.append(obs)
-        if not obs.oom:
-            alloc = tuner.step(obs)
+def _episode(sim: SimPipeline, tuner: Tuner, steps: int) -> list[Observation]:
+    """``steps`` intervals of ``tuner`` on ``sim`` (:func:`~torchtune_pipe.tuning.run_episode`);
+    after an OOM the pipeline is dead and the remaining intervals are recorded as the
+    simulator reports them (throughput 0)."""
+    seen = run_episode(sim, tuner, steps)
+    seen += [sim.observe() for _ in range(steps - len(seen))]
     return seen
 
 
@@ -77,7 +76,7 @@ def _geomean(xs: Sequence[float]) -> float:
 def _steady_by_tuner(
     tuners: dict[str, TunerFactory], make_sim: Callable[[], SimPipeline], steps: int
 ) -> dict[str, float]:
-    return {name: _steady(run_episode(make_sim(), f(), steps)) for name, f in tuners.items()}
+    return {name: _steady(_episode(make_sim(), f(), steps)) for name, f in tuners.items()}
 
 
 def study_schedule(tuners: dict[str, TunerFactory], segment_steps: int, seed: int) -> dict:
@@ -98,7 +97,7 @@ def study_schedule(tuners: dict[str, TunerFactory], segment_steps: int, seed: in
         res: dict = {"t": t, "cpus": cpus, "tuners": {}}
         for name, factory in tuners.items():
             sim = SimPipeline(wl, schedule, MEMORY_BYTES, seed=seed)
-            seen = run_episode(sim, factory(), steps)
+            seen = _episode(sim, factory(), steps)
             norm = [o.throughput / r for o, r in zip(seen, refs, strict=True)]
             res["tuners"][name] = {
                 "normalised": norm,
@@ -164,7 +163,7 @@ def study_oom(tuners: dict[str, TunerFactory], episodes: int, steps: int) -> dic
         memory = int(resident + 40 * wl.worker_rss_bytes + 1024 * MiB)
         schedule = [(0.0, 32.0), (steps / 2, 64.0)]
         for name, factory in tuners.items():
-            seen = run_episode(SimPipeline(wl, schedule, memory, seed=k), factory(), steps)
+            seen = _episode(SimPipeline(wl, schedule, memory, seed=k), factory(), steps)
             counts[name] += any(o.oom for o in seen)
             steady[name].append(_steady(seen))
     return {"episodes": episodes, "oom": counts, "steady_throughput": steady}

@@ -1,7 +1,8 @@
 """Tuners and the loop that runs them: everything meets at the :class:`Tunable` seam.
 
 ``make_tuner(name)`` builds any tuner in :data:`TUNERS`; :class:`TuningLoop` runs one beside
-training; :func:`run_episode` runs one against a simulator without waiting.
+training; :func:`run_episode` runs one against a simulator without waiting. Both apply every
+decision through :class:`Guarded`, the one place the hard limits are enforced.
 """
 
 from .autotune import AutotuneConfig, AutotuneTuner
@@ -21,12 +22,13 @@ from .loop import TuningLoop, run_episode
 from .oracle import OracleTuner, oracle_search
 from .plumber import PlumberPlan, PlumberTuner, solve_lp
 from .registry import TUNERS, make_tuner
-from .safety import is_io_bound, oversubscribe_factor, safe
+from .safety import Guarded, is_io_bound, oversubscribe_factor, safe
 
 __all__ = [
     "Allocation",
     "AutotuneConfig",
     "AutotuneTuner",
+    "Guarded",
     "HeuristicTuner",
     "Limits",
     "MiB",

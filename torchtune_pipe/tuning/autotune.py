@@ -29,7 +29,6 @@ from collections import deque
 from dataclasses import dataclass
 
 from .base import Allocation, MiB, Observation
-from .safety import safe
 from .tfdata_model import ChainModel, hill_climb, stage_based
 
 log = logging.getLogger(__name__)
@@ -133,8 +132,11 @@ class AutotuneTuner:
         self.rounds = 0
 
     # -- lifecycle -----------------------------------------------------------------------
-    def reset(self, obs: Observation) -> Allocation:
-        """Start (or re-launch) AUTOTUNE: fresh statistics, schedule, caps and prefetch."""
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Start (or re-launch) AUTOTUNE: fresh statistics, schedule, caps and prefetch.
+
+        ``start`` is returned first when given; AUTOTUNE's own parallelism takes over at the
+        next step (its model starts from ``initial_parallelism``, as tf.data's does)."""
         n = len(obs.stages)
         eb = self.config.element_bytes
         self._eb = tuple(float(x) for x in ((eb,) * n if isinstance(eb, int) else eb))
@@ -158,7 +160,7 @@ class AutotuneTuner:
         self._values = [min(self._hi[i], max(self._lo[i], init)) for i in range(n)]
         self._model_bytes = 0.0
         self.rounds = 0
-        return self._allocation(obs)
+        return start if start is not None else self._allocation(obs)
 
     def step(self, obs: Observation) -> Allocation:
         """Account the interval, run the legacy prefetch rule, optimise when a round is due."""
@@ -268,8 +270,7 @@ class AutotuneTuner:
         buffers = [max(self._eb[i], model.stage_bytes(i, self._values[i])) for i in range(n)]
         last = self._prefetch.limit if self.config.legacy_prefetch else self._prefetch_model
         buffers[-1] += last * self._eb[-1]
-        alloc = Allocation(tuple(self._values), tuple(math.ceil(b) for b in buffers))
-        return safe(alloc, obs)
+        return Allocation(tuple(self._values), tuple(math.ceil(b) for b in buffers))
 
     def _ratios(self) -> tuple[float, ...]:
         e = self._elements

@@ -12,41 +12,63 @@ from typing import Protocol, runtime_checkable
 
 MiB = 1 << 20
 
+# A stage whose workers spend less than this share of their busy (in-function) wall time on a
+# CPU waits on I/O: the one definition of "I/O-bound", live and in the simulator.
+IO_CPU_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class StageStats:
     """One stage's state over the last observation interval.
 
+    Every field means the same on a live pipeline (:mod:`torchtune_pipe.telemetry`) and in
+    the simulator (:mod:`torchtune_pipe.sim.model`), in the units given here. Fractions of wall
+    time are per worker, averaged over the stage's workers. Three fields are measured live
+    only and keep their default in the simulator: ``items_in_per_s`` (0), ``runqueue``
+    (None) and ``idle`` (False); a tuner must read those defaults as "not measured", never as
+    "zero" (``tests/tuning/test_seam.py`` checks both sides).
+
     Attributes:
         name: stage name.
-        workers: workers currently running.
-        min_workers: lower bound of the stage's worker knob (>= 1).
-        max_workers: upper bound of the stage's worker knob.
-        items_per_s: items the stage emitted per second.
-        items_in_per_s: items the stage took in per second (0 when not measured); with
-            ``items_per_s`` it gives the stage's in/out ratio (a batch of 4 takes in 4 items
-            per item out), which holds while a stage runs ahead of the others.
-        runqueue: mean fraction of wall time a worker was runnable but waiting for a CPU
-            (the kernel's run-queue delay; None when not measured).
-        busy: mean fraction of wall time a worker spent running the stage function (0..1).
-        blocked_in: mean fraction of wall time a worker waited for input (0..1).
-        blocked_out: mean fraction of wall time a worker waited for output space (0..1).
-        buffer_bytes: byte budget of the stage's outbound buffer (channel).
-        buffer_fill: fraction of that budget in use (0..1).
-        cpu_s_per_item: busy CPU seconds spent per emitted item (0 when nothing emitted).
-        io_bound: True when the stage's time is mostly waiting (I/O), not CPU.
-        idle: True when the stage emitted items before but neither emitted nor computed in
-            this interval: it has no work (its share of the epoch is done), which is not the
-            same as "not measured yet".
-        concurrency: calls of the stage function in flight per worker (threads of a worker
-            running calls that wait); ``busy`` counts wall time in the function, so a worker
-            with several calls in flight is busy once, and ``cpu_s_per_item`` counts the CPU
-            of all of them.
+        workers: workers currently running (count).
+        min_workers: lower bound of the stage's worker knob (count, >= 1).
+        max_workers: upper bound of the stage's worker knob (count).
+        items_per_s: items the stage emitted per second of wall time (items/s).
+        items_in_per_s: items the stage took in per second (items/s). Live only (0: not
+            measured); with ``items_per_s`` it gives the stage's in/out ratio (a batch of 4
+            takes in 4 items per item out), which holds while a stage runs ahead of the others.
+        runqueue: fraction of wall time a worker was runnable but waiting for a CPU (the
+            kernel's run-queue delay, 0..1). Live only, where the kernel exports it (None: not
+            measured; the simulator has no run queue).
+        busy: fraction of wall time a worker spent in the stage function (0..1), waiting on
+            I/O inside it included; waiting for output space is ``blocked_out``, not busy.
+        blocked_in: fraction of wall time a worker waited for input (0..1).
+        blocked_out: fraction of wall time a worker waited for output space (0..1). In the
+            simulator ``busy + blocked_in + blocked_out`` is 1; live it is at most 1 over a
+            long interval, but a wait is counted when it ends, with all its time, so over a
+            short one the sum may pass 1 (each fraction is clipped to 1).
+        buffer_bytes: byte budget of the stage's outbound buffer (channel), in bytes.
+        buffer_fill: fraction of that budget in use at the end of the interval (0..1).
+        cpu_s_per_item: CPU seconds the stage's workers spent per emitted item (s/item; 0
+            when nothing was emitted). CPU time, not wall time: a call that waits on I/O costs
+            little of it.
+        io_bound: the stage's workers mostly wait on I/O: they spent less than
+            :data:`IO_CPU_SHARE` of their busy time on a CPU (:func:`waits_on_io`, the one
+            definition both sides use; read it through :func:`is_io_bound`).
+        idle: the stage emitted items before but neither emitted nor computed in this
+            interval: it has no work (its share of the epoch is done), which is not the same
+            as "not measured yet". Live only (the simulated pipeline never runs dry).
+        concurrency: calls of the stage function in flight per worker (count, >= 1; threads
+            of a worker running calls that wait); ``busy`` counts wall time in the function,
+            so a worker with several calls in flight is busy once, and ``cpu_s_per_item``
+            counts the CPU of all of them.
         max_concurrency: upper bound of the concurrency knob (1: the stage has none).
-        memory_bytes: memory the stage's workers hold, its buffer excluded: the part of
+        memory_bytes: bytes the stage's workers hold, its buffer excluded: the part of
             :attr:`Observation.memory_used_bytes` they account for (live: their proportional
             set sizes less the shared-memory arenas; simulator: workers times the worker RSS
-            plus the stage's resident state). 0 when not measured.
+            plus what each of its workers holds, ``StageModel.worker_bytes``; its resident
+            state, held whatever the knobs, is no worker's). A worker added to the stage is
+            taken to cost what one holds now. 0 when not measured.
     """
 
     name: str
@@ -69,31 +91,46 @@ class StageStats:
     memory_bytes: int = 0
 
 
+def waits_on_io(cpu_s: float, busy_s: float) -> bool:
+    """True when workers that spent ``busy_s`` seconds in the stage function (wall time) used
+    less than :data:`IO_CPU_SHARE` of it on a CPU: they wait on I/O. How both sides of the seam
+    set :attr:`StageStats.io_bound` (any unit of time, the same for both arguments)."""
+    return busy_s > 0 and cpu_s < IO_CPU_SHARE * busy_s
+
+
 @dataclass(frozen=True)
 class Observation:
     """A snapshot of a pipeline and the machine it runs on, as a tuner sees it.
 
+    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s`` is
+    simulator-only (0 live: the loader does not time items end to end); a tuner must read 0
+    as "not measured".
+
     Attributes:
         stages: per-stage stats in pipeline order (source first).
-        throughput: items per second delivered to the consumer.
-        latency_s: mean time an item spends in the pipeline (0 when unknown).
-        consumer_step_s: time the consumer (model) spends between two ``next()`` calls.
-        cpus: CPUs the pipeline may use (affinity and cgroup quota, whichever is smaller).
-        memory_limit_bytes: the most memory the pipeline may use (the meaning of
+        throughput: items per second delivered to the consumer over the interval (items/s,
+            items of the last stage).
+        latency_s: mean seconds an item spends in the pipeline. Simulator only (0: unknown).
+        consumer_step_s: seconds the consumer (model) spends between two ``next()`` calls
+            (0: not measured, or a consumer that never waits).
+        cpus: CPUs the pipeline may use (affinity and cgroup quota, whichever is smaller;
+            fractional under a quota). Simulator: the schedule's count at this time.
+        memory_limit_bytes: the most memory the pipeline may use, in bytes (the meaning of
             ``memory_used_bytes``): the user's limit; else what the cgroup's limit (the smaller
             of ``memory.max`` and ``memory.high``, or v1's ``memory.limit_in_bytes``, the
             tightest along the cgroup's ancestors) leaves once the rest of the cgroup is
             counted; else what the machine leaves (used plus available memory). Simulator:
             the workload's limit.
-        memory_used_bytes: the whole pipeline's memory now, one meaning on both sides of the
-            seam: the bytes its buffers hold, plus every process of the pipeline (each
-            worker and the fork server, by proportional set size so that pages they share
-            count once; shared-memory arenas only once, as buffers), plus what the consumer's
-            process holds for it (prefetched copies). Per stage, the workers' part is
-            :attr:`StageStats.memory_bytes`; :func:`memory_parts` splits the total.
+        memory_used_bytes: the whole pipeline's memory now, in bytes, one meaning on both
+            sides of the seam: the bytes its buffers hold, plus every process of the pipeline
+            (each worker and the fork server, by proportional set size so that pages they
+            share count once; shared-memory arenas only once, as buffers), plus what the
+            consumer's process holds for it (prefetched copies). Per stage, the workers' part
+            is :attr:`StageStats.memory_bytes`; :func:`memory_parts` splits the total.
         dram_gbps: DRAM copy bandwidth in GB/s (0 when unknown).
         cpu_ghz: CPU clock in GHz (0 when unknown).
-        t: seconds since the pipeline started.
+        t: seconds since the pipeline started (live: since the meter started; simulator:
+            simulated time at the end of the interval).
         oom: the pipeline ran out of memory in this interval: ``memory_used_bytes`` passed
             ``memory_limit_bytes``, or the kernel killed a worker for memory (live: a worker
             died while the cgroup's OOM-kill count grew). Simulator: the episode ended.
@@ -126,6 +163,27 @@ class Observation:
     def allocation(self) -> Allocation:
         """The allocation the pipeline runs with now (concurrency left to the pipeline)."""
         return Allocation(self.workers, self.buffer_bytes)
+
+
+# A stage counts as I/O-bound by its busy share alone (CPU not measured) when it computes less
+# than this fraction of the time...
+IO_BUSY_MAX = 0.5
+# ...and waits on its neighbours' channels less than this fraction.
+IO_BLOCKED_MAX = 0.2
+
+
+def is_io_bound(stage: StageStats) -> bool:
+    """True when the stage's workers mostly wait on I/O rather than compute or wait on their
+    neighbours: :attr:`StageStats.io_bound` as measured (:func:`waits_on_io`). Where the CPU
+    time was not measured (``cpu_s_per_item`` 0: stats built by hand, logs), a stage busy less
+    than ``IO_BUSY_MAX`` and blocked on its channels less than ``IO_BLOCKED_MAX`` of the time
+    counts as waiting on something outside the pipeline."""
+    if stage.io_bound:
+        return True
+    if stage.items_per_s <= 0.0 or stage.cpu_s_per_item > 0.0:
+        return False
+    blocked = stage.blocked_in + stage.blocked_out
+    return stage.busy < IO_BUSY_MAX and blocked < IO_BLOCKED_MAX
 
 
 @dataclass(frozen=True)
@@ -260,16 +318,33 @@ class Tunable(Protocol):
         ...
 
     def apply(self, allocation: Allocation) -> None:
-        """Set workers per stage and buffer bytes per stage."""
+        """Set workers per stage and buffer bytes per stage, as given: the hard limits are
+        applied once, above every tunable, by :class:`~.safety.Guarded`."""
         ...
 
 
 @runtime_checkable
 class Tuner(Protocol):
-    """Decides allocations from observations."""
+    """Decides allocations from observations.
 
-    def reset(self, obs: Observation) -> Allocation:
-        """Start tuning a pipeline; returns the first allocation to apply."""
+    A tuner proposes; it does not enforce the hard limits. Whoever drives it (the tuning loop,
+    :func:`~.loop.run_episode`, the loader) applies its decisions through
+    :class:`~.safety.Guarded`, which clamps them to :class:`Limits` and fits them to memory.
+    What ran is in the next observation (:meth:`Observation.allocation`): a tuner that keeps
+    its own idea of the current allocation takes it from there, not from what it proposed.
+    Fields documented as measured on one side only carry their "not measured" default on the
+    other; a tuner reads them as unknown.
+    """
+
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Start tuning a pipeline; returns the first allocation to apply.
+
+        Args:
+            obs: the pipeline as it runs now.
+            start: start from this allocation (a restored checkpoint, a random start in
+                pre-training): the tuner returns it, or its own first step from it, and
+                carries on from there.
+        """
         ...
 
     def step(self, obs: Observation) -> Allocation:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .base import Allocation, MiB, Observation
-from .safety import safe
 
 
 def even_split(total: int, n: int) -> tuple[int, ...]:
@@ -28,7 +27,7 @@ def even_split(total: int, n: int) -> tuple[int, ...]:
 
 
 class _FixedTuner:
-    """Shared behaviour: compute one allocation at reset, re-clamp it at every step."""
+    """Shared behaviour: compute one allocation at reset and keep proposing it."""
 
     name = "fixed"
 
@@ -38,16 +37,16 @@ class _FixedTuner:
     def _choose(self, obs: Observation) -> Allocation:
         raise NotImplementedError
 
-    def reset(self, obs: Observation) -> Allocation:
-        """Choose the allocation for this pipeline and return it clamped to the limits."""
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Choose the allocation for this pipeline; return ``start`` first when given."""
         self._alloc = self._choose(obs)
-        return safe(self._alloc, obs)
+        return start if start is not None else self._alloc
 
     def step(self, obs: Observation) -> Allocation:
-        """Return the chosen allocation, clamped to the limits seen now."""
+        """Return the chosen allocation (the guard fits it to the limits seen now)."""
         if self._alloc is None:
             return self.reset(obs)
-        return safe(self._alloc, obs)
+        return self._alloc
 
 
 class UnoptimizedTuner(_FixedTuner):

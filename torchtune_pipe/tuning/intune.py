@@ -1,59 +1,40 @@
 """InTune: a DQN agent that moves CPUs and buffer memory between pipeline stages.
 
-Every tuning step the agent encodes the latest :class:`Observation` into a fixed-length state,
-masks the actions that would break a hard limit, and takes the masked arg-max of its Q network
-(:mod:`torchtune_pipe.tuning.dqn`). One action changes one stage by a little, so the pipeline
-never jumps to an untested allocation.
+One step (:meth:`InTuneTuner.step`) is :meth:`~InTuneTuner.prepare`, a choice, and
+:meth:`~InTuneTuner.take`:
 
-**Actions** (``2 + 6 * n_stages``): no-op, then per stage ``+1, -1, +5, -5`` workers,
-buffer up, buffer down, and last "plan": set every stage's workers to the planner's balanced
-allocation computed from the latest measurement (:mod:`~torchtune_pipe.tuning.planner`). The
-plan crosses a rescaled machine in one step; the small moves correct what the fluid model
-gets wrong, and the agent learns which to trust when (the state carries the planner's
-predicted gain). Buffers move in geometric steps of 50 % rounded to whole MiB (at
-least 1 MiB): item sizes span kilobytes to hundreds of megabytes, so a fixed MiB step is
-either too fine for one workload or too coarse for another.
+1. ``prepare`` starts from the allocation that ran (the observation's: the hard limits may have
+   changed the last decision), then: after a CPU-count change carries it over
+   (:func:`~.intune_space.rescale`); else undoes a worker move after which throughput fell by
+   more than ``REVERT_DROP`` (the move is masked for ``TABU_STEPS`` steps); else returns to the
+   best allocation of the last ``GUARD_WINDOW`` steps when the current one is worse by more
+   than ``GUARD_DROP``. It fits the result to memory (:func:`~.intune_space.fit_memory`),
+   computes the planner's allocation (:func:`~.planner.plan`), encodes the state
+   (:class:`~.intune_state.StateEncoder`) and masks the actions
+   (:meth:`~.intune_space.ActionSpace.mask`).
+2. The Q network (:mod:`~torchtune_pipe.tuning.dqn`) takes the masked arg-max; the plan action
+   is taken without asking it when the plan promises more than ``PLAN_MIN_GAIN``.
+3. ``take`` applies the action (:meth:`~.intune_space.ActionSpace.apply`).
 
-**Masking.** An action is masked when it would take a stage below ``min_workers`` (>= 1) or
-above ``max_workers``, past the CPU budget, or past the memory limit in the worst case (every
-buffer full, every new worker costing the memory a worker costs now). The CPU budget follows
-:mod:`torchtune_pipe.tuning.safety`: workers of a stage observed waiting on I/O are charged
-only their busy share of a core, so such stages may hold more workers than there are cores
-(up to ``safety.MAX_OVERSUBSCRIBE`` times the CPU count in total). A stage gains workers by
-a small move only while its workers are busy at least ``GROW_MIN_BUSY`` of the time or wait on
-I/O (``intune_space.can_use_workers``): workers waiting on their neighbours do not raise
-its rate, and each move costs a worker start and a measurement. A buffer shrinks below
-``KEEP_BUFFER_BYTES`` (64 MiB) only while the worst case is past the memory limit or the model
-is the bottleneck: small buffers make busy neighbours wait on each other, and where workers
-hold most of the memory they save little. Every step's allocation is refitted to memory
-(buffers first, down to that floor, then workers) before the action is chosen.
+**Actions** (``2 + 6 * n_stages``): the no-op; per stage ``+1, -1, +5, -5`` workers, buffer
+up, buffer down (geometric steps of 50 % in whole MiB, at least 1 MiB); last, "plan": every
+stage's workers from the planner. **Reward**
+(:func:`~.intune_state.transition_reward`): throughput over a reference, times a factor that
+is 1 up to ``MEMORY_KNEE`` of the memory limit and falls by a smoothstep to 0 at the limit,
+less ``CHANGE_COST`` for a move; ``-1`` on an OOM, which ends the episode. The reference is the
+simulator's oracle offline and the best throughput seen since the CPU count last changed
+online.
 
-**Planning.** When the planner promises more than ``PLAN_MIN_GAIN`` over the measured
-throughput, the plan action is taken without asking the network (``plan_gain``): after a
-rescale or from a bad start the pipeline is balanced within a step or two, and repeated plans
-converge like a fixed-point iteration as measurements sharpen. The network decides everything
-else: buffers, the small moves around the plan, and when to plan for smaller gains.
-
-**Undo.** A worker move after which throughput falls by more than ``REVERT_DROP`` is undone
-at the next step and masked for ``TABU_STEPS`` steps: the Q network proposes, the measurement
-has the last word. The agent sees the undo as the move's outcome, so it learns from it too.
-Moves that each cost less than that can still add up: the tuner also returns to the best
-allocation measured in the last ``GUARD_WINDOW`` steps when the current one is worse by more
-than ``GUARD_DROP``.
-
-**Reward.** ``r = (throughput / reference) * m(u)`` with ``u = memory_used / memory_limit``
-and ``m(u) = 1`` for ``u <= 0.8``, ``m(u) = 1 - s((u - 0.8) / 0.2)`` above, where
-``s(x) = 3x^2 - 2x^3`` (smoothstep) so ``m`` falls smoothly to 0 at the limit; an OOM gives
-``-1`` and ends the episode. Any action but the no-op costs ``CHANGE_COST`` (0.005), so the
-agent settles instead of shuffling buffers that make no difference. ``reference`` is the best
-throughput reachable with the current CPUs: offline the simulator's oracle, online the best throughput seen since the CPU count last
-changed.
+The tuner proposes; :class:`~.safety.Guarded` applies the hard limits to what it proposes. Why
+the plan, the undo, the guard and the buffer floor: CONTRIBUTING.md, "The InTune learner";
+the measurements: BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,15 +56,17 @@ from .intune_space import (
     rescale,
 )
 from .intune_state import (
+    CHANGE_COST,
     GLOBAL_FEATURES,
     MEMORY_KNEE,
     STAGE_FEATURES,
     StateEncoder,
     memory_factor,
     reward,
+    transition_reward,
 )
-from .planner import plan
-from .safety import safe
+from .intune_weights import WEIGHTS_DIR, PlannerOnly, load_agent, shipped_lengths, weights_path
+from .planner import Plan, plan
 
 __all__ = [
     "ACTIONS_PER_STAGE",
@@ -103,14 +86,14 @@ __all__ = [
     "memory_factor",
     "rescale",
     "reward",
+    "shipped_lengths",
     "weights_path",
+    "WEIGHTS_DIR",
 ]
 
 logger = logging.getLogger(__name__)
 
-WEIGHTS_DIR = Path(__file__).parent / "weights"
-# Reward charged for any action but the no-op: a change costs a worker start or a resize.
-CHANGE_COST = 0.005
+
 # A worker move after which throughput fell by more than this share is undone (measurement
 # noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
 REVERT_DROP = 0.06
@@ -121,37 +104,35 @@ GUARD_WINDOW = 20
 GUARD_DROP = 0.05
 # The plan is taken without asking the network when it promises this much more throughput.
 PLAN_MIN_GAIN = 0.05
+# The first allocation's worst case is fitted to this share of MEMORY_SAFE_SHARE of the limit:
+# a start measured under nothing yet (no per-worker memory) keeps more headroom than a step.
+START_MEMORY_SHARE = 0.9
+# Fine-tuning online: exploration rate, and one gradient update per this many steps (with
+# torch's default intra-op threads a tiny update can cost tens of ms of CPU on a busy machine,
+# and the tuning loop must stay under 2 % of a core).
+FINETUNE_EPSILON = 0.02
+FINETUNE_LEARN_EVERY = 5
+# Fine-tuning's learner: a small replay and a low learning rate, so live transitions correct
+# the pre-trained weights without forgetting them.
+FINETUNE_CONFIG = DQNConfig(
+    lr=1e-4,
+    batch_size=32,
+    replay_size=2000,
+    warmup=64,
+    eps_start=FINETUNE_EPSILON,
+    eps_end=FINETUNE_EPSILON,
+)
 
 
-class PlannerOnly:
-    """Stands in for the agent where no weights exist for a pipeline length: always the
-    no-op, so the planner's jumps (taken without asking the network, ``plan_gain``), the
-    undo rule and the guard steer the pipeline alone."""
+@dataclass(frozen=True)
+class Pending:
+    """What :meth:`InTuneTuner.prepare` left for the action: the observation, the allocation
+    the action changes, the plan and the action mask."""
 
-    training_enabled = False
-
-    def act(self, state: torch.Tensor, mask: torch.Tensor, epsilon: float = 0.0) -> int:
-        return 0
-
-    def epsilon(self, step: int) -> float:
-        return 0.0
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-
-def shipped_lengths(directory: Path = WEIGHTS_DIR) -> list[int]:
-    """Pipeline lengths (stage counts) with weights in ``directory``."""
-    found = (
-        p.name.removeprefix("intune_").removesuffix("stages.pt")
-        for p in Path(directory).glob("intune_*stages.pt")
-    )
-    return sorted(int(n) for n in found if n.isdigit())
-
-
-def weights_path(n_stages: int, directory: Path = WEIGHTS_DIR) -> Path:
-    """Where the shipped weights for an ``n_stages`` pipeline live."""
-    return Path(directory) / f"intune_{n_stages}stages.pt"
+    obs: Observation
+    current: Allocation
+    planned: Plan
+    mask: torch.Tensor
 
 
 class InTuneTuner:
@@ -168,9 +149,7 @@ class InTuneTuner:
         config: DQN hyper-parameters for learning; defaults suit fine-tuning.
         reference: throughput that normalises the reward; None uses the best throughput
             seen since the CPU count last changed.
-        learn_every: steps per gradient update while learning. Fine-tuning updates every 5th
-            step: with torch's default intra-op threads a tiny update can cost tens of ms of
-            CPU on a busy machine, and the tuning loop must stay under 2 % of a core.
+        learn_every: steps per gradient update while learning (``FINETUNE_LEARN_EVERY``).
         plan_gain: take the planner's allocation without asking the network when it promises
             this share more throughput than measured (None: the network alone decides).
         seed: seeds exploration and replay sampling.
@@ -188,10 +167,10 @@ class InTuneTuner:
         weights: str | Path | Mapping[str, Any] | None = None,
         *,
         finetune: bool = False,
-        epsilon: float | None = 0.02,
+        epsilon: float | None = FINETUNE_EPSILON,
         config: DQNConfig | None = None,
         reference: Callable[[Observation], float] | None = None,
-        learn_every: int = 5,
+        learn_every: int = FINETUNE_LEARN_EVERY,
         plan_gain: float | None = PLAN_MIN_GAIN,
         seed: int = 0,
     ) -> None:
@@ -202,9 +181,7 @@ class InTuneTuner:
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
-        self.config = config or DQNConfig(
-            lr=1e-4, batch_size=32, replay_size=2000, warmup=64, eps_start=0.02, eps_end=0.02
-        )
+        self.config = config or FINETUNE_CONFIG
         self.reference = reference
         self.seed = seed
         self.agent: DQNAgent | PlannerOnly | None = None
@@ -212,6 +189,8 @@ class InTuneTuner:
         self.encoder: StateEncoder | None = None
         self.memory = MemoryModel()
         self._alloc: Allocation | None = None
+        self._taken: int | None = None
+        self.pending: Pending | None = None
         self._cpus = 0.0
         self._before: tuple[Allocation, float] | None = None
         self._tabu: dict[int, int] = {}
@@ -222,7 +201,7 @@ class InTuneTuner:
         self.episode_reward = 0.0
 
     # -- Tuner ----------------------------------------------------------------------------
-    def reset(self, obs: Observation, *, start: Allocation | None = None) -> Allocation:
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
         """Load the agent for this pipeline length; start from the even CPU split.
 
         Args:
@@ -230,27 +209,65 @@ class InTuneTuner:
             start: start from this allocation instead (pre-training uses random starts).
         """
         n = len(obs.stages)
+        if self.agent is None or self.actions is None or self.actions.n_stages != n:
+            self.agent = self._load_agent(n)
+        return self.begin(obs, start)
+
+    def begin(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Start an episode without choosing actions: :meth:`reset` less the agent, for a
+        caller that picks the actions itself (the Gymnasium environment,
+        :class:`torchtune_pipe.sim.gym.PipeEnv`). Returns the first allocation."""
+        n = len(obs.stages)
         if self.actions is None or self.actions.n_stages != n:
             self.actions = ActionSpace(n)
             self.encoder = StateEncoder(n)
-            self.agent = self._load_agent(n)
         self.encoder.reset()
         self.memory = MemoryModel()
         self.memory.update(obs)
-        self._last, self._prev = None, None
+        self._last, self._prev, self._taken = None, None, None
         self._before, self._tabu = None, {}
         self._seen: dict[tuple[int, ...], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
         if start is None:
             start = HeuristicTuner().reset(obs)
-        self._alloc = safe(fit_memory(start, obs, self.memory, 0.9), obs)
+        self._alloc = fit_memory(start, obs, self.memory, START_MEMORY_SHARE)
         return self._alloc
 
     def step(self, obs: Observation) -> Allocation:
         """Observe, learn from the last transition (fine-tuning), pick and apply one action."""
         if self.agent is None or self._alloc is None:
             return self.reset(obs)
+        state, mask = self.prepare(obs)
+        if self.agent.training_enabled and self._prev is not None:
+            ref = self.encoder.best
+            if self.reference is not None:
+                ref = max(ref, self.reference(obs))
+            self.last_reward = transition_reward(obs, ref, self._last)
+            self.episode_reward += self.last_reward
+            s0, m0, a0 = self._prev
+            self.agent.remember(s0, m0, a0, self.last_reward, state, mask, obs.oom)
+            if self.steps % self.learn_every == 0:
+                self.agent.learn()
+        eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
+        index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
+        if self.plan_gain is not None and self.plan_promises(self.plan_gain):
+            index = self.actions.plan_index
+        self._prev = (state, mask, index)
+        return self.take(index)
+
+    def prepare(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything before the choice of an action: the allocation it will change (undo,
+        guard and rescale applied, fitted to memory), the plan, the state and the action mask.
+
+        Returns:
+            (state vector, bool mask of the allowed actions).
+
+        Raises:
+            ValueError: when ``obs`` has another length than the pipeline :meth:`begin` saw.
+        """
+        if self.actions is None or self.encoder is None or self._alloc is None:
+            raise RuntimeError("InTuneTuner.prepare() called before reset() or begin()")
         if len(obs.stages) != self.actions.n_stages:
             raise ValueError(
                 f"InTuneTuner.step: pipeline has {len(obs.stages)} stages, the agent was reset "
@@ -258,20 +275,20 @@ class InTuneTuner:
             )
         self.encoder.update_references(obs)
         self.memory.update(obs)
-        current = self._alloc
+        current = self._ran(obs)
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
             # The last worker move cost throughput: undo it and keep it off for a while.
             current = self._before[0]
-            if self._prev is not None:
-                self._tabu[self._prev[2]] = TABU_STEPS
+            if self._taken is not None:
+                self._tabu[self._taken] = TABU_STEPS
         else:
             current = self._guard(obs, current)
         self._before = None
         # A rescale, an undone move or the guard's return brings back workers measured under
         # other CPUs or buffers: the worst case must fit again with the buffers of today.
-        current = safe(fit_memory(current, obs, self.memory), obs)
+        current = fit_memory(current, obs, self.memory)
         per_worker, fixed = self.memory.split(obs)
         planned = plan(obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed)
         state = self.encoder.encode(obs, current, self._last, planned)
@@ -282,33 +299,37 @@ class InTuneTuner:
                 del self._tabu[index]
             else:
                 self._tabu[index] = left - 1
-        if self.agent.training_enabled and self._prev is not None:
-            ref = self.encoder.best
-            if self.reference is not None:
-                ref = max(ref, self.reference(obs))
-            self.last_reward = reward(obs, ref)
-            if self._last is not None and self._last.stage is not None:
-                self.last_reward -= CHANGE_COST
-            self.episode_reward += self.last_reward
-            s0, m0, a0 = self._prev
-            self.agent.remember(s0, m0, a0, self.last_reward, state, mask, obs.oom)
-            if self.steps % self.learn_every == 0:
-                self.agent.learn()
-        eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
-        index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
-        if (
-            self.plan_gain is not None
-            and mask[self.actions.plan_index]
-            and planned.throughput > (1 + self.plan_gain) * planned.current
-        ):
-            index = self.actions.plan_index
+        self.pending = Pending(obs, current, planned, mask)
+        return state, mask
+
+    def plan_promises(self, gain: float) -> bool:
+        """Whether the prepared plan promises more than ``gain`` over the measured throughput
+        (and its action is open): then :meth:`step` takes it without asking the network."""
+        p = self.pending
+        assert p is not None and self.actions is not None
+        open_ = bool(p.mask[self.actions.plan_index])
+        return open_ and p.planned.throughput > (1 + gain) * p.planned.current
+
+    def take(self, index: int) -> Allocation:
+        """Take action ``index`` on the prepared allocation (:meth:`prepare`); returns the
+        allocation to apply."""
+        p = self.pending
+        if p is None or self.actions is None:
+            raise RuntimeError("InTuneTuner.take() called before prepare()")
         self.steps += 1
-        self._prev = (state, mask, index)
+        self._taken = index
         self._last = self.actions.decode(index)
-        self._alloc = safe(self.actions.apply(current, index, obs, planned), obs)
-        if self._alloc.workers != current.workers:
-            self._before = (current, obs.throughput)
+        self._alloc = self.actions.apply(p.current, index, p.obs, p.planned)
+        if self._alloc.workers != p.current.workers:
+            self._before = (p.current, p.obs.throughput)
         return self._alloc
+
+    def _ran(self, obs: Observation) -> Allocation:
+        """The allocation ``obs`` ran under: the last decision as the hard limits let it
+        through (:class:`~.safety.Guarded` clamps it; the tuner does not)."""
+        assert self._alloc is not None
+        ran = obs.allocation()
+        return ran.replace(concurrency=self._alloc.concurrency) if self._alloc.concurrency else ran
 
     def _guard(self, obs: Observation, current: Allocation) -> Allocation:
         """Go back to the best recently measured allocation when this one is clearly worse.
@@ -352,36 +373,14 @@ class InTuneTuner:
             self.agent.enable_training(seed=self.seed, config=self.config)
 
     def _load_agent(self, n: int) -> DQNAgent | PlannerOnly:
-        src = self.weights
-        if isinstance(src, Mapping):
-            state = src
-        else:
-            path = Path(src) if src is not None else WEIGHTS_DIR
-            if path.is_dir():
-                path = weights_path(n, path)
-            if src is None and not path.is_file():
-                lengths = shipped_lengths()
-                logger.info(
-                    "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
-                    "planner tunes this one alone", n, ", ".join(map(str, lengths)) or "none",
-                )  # fmt: skip
-                if self.plan_gain is None:
-                    self.plan_gain = PLAN_MIN_GAIN
-                return PlannerOnly()
-            if not path.is_file():
-                raise FileNotFoundError(
-                    f"InTuneTuner: no pre-trained weights for {n} stages at {path}; train them "
-                    f"with `python -m torchtune_pipe.sim.pretrain --stages {n} --out DIR` and "
-                    "pass weights=DIR"
-                )
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        if "agent" in state:
-            if int(state["n_stages"]) != n:
-                raise ValueError(
-                    f"InTuneTuner: weights are for {state['n_stages']} stages, the pipeline has {n}"
-                )
-            state = state["agent"]
-        agent = DQNAgent.from_state_dict(state)
-        if self.finetune:
+        agent = load_agent(self.weights, n)
+        if isinstance(agent, PlannerOnly):
+            logger.info(
+                "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
+                "planner tunes this one alone", n, ", ".join(map(str, shipped_lengths())) or "none",
+            )  # fmt: skip
+            if self.plan_gain is None:
+                self.plan_gain = PLAN_MIN_GAIN
+        elif self.finetune:
             agent.enable_training(seed=self.seed, config=self.config)
         return agent

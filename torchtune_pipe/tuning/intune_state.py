@@ -10,13 +10,29 @@ import math
 import torch
 
 from .base import Allocation, Observation
-from .intune_space import Action, clip, distance
+from .intune_space import WORKER_DELTAS, Action, clip, distance
 from .planner import Plan
 from .safety import is_io_bound, oversubscribe_factor
 
 MEMORY_KNEE = 0.8
 STAGE_FEATURES = 11
 GLOBAL_FEATURES = 16
+# Reward charged for any action but the no-op: a change costs a worker start or a resize.
+CHANGE_COST = 0.005
+
+# Scales of the state features (changing one means re-training every weight file): each
+# brings a feature to about [-1, 1] or [0, 1] on the machines pre-training draws from.
+WORKER_MOVE_SCALE = float(max(abs(d) for d in WORKER_DELTAS))  # the largest move: +-1
+LOG_GAIN_MAX = 3.0  # log(throughput / first since the rescale), clipped, then / this
+CONSUMER_LOAD_MAX = 2.0  # consumer step time x throughput (1: the model is the bottleneck)
+LATENCY_RATIO_MAX = 5.0  # latency / first latency, clipped, then / this
+LOG2_CPUS_SCALE = 7.0  # log2(CPUs) / this: 128 CPUs is 1
+RESCALE_HORIZON_STEPS = 30  # steps since the last rescale, counted up to this
+DRAM_GBPS_SCALE = 100.0
+CPU_GHZ_SCALE = 4.0
+MACHINE_FEATURE_MAX = 2.0  # DRAM bandwidth and clock, scaled, clipped to this
+PLAN_LOG_GAIN_MAX = 1.0  # log(planned / measured throughput), clipped to +- this
+PLAN_DISTANCE_MAX = 2.0  # workers the plan moves / CPUs, clipped to this
 
 
 def memory_factor(used_fraction: float, knee: float = MEMORY_KNEE) -> float:
@@ -36,6 +52,15 @@ def reward(obs: Observation, reference_throughput: float, knee: float = MEMORY_K
         return -1.0
     used = obs.memory_used_bytes / max(1, obs.memory_limit_bytes)
     return obs.throughput / max(reference_throughput, 1e-12) * memory_factor(used, knee)
+
+
+def transition_reward(
+    obs: Observation, reference_throughput: float, action: Action | None
+) -> float:
+    """The reward of the transition that ``action`` led to ``obs``: :func:`reward`, less
+    ``CHANGE_COST`` when the action changed a stage (the no-op and the plan are free)."""
+    r = reward(obs, reference_throughput)
+    return r - CHANGE_COST if action is not None and action.stage is not None else r
 
 
 class StateEncoder:
@@ -104,7 +129,7 @@ class StateEncoder:
                 st.buffer_fill,
                 1.0 if is_io_bound(st) else 0.0,
                 1.0 if w >= st.max_workers else 0.0,
-                (last.workers / 5.0) if moved else 0.0,
+                (last.workers / WORKER_MOVE_SCALE) if moved else 0.0,
                 float(last.buffer) if moved else 0.0,
             ]
         best = max(self.best, 1e-12)
@@ -112,23 +137,29 @@ class StateEncoder:
         lat = obs.latency_s / self.first_latency if self.first_latency > 0 else 1.0
         feats += [
             x / best,
-            clip(math.log(max(x, 1e-12) / self.first), -3, 3) / 3 if self.first > 0 else 0.0,
+            clip(math.log(max(x, 1e-12) / self.first), -LOG_GAIN_MAX, LOG_GAIN_MAX) / LOG_GAIN_MAX
+            if self.first > 0
+            else 0.0,
             clip((x - self.prev) / best, -1, 1),
             clip((cap - sum(alloc.workers)) / cpus, -1, 1),
             clip(1.0 - obs.memory_used_bytes / mem, 0, 1),
             clip(sum(alloc.buffer_bytes) / mem, 0, 1),
-            clip(obs.consumer_step_s * x, 0, 2),
-            clip(lat, 0, 5) / 5,
-            math.log2(cpus) / 7,
-            min(self.since_rescale, 30) / 30,
-            clip(obs.dram_gbps / 100, 0, 2),
-            clip(obs.cpu_ghz / 4, 0, 2),
+            clip(obs.consumer_step_s * x, 0, CONSUMER_LOAD_MAX),
+            clip(lat, 0, LATENCY_RATIO_MAX) / LATENCY_RATIO_MAX,
+            math.log2(cpus) / LOG2_CPUS_SCALE,
+            min(self.since_rescale, RESCALE_HORIZON_STEPS) / RESCALE_HORIZON_STEPS,
+            clip(obs.dram_gbps / DRAM_GBPS_SCALE, 0, MACHINE_FEATURE_MAX),
+            clip(obs.cpu_ghz / CPU_GHZ_SCALE, 0, MACHINE_FEATURE_MAX),
             1.0 if last is None or (last.stage is None and not last.plan) else 0.0,
             1.0 if last is not None and last.plan else 0.0,
-            clip(math.log(max(planned.throughput, 1e-12) / max(x, 1e-12)), -1, 1)
+            clip(
+                math.log(max(planned.throughput, 1e-12) / max(x, 1e-12)),
+                -PLAN_LOG_GAIN_MAX,
+                PLAN_LOG_GAIN_MAX,
+            )
             if planned is not None
             else 0.0,
-            clip(distance(planned.allocation.workers, alloc.workers) / cpus, 0, 2)
+            clip(distance(planned.allocation.workers, alloc.workers) / cpus, 0, PLAN_DISTANCE_MAX)
             if planned is not None
             else 0.0,
         ]

@@ -1,10 +1,10 @@
 """Drive a tuner against a :class:`~.base.Tunable`: a background thread, or synchronously.
 
 :class:`TuningLoop` is the daemon thread that runs beside training: at every interval it
-observes, asks the tuner, clamps the decision to the hard limits (:func:`.safety.safe`, then
-the tunable's own ``fit(allocation, obs)`` where it has one: the live pipeline's memory rule)
-and applies it when it changed, logging every decision as one JSON line.
-:func:`run_episode` does the same steps back to back with no waiting, for simulator studies.
+observes, asks the tuner and applies the decision through :class:`~.safety.Guarded` (the hard
+limits, once), logging every decision as one JSON line. :func:`run_episode` does the same
+steps back to back with no waiting: the one episode loop of the simulator's studies,
+pre-training and held-out evaluation.
 """
 
 from __future__ import annotations
@@ -17,33 +17,44 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from .base import Allocation, Limits, Observation, StageStats, Tunable, Tuner
-from .safety import safe
+from .base import Allocation, Observation, StageStats, Tunable, Tuner
+from .safety import Guarded, LimitsFn
 
 log = logging.getLogger(__name__)
-
-LimitsFn = Callable[[Observation], Limits]
 
 
 def _tuner_name(tuner: Tuner) -> str:
     return str(getattr(tuner, "name", type(tuner).__name__))
 
 
-def _decide(tuner: Tuner, obs: Observation, first: bool, limits_fn: LimitsFn | None) -> Allocation:
-    alloc = tuner.reset(obs) if first else tuner.step(obs)
-    return safe(alloc, obs, limits_fn(obs) if limits_fn else None)
-
-
 def run_episode(
-    tunable: Tunable, tuner: Tuner, steps: int, limits_fn: LimitsFn | None = None
+    tunable: Tunable,
+    tuner: Tuner,
+    steps: int,
+    *,
+    start: Allocation | None = None,
+    on_step: Callable[[Observation], None] | None = None,
+    limits_fn: LimitsFn | None = None,
 ) -> list[Observation]:
     """Run ``reset`` then ``steps`` tuning steps back to back, without waiting.
 
-    Each step observes (a simulator advances one interval), asks the tuner, clamps and applies.
-    The episode ends early after an observation with ``oom`` set.
+    The first observation goes to ``tuner.reset(obs, start)``; then each step observes (a
+    simulator advances one interval), calls ``on_step(obs)``, asks the tuner and applies its
+    decision through :class:`~.safety.Guarded`. After an observation with ``oom`` set the
+    tuner still steps on it (a learner sees the outcome) but the episode ends: the pipeline
+    is dead.
+
+    Args:
+        tunable: the pipeline or simulator (wrapped in :class:`~.safety.Guarded` unless it is).
+        tuner: the tuner deciding allocations.
+        steps: tuning steps after the reset.
+        start: passed to ``tuner.reset`` (a random start in pre-training).
+        on_step: called with each observation before the tuner steps on it.
+        limits_fn: hard limits for an observation (default: those the observation implies).
 
     Returns:
-        The observations the tuner stepped on, in order (at most ``steps``).
+        The observations the tuner stepped on, in order (at most ``steps``; the reset's
+        observation is not among them).
 
     Example:
         >>> trace = run_episode(SimPipeline(workload, cpus=16, memory_limit_bytes=8 << 30),
@@ -51,14 +62,18 @@ def run_episode(
     """
     if steps < 0:
         raise ValueError(f"run_episode(): steps must be >= 0, got {steps}")
-    tunable.apply(_decide(tuner, tunable.observe(), True, limits_fn))
+    pipe = Guarded(tunable, limits_fn)
+    pipe.apply(tuner.reset(pipe.observe(), start=start))
     trace: list[Observation] = []
     for _ in range(steps):
-        obs = tunable.observe()
+        obs = pipe.observe()
         trace.append(obs)
+        if on_step is not None:
+            on_step(obs)
+        decision = tuner.step(obs)
         if obs.oom:
             break
-        tunable.apply(_decide(tuner, obs, False, limits_fn))
+        pipe.apply(decision)
     return trace
 
 
@@ -122,7 +137,8 @@ class TuningLoop:
     by :meth:`stop`; it is never swallowed.
 
     Args:
-        tunable: the pipeline (or simulator) to steer.
+        tunable: the pipeline (or simulator) to steer; decisions reach it through
+            :class:`~.safety.Guarded`.
         tuner: the tuner deciding allocations.
         interval_s: seconds between tuning steps.
         log_path: file to append one JSON line per decision to (None: no decision log).
@@ -145,7 +161,7 @@ class TuningLoop:
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"TuningLoop: interval_s must be positive, got {interval_s}")
-        self.tunable = tunable
+        self.tunable = Guarded(tunable, limits_fn)
         self.tuner = tuner
         self.interval_s = float(interval_s)
         self.log_path = log_path
@@ -270,14 +286,13 @@ class TuningLoop:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         try:
             obs = self.tunable.observe()
-            alloc = _decide(self.tuner, obs, first, self.limits_fn)
-            fit = getattr(self.tunable, "fit", None)
-            if fit is not None:  # the live pipeline's own limits (measured memory)
-                alloc = fit(alloc, obs)
+            decision = self.tuner.reset(obs) if first else self.tuner.step(obs)
+            # Applied every tick, changed or not: the limits are fitted to this tick's memory,
+            # and the pipeline sets what the tuner leaves open (calls in flight per worker).
+            self.tunable.apply(decision)
+            alloc = self.tunable.applied
+            assert alloc is not None
             changed = alloc != self._applied
-            # Applied every tick, changed or not: the pipeline sets what the tuner leaves open
-            # (calls in flight per worker) from this tick's observation.
-            self.tunable.apply(alloc)
             self._applied = alloc
             self._steps += 1
             if out is not None:

@@ -1,11 +1,13 @@
 """The yardstick: the best static allocation, by exhaustive or coordinate search.
 
-:func:`oracle_search` searches with an ``evaluate(allocation) -> throughput`` function (the
-simulator's steady-state ``evaluate``): exhaustively when the number of allocations is small,
-otherwise by coordinate search (move ``k`` workers between two stages, or add/remove ``k``,
-with ``k`` halving down to 1). :class:`OracleTuner` does the same on a live pipeline by trying
-a list of candidate static allocations for a few intervals each and settling on the best.
-Neither is meant for production: both cost many evaluations.
+:func:`oracle_search` is the one search, with any ``evaluate(allocation) -> throughput``
+function: the simulator's steady-state ``evaluate`` (:func:`best_static`, the held-out
+evaluation and pre-training's reference) or a live measurement (``benchmarks/tuners_real.py``).
+It searches exhaustively when the number of allocations is small, otherwise by coordinate
+search (move ``k`` workers between two stages, or add/remove ``k``, with ``k`` halving down to
+1). :class:`OracleTuner` does the same on a live pipeline through the tuning loop, trying a
+list of candidate static allocations for a few intervals each and settling on the best.
+None is meant for production: all cost many evaluations.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from .base import Allocation, MiB, Observation
 from .baselines import even_split
-from .safety import safe
+from .safety import MAX_OVERSUBSCRIBE
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +108,33 @@ def oracle_search(
     return best
 
 
+def best_static(
+    evaluate: Callable[[Allocation], float],
+    n_stages: int,
+    cpus: float,
+    max_workers: int | Sequence[int],
+    factors: Sequence[float] = (1, 2, MAX_OVERSUBSCRIBE),
+) -> tuple[Allocation, float]:
+    """The best static allocation on ``cpus`` CPUs among worker totals up to each of
+    ``cpus * factors``.
+
+    The hard limits let tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
+    core when stages wait on I/O or on their neighbours), so the yardstick searches those
+    totals too: one tuners could beat would measure nothing. One search per total: a search
+    started far past the memory limit sees only zeros around it and cannot climb.
+
+    Returns:
+        (best allocation, its value).
+    """
+    return max(
+        (
+            oracle_search(evaluate, n_stages, max(n_stages, int(cpus * f)), max_workers)
+            for f in factors
+        ),
+        key=lambda found: found[1],
+    )
+
+
 def _coordinate_search(
     value: Callable[[Allocation], float], hi: Sequence[int], cpus: int, buffers: tuple[int, ...]
 ) -> Allocation:
@@ -157,7 +186,8 @@ def candidate_workers(
     hi = _bounds(n, max_workers)
     cpus = max(n, int(cpus))
     k = 1
-    while math.comb(cpus // k - 1, n - 1) > max_candidates and cpus // k > n:
+    # Coarser blocks while there are too many, as long as every stage still gets one block.
+    while math.comb(cpus // k - 1, n - 1) > max_candidates and cpus // (k + 1) >= n:
         k += 1
     units = cpus // k
     out: list[tuple[int, ...]] = []
@@ -210,8 +240,9 @@ class OracleTuner:
         self.scores: list[float] = []
         self.best: Allocation | None = None
 
-    def reset(self, obs: Observation) -> Allocation:
-        """Build the candidate list and start the first trial."""
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Build the candidate list and start the first trial (after ``start``, when given:
+        the first interval of a trial is warm-up, not scored)."""
         n = len(obs.stages)
         hi = [s.max_workers for s in obs.stages]
         workers = self._given or candidate_workers(n, int(obs.cpus), hi, self.max_candidates)
@@ -220,7 +251,7 @@ class OracleTuner:
         self.candidates = [Allocation(w, (self.buffer_bytes,) * n) for w in workers]
         self.scores, self.best = [], None
         self._trial, self._samples = 0, []
-        return safe(self.candidates[0], obs)
+        return start if start is not None else self.candidates[0]
 
     @property
     def searching(self) -> bool:
@@ -230,17 +261,17 @@ class OracleTuner:
     def step(self, obs: Observation) -> Allocation:
         """Score the running candidate; move to the next one or settle on the best."""
         if self.best is not None:
-            return safe(self.best, obs)
+            return self.best
         self._trial += 1
         if self._trial > self.warmup_steps:
             self._samples.append(-math.inf if obs.oom else obs.throughput)
         if self._trial < self.trial_steps:
-            return safe(self.candidates[len(self.scores)], obs)
+            return self.candidates[len(self.scores)]
         self.scores.append(sum(self._samples) / len(self._samples))
         self._trial, self._samples = 0, []
         if len(self.scores) < len(self.candidates):
-            return safe(self.candidates[len(self.scores)], obs)
+            return self.candidates[len(self.scores)]
         i = max(range(len(self.scores)), key=self.scores.__getitem__)
         self.best = self.candidates[i]
         log.info("oracle: settled on %s (%.1f items/s)", self.best.workers, self.scores[i])
-        return safe(self.best, obs)
+        return self.best

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Allocation, MiB, Observation
-from .safety import is_io_bound, safe
+from .base import Allocation, MiB, Observation, is_io_bound
 
 log = logging.getLogger(__name__)
 
@@ -165,13 +164,13 @@ class PlumberTuner:
         self.plan: PlumberPlan | None = None
         self.solves = 0
 
-    def reset(self, obs: Observation) -> Allocation:
-        """Profile under the pipeline's current allocation."""
+    def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
+        """Profile under the pipeline's current allocation (or ``start``)."""
         self.plan = None
         self.solves = 0
-        self._profile = obs.allocation()
+        self._profile = start if start is not None else obs.allocation()
         self._cpus = obs.cpus
-        return safe(self._profile, obs)
+        return self._profile
 
     def step(self, obs: Observation) -> Allocation:
         """Solve from the first measured interval; afterwards hold the plan."""
@@ -183,7 +182,7 @@ class PlumberTuner:
                 self.solves += 1
                 log.debug("plumber: theta=%s workers=%s", new.theta, new.workers)
         if self.plan is None:
-            return safe(self._profile, obs)
+            return self._profile
         buffers = list(self._profile.buffer_bytes)
         buffers[-1] = max(1, self.plan.prefetch_items) * self.element_bytes
-        return safe(Allocation(self.plan.workers, tuple(buffers)), obs)
+        return Allocation(self.plan.workers, tuple(buffers))

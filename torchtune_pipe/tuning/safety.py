@@ -1,54 +1,49 @@
-"""The oversubscription policy that every tuner and the tuning loop apply through :func:`clamp`.
+"""The hard limits below every tuner: the CPU budget, the memory fit, and :class:`Guarded`,
+the one place they are applied.
 
-Policy: the CPU budget counts the cores workers use, not the workers. Each worker is charged
-the share of a core it measurably uses (CPU time per item x items/s per worker; its busy
-fraction when CPU time is not measured), floored by the kind of stage:
+Every decision reaches a pipeline through :class:`Guarded` (the tuning loop, the loader,
+:func:`~.loop.run_episode` for the simulator and pre-training): its ``apply`` runs
+:func:`safe` then :func:`fit_memory` once. Tuners only propose; the masks of the InTune agent
+query :func:`oversubscribe_factor` to avoid proposing what would be cut.
 
-* a stage whose workers mostly wait on I/O (``StageStats.io_bound``, or low ``busy`` with low
-  time blocked on the pipeline's own channels: the worker waits on something outside the
-  pipeline such as a disk or the network) is charged at least ``IO_MIN_CHARGE``;
-* a stage whose workers wait on their neighbours most of the time (for input from a slower
-  upstream, or for output space a slower downstream holds), or
-  that has no work at all in the interval (``StageStats.idle``: a source whose units for the
-  epoch are all read while the stages after it work off their backlog), is charged at least
-  ``IO_MIN_CHARGE`` too: waiting uses no core;
-* any other stage is charged at least ``CPU_MIN_CHARGE`` (a full core before anything was
-  measured): at most two CPU-bound workers share a core. Workers past one per core absorb
-  the variance of heavy-tailed items (a free worker picks up the next item while another is
-  stuck on a long one) and cost little: Linux time-slices them.
-
-Once the pipeline has been measured the charged total may exceed the CPU count by
-``SPARE_CORES``: charges are measured at the current allocation, so a worker added to a stage
-whose one worker keeps a core busy is charged a full core, although it takes only the share
-the pipeline leaves idle, or on a full machine a time-slice from stages that run ahead of
-their consumers (a source filling its buffers at an epoch's start) until they block. Without
-the spare core a CPU-bound pipeline on a small machine is refused the second worker of its
-bottleneck whenever another stage keeps busy (the peers UDF-heavy scenario on 2 cores, where a
-static second UDF worker runs 1.1x faster: BENCHMARKS.md). One core's worth is one more worker to try, whatever the machine's size;
-the tuners keep it only where it measurably pays.
-
-The total may reach ``MAX_OVERSUBSCRIBE`` times the CPU count; the worker cap is
-``cpus * factor`` rounded to the nearest worker (the charges are estimates). The factor is
-passed to :func:`clamp` as ``oversubscribe``.
+CPU budget (:func:`safe`, :func:`oversubscribe_factor`): the total worker count may reach
+``cpus * factor``, rounded to the nearest worker. Each worker is charged the share of a core
+it measurably uses (CPU seconds per item times items per second per worker; its busy fraction
+when CPU time is not measured), floored at ``IO_MIN_CHARGE`` for stages that wait on I/O
+(:func:`~.base.is_io_bound`), on their neighbours at least ``WAITING_MIN_BLOCKED`` of the
+time, or have no work (``StageStats.idle``), and at ``CPU_MIN_CHARGE`` for the others; a full
+core before anything was measured. The factor is ``1 + (freed + spare) / cpus`` where
+``freed`` sums ``1 - charge`` over the workers and ``spare`` is ``SPARE_CORES`` once anything
+was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: CONTRIBUTING.md, "The CPU
+budget", and BENCHMARKS.md.
 
 Memory (:func:`fit_memory`): an allocation's worst case is every buffer full and every worker
 holding what its stage's workers hold now, measured (``StageStats.memory_bytes``), plus the
 memory no worker holds (:func:`~.base.memory_parts`). It must stay within
 ``MEMORY_SAFE_SHARE`` of the limit: growth (buffers, then workers) that would pass it is
 refused, and when the pipeline nears the limit anyway (a UDF cache that grows, bigger items)
-it sheds buffers first, then workers, before the kernel acts. The live pipeline applies it to
-every tuner's decision; the simulator leaves it to the tuners, so that its studies measure
-what a tuner does alone (AUTOTUNE's prefetch growing into an OOM).
+buffers are shed first, then workers, before the kernel acts.
 """
 
 from __future__ import annotations
 
-from .base import Allocation, Limits, MiB, Observation, StageStats, clamp, limits_of, memory_parts
+from collections.abc import Callable
 
-# A stage counts as I/O-bound when it computes less than this fraction of the time...
-IO_BUSY_MAX = 0.5
-# ...and waits on its neighbours' channels less than this fraction.
-IO_BLOCKED_MAX = 0.2
+from .base import (
+    Allocation,
+    Limits,
+    MiB,
+    Observation,
+    StageStats,
+    Tunable,
+    clamp,
+    is_io_bound,
+    limits_of,
+    memory_parts,
+)
+
+LimitsFn = Callable[[Observation], Limits]
+
 # An I/O worker is charged at least this share of a core (a stalled device is not free).
 IO_MIN_CHARGE = 0.1
 # A worker of any other stage is charged at least this share of a core...
@@ -65,16 +60,6 @@ MEMORY_SAFE_SHARE = 0.95
 # Buffers shed down to this before any worker goes (small buffers make neighbouring stages
 # wait on each other); past the workers' minimum they go down to the stage minimum.
 SHED_BUFFER_FLOOR_BYTES = 4 * MiB
-
-
-def is_io_bound(stage: StageStats) -> bool:
-    """True when the stage's workers mostly wait on I/O rather than compute or on channels."""
-    if stage.io_bound:
-        return True
-    if stage.items_per_s <= 0.0:
-        return False
-    blocked = stage.blocked_in + stage.blocked_out
-    return stage.busy < IO_BUSY_MAX and blocked < IO_BLOCKED_MAX
 
 
 def _core_share(stage: StageStats) -> float:
@@ -142,11 +127,20 @@ def _check_stages(alloc: Allocation, obs: Observation, where: str) -> None:
 def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
     """Clamp ``alloc`` to the hard limits of ``obs`` (or ``limits``) with the I/O policy above.
 
+    The result fits the cap computed for itself, so ``safe(safe(a)) == safe(a)``: the cap
+    depends on the allocation checked (each worker frees the share of a core its stage leaves
+    unused), and an allocation shrunk to the cap of ``alloc`` frees less, so it is clamped
+    again until it fits its own.
+
     Raises:
         ValueError: when ``alloc`` does not have one entry per observed stage.
     """
     _check_stages(alloc, obs, "")
-    return clamp(alloc, limits or limits_of(obs), oversubscribe_factor(obs, alloc))
+    limits = limits or limits_of(obs)
+    out = clamp(alloc, limits, oversubscribe_factor(obs, alloc))
+    while (again := clamp(out, limits, oversubscribe_factor(obs, out))) != out:
+        out = again  # ends: workers only shrink, and never below the stage minimums
+    return out
 
 
 def fit_memory(
@@ -158,7 +152,7 @@ def fit_memory(
     """Keep ``alloc``'s worst-case memory within ``share`` of ``obs``'s limit (module docstring).
 
     In order, until the worst case fits: refuse buffer growth past what runs now, then worker
-    growth; halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a worker from
+    growth (stage by stage, the stage whose workers hold the most first); halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a worker from
     the stage whose workers hold the most (never below its ``min_workers``); halve buffers down
     to ``min_buffer_bytes``. An allocation that fits is returned unchanged.
 
@@ -177,8 +171,13 @@ def fit_memory(
         return parts.worst_case_bytes(Allocation(tuple(workers), tuple(buffers))) > limit
 
     buffers = [min(b, c) for b, c in zip(buffers, now.buffer_bytes, strict=True)]
-    if over():
-        workers = [min(w, c) for w, c in zip(workers, now.workers, strict=True)]
+    # Worker growth is refused stage by stage, the costliest workers first: one stage whose
+    # workers hold a lot (a cache, a shuffle buffer) does not stop the others from growing.
+    grown = [j for j in range(len(workers)) if workers[j] > now.workers[j]]
+    for j in sorted(grown, key=lambda k: -parts.per_worker_bytes[k]):
+        if not over():
+            break
+        workers[j] = now.workers[j]
     floors = [max(1, s.min_workers) for s in obs.stages]
     for floor in (SHED_BUFFER_FLOOR_BYTES, None):
         while over():
@@ -198,4 +197,62 @@ def fit_memory(
                 break
             j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
             workers[j] -= 1
-    return Allocation(tuple(workers), tuple(buffers))
+    return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
+
+
+def within_limits(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
+    """``alloc`` as the hard limits let it through: :func:`safe`, then :func:`fit_memory`
+    (buffers down to ``limits.min_buffer_bytes`` at most). What :class:`Guarded` applies.
+
+    Raises:
+        ValueError: when ``alloc`` does not have one entry per observed stage.
+    """
+    limits = limits or limits_of(obs)
+    return fit_memory(safe(alloc, obs, limits), obs, min_buffer_bytes=limits.min_buffer_bytes)
+
+
+class Guarded:
+    """A :class:`~.base.Tunable` whose ``apply`` keeps every allocation within the hard limits.
+
+    The one place the limits are applied, for the live pipeline and the simulator alike:
+    ``apply(allocation)`` clamps it to the limits of the latest observation (:func:`safe`)
+    and fits it to memory (:func:`fit_memory`), once, then applies the result to the wrapped
+    tunable. A tuner whose decision stays the same while memory grows still sheds, because
+    every call fits again.
+
+    Args:
+        tunable: the pipeline (or simulator) to steer.
+        limits_fn: the hard limits for an observation (default: :func:`~.base.limits_of`).
+
+    Example:
+        >>> pipe = Guarded(SimPipeline(workload, cpus=8, memory_limit_bytes=8 << 30))
+        >>> obs = pipe.observe(); pipe.apply(tuner.reset(obs)); pipe.applied
+    """
+
+    def __init__(self, tunable: Tunable, limits_fn: LimitsFn | None = None) -> None:
+        if isinstance(tunable, Guarded):
+            limits_fn = limits_fn or tunable.limits_fn
+            tunable = tunable.tunable
+        self.tunable = tunable
+        self.limits_fn = limits_fn
+        self.last: Observation | None = None
+        self.applied: Allocation | None = None
+
+    def observe(self) -> Observation:
+        """The wrapped tunable's observation (kept: the next ``apply`` is judged by it)."""
+        self.last = self.tunable.observe()
+        return self.last
+
+    def fit(self, allocation: Allocation, obs: Observation) -> Allocation:
+        """``allocation`` within the limits of ``obs``: the CPU budget, then memory.
+
+        Raises:
+            ValueError: when ``allocation`` does not have one entry per observed stage.
+        """
+        return within_limits(allocation, obs, self.limits_fn(obs) if self.limits_fn else None)
+
+    def apply(self, allocation: Allocation) -> None:
+        """Apply ``allocation`` as :meth:`fit` lets it through (recorded in :attr:`applied`)."""
+        obs = self.last if self.last is not None else self.observe()
+        self.applied = self.fit(allocation, obs)
+        self.tunable.apply(self.applied)

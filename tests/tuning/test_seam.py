@@ -1,0 +1,147 @@
+"""The Tunable/Tuner seam: every tuner runs on the simulator and on a real pipeline, and every
+Observation field is set and means the same on both sides (units and ranges as base.py
+documents them; live-only and simulator-only fields carry their "not measured" default)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+
+from torchtune_pipe import Pipeline
+from torchtune_pipe.sim.model import SimPipeline
+from torchtune_pipe.sim.workloads import generate
+from torchtune_pipe.tuning import TUNERS, make_tuner, run_episode
+from torchtune_pipe.tuning.base import MiB, Observation, StageStats, Tuner
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
+
+STEPS = 3
+# Fields measured on one side only, with the default the other side reports (base.py).
+LIVE_ONLY = {"items_in_per_s": 0.0, "runqueue": None, "idle": False}
+SIM_ONLY = {"latency_s": 0.0}
+
+
+class Ids:
+    """Units are ranges of ids; enough of them for every tuner's short episode."""
+
+    def __len__(self):
+        return 4000 * 4
+
+    def units(self, epoch=0):
+        return list(range(4000))
+
+    def read(self, unit):
+        return range(unit * 4, unit * 4 + 4)
+
+
+def _work(x):
+    return sum(range(3000)) * 0 + x  # a little CPU per item, so every stage is measured
+
+
+def _tuner(name: str) -> Tuner:
+    kw = {"workers": (1, 2, 1)} if name == "static" else {}
+    if name == "oracle":
+        kw = {"trial_steps": 2, "max_candidates": 2}
+    return make_tuner(name, **kw)
+
+
+def _check_stage(st: StageStats, side: str) -> None:
+    where = f"{side} stage {st.name!r}"
+    assert st.name, where
+    assert 1 <= st.min_workers <= st.workers <= st.max_workers, where
+    assert 1 <= st.concurrency <= max(1, st.max_concurrency), where
+    assert st.items_per_s >= 0.0 and math.isfinite(st.items_per_s), where
+    assert st.items_in_per_s >= 0.0, where
+    for frac in ("busy", "blocked_in", "blocked_out", "buffer_fill"):
+        assert 0.0 <= getattr(st, frac) <= 1.0, (where, frac)
+    if side == "sim":  # live, a wait is counted when it ends: short intervals may pass 1
+        assert st.busy + st.blocked_in + st.blocked_out == pytest.approx(1.0), where
+    assert st.runqueue is None or 0.0 <= st.runqueue <= 1.0, where
+    # Budgets are at least the hard limits' minimum (1 MiB) once a guarded decision ran.
+    assert st.buffer_bytes >= MiB, where
+    assert st.cpu_s_per_item >= 0.0 and math.isfinite(st.cpu_s_per_item), where
+    assert st.cpu_s_per_item < 1.0, where  # seconds per item, not nanoseconds
+    assert isinstance(st.io_bound, bool) and isinstance(st.idle, bool), where
+    assert st.memory_bytes >= 0, where
+
+
+def _check(obs: Observation, side: str, flowing: bool) -> None:
+    assert obs.cpus > 0 and obs.memory_limit_bytes > 0, side
+    # Live, 0 until the memory probe's first reading of running workers (memory.py).
+    assert obs.memory_used_bytes > 0 if side == "sim" else obs.memory_used_bytes >= 0, side
+    assert obs.throughput >= 0.0 and obs.t > 0.0, side
+    assert obs.consumer_step_s >= 0.0 and obs.dram_gbps >= 0.0 and obs.cpu_ghz >= 0.0, side
+    assert sum(obs.workers) <= max(len(obs.stages), MAX_OVERSUBSCRIBE * obs.cpus + 1), side
+    for st in obs.stages:
+        _check_stage(st, side)
+    if flowing:
+        assert obs.throughput > 0.0, side
+        assert all(st.items_per_s > 0.0 and st.cpu_s_per_item > 0.0 for st in obs.stages), side
+
+
+def _defaults(obs: Observation) -> dict[str, set[object]]:
+    seen: dict[str, set[object]] = {k: set() for k in LIVE_ONLY}
+    for st in obs.stages:
+        for k in LIVE_ONLY:
+            seen[k].add(getattr(st, k))
+    return seen
+
+
+@pytest.mark.parametrize("name", TUNERS)
+def test_every_tuner_runs_on_the_simulator(name):
+    sim = SimPipeline(generate(3, 7), cpus=8, memory_limit_bytes=16 << 30, seed=1)
+    trace = run_episode(sim, _tuner(name), STEPS)
+    assert len(trace) == STEPS
+    for obs in trace:
+        _check(obs, "sim", flowing=True)
+        assert obs.latency_s > 0.0  # simulator-only
+        for k, default in LIVE_ONLY.items():
+            assert _defaults(obs)[k] == {default}, k
+    # The simulator reports exactly what the guard applied.
+    assert trace[-1].workers == sim.allocation.workers
+
+
+def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
+    pipe = (
+        Pipeline.from_source(Ids(), workers=1, max_workers=2)
+        .map(_work, workers=1, max_workers=2)
+        .batch(4, collate=None)
+    )
+    with pipe.loader(ordered=True) as loader:
+        it = iter(loader)
+        next(it)  # workers are up once the first item arrives
+        live = loader.tunable
+        live.observe()
+        seen: list[Observation] = []
+        for name in TUNERS:
+            trace = run_episode(
+                live, _tuner(name), STEPS, on_step=lambda o, epoch=it: _consume(epoch)
+            )
+            assert len(trace) == STEPS, name
+            seen += trace
+            for obs in trace:
+                _check(obs, f"live/{name}", flowing=False)
+                for k, default in SIM_ONLY.items():
+                    assert getattr(obs, k) == default, k
+        deadline = time.monotonic() + 10
+        while (obs := live.observe()).memory_used_bytes <= 0:  # the probe reads every 0.5 s
+            assert time.monotonic() < deadline, "the pipeline's memory was never measured"
+            _consume(it)
+        del it
+    _check(obs, "live", flowing=False)
+    assert [s.name for s in obs.stages] == ["source", "_work", "batch"]
+    # Live-only fields are measured: items flow into every stage after the source, and every
+    # stage runs (busy and CPU time as on the simulator's side).
+    for i in range(1, 3):
+        assert any(o.stages[i].items_in_per_s > 0.0 for o in seen), i
+    for i in range(3):
+        assert any(o.stages[i].busy > 0.0 and o.stages[i].cpu_s_per_item > 0.0 for o in seen)
+    fields = {f.name for f in dataclasses.fields(StageStats)}
+    assert set(LIVE_ONLY) <= fields
+
+
+def _consume(it, n: int = 25) -> None:
+    for _ in range(n):
+        next(it)
