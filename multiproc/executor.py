@@ -253,6 +253,7 @@ class Executor(Router, Workers, Fusion):
             if self._closed:
                 raise self._closed_error("snapshot()")
             stages = []
+            fusable = self.fusable()
             for st in self._stages:
                 rows = [
                     stats.read_row(self._names[st.index], slot, self._counters.row(slot), now)
@@ -286,6 +287,8 @@ class Executor(Router, Workers, Fusion):
                         per_worker=tuple(rows) if per_worker else (),
                         runq_ns=sum(r.runq_ns for r in rows),
                         concurrency=st.concurrency,
+                        fused=self._fused[st.index],
+                        fusable=fusable[st.index],
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)

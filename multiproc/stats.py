@@ -122,6 +122,8 @@ class StageSnapshot:
     per_worker: tuple[WorkerStats, ...] = field(default=())
     runq_ns: int = 0
     concurrency: int = 1  # calls in flight per worker
+    fused: bool = False  # runs in the previous stage's workers (multiproc.fusion)
+    fusable: bool = False  # set_fused(stage, True) would be accepted now
 
 
 @dataclass(frozen=True)

@@ -49,6 +49,11 @@ class RunningPipeline:
         obs = self._last or self.observe()
         a = plan_concurrency(obs, allocation)
         ex = self.executor
+        if a.fused:
+            now = ex.fused()
+            for j, f in enumerate(a.fused):
+                if f != now[j]:
+                    ex.set_fused(j, f)  # SpecError names why a stage cannot fuse
         for i, st in enumerate(ex.spec.stages):
             if a.workers[i] != ex.workers(i):
                 ex.resize(i, a.workers[i])
@@ -64,8 +69,11 @@ class RunningPipeline:
         """The allocation the executor runs with now."""
         ex = self.executor
         n = len(ex.spec.stages)
+        fused = ex.fused()
         return Allocation(
-            tuple(ex.workers(i) for i in range(n)), tuple(ex.budget(i) for i in range(n))
+            tuple(ex.workers(i) for i in range(n)),
+            tuple(ex.budget(i) for i in range(n)),
+            fused=fused if any(fused) else (),
         )
 
 

@@ -209,7 +209,10 @@ def observe(
         def d(attr: str, s=s, p=p) -> int:
             return getattr(s, attr) - (getattr(p, attr) if p is not None else 0)
 
-        capacity = dt_ns * max(1, s.workers)
+        host = i
+        while host > 0 and cur.stages[host].fused:
+            host -= 1  # a fused stage's time is a share of the workers that run it
+        capacity = dt_ns * max(1, cur.stages[host].workers)
         out = d("items_out")
         ran_ns = max(0, d("busy_ns"))
         # Workers time their whole stage call, which includes waiting for output space: count
@@ -239,6 +242,8 @@ def observe(
                 concurrency=s.concurrency,
                 max_concurrency=b.max_concurrency,
                 memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
+                fused=s.fused,
+                fusable=s.fusable,
             )
         )
     if consumer_items is not None:

@@ -69,6 +69,14 @@ class StageStats:
             plus what each of its workers holds, ``StageModel.worker_bytes``; its resident
             state, held whatever the knobs, is no worker's). A worker added to the stage is
             taken to cost what one holds now. 0 when not measured.
+        fused: the stage's function runs in the previous stage's workers (fusion, see
+            :mod:`multiproc.fusion`), on their outputs, with no hop between them. Its
+            ``workers`` is then 0 (its own workers are retired; :attr:`Allocation.workers`
+            keeps its target for when it is split again) and its time, items and CPU are still
+            its own function's; ``busy`` is that time as a fraction of the wall time of the
+            workers that run it (the host group's).
+        fusable: the stage may be fused into the previous stage now (stateless, runs where
+            that one runs, and the group it would join is not at its longest).
     """
 
     name: str
@@ -89,6 +97,8 @@ class StageStats:
     concurrency: int = 1
     max_concurrency: int = 1
     memory_bytes: int = 0
+    fused: bool = False
+    fusable: bool = False
 
 
 def waits_on_io(cpu_s: float, busy_s: float) -> bool:
@@ -162,7 +172,8 @@ class Observation:
 
     def allocation(self) -> Allocation:
         """The allocation the pipeline runs with now (concurrency left to the pipeline)."""
-        return Allocation(self.workers, self.buffer_bytes)
+        fused = tuple(s.fused for s in self.stages)
+        return Allocation(self.workers, self.buffer_bytes, fused=fused if any(fused) else ())
 
 
 # A stage counts as I/O-bound by its busy share alone (CPU not measured) when it computes less
@@ -189,16 +200,20 @@ def is_io_bound(stage: StageStats) -> bool:
 @dataclass(frozen=True)
 class Allocation:
     """Workers per stage, outbound buffer bytes per stage and, optionally, calls in flight per
-    worker of each stage, in pipeline order.
+    worker of each stage and which stages run fused, in pipeline order.
 
     ``concurrency`` empty means "not decided by the tuner": the pipeline sets it from its own
     measurements (:func:`torchtune_pipe.tuning.concurrency.plan_concurrency`), live and in the
-    simulator alike.
+    simulator alike. ``fused`` empty means "as it is now"; ``fused[j]`` True runs stage ``j``
+    in stage ``j - 1``'s workers (see :attr:`StageStats.fused`), and ``workers[j]`` is then
+    the stage's target for when it is split again, not processes that run (the CPU budget
+    counts the stages that run their own workers).
     """
 
     workers: tuple[int, ...]
     buffer_bytes: tuple[int, ...]
     concurrency: tuple[int, ...] = ()
+    fused: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
@@ -216,6 +231,13 @@ class Allocation:
             )
         if any(c < 1 for c in self.concurrency):
             raise ValueError(f"Allocation: concurrency must be >= 1, got {self.concurrency}")
+        object.__setattr__(self, "fused", tuple(bool(f) for f in self.fused))
+        if self.fused and len(self.fused) != len(self.workers):
+            raise ValueError(
+                f"Allocation: fused has {len(self.fused)} stages, workers {len(self.workers)}"
+            )
+        if self.fused and self.fused[0]:
+            raise ValueError("Allocation: the first stage cannot be fused (nothing before it)")
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
@@ -295,9 +317,11 @@ def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allo
     lo = limits.min_workers or (1,) * n
     hi = limits.max_workers or (1 << 16,) * n
     workers = [max(max(1, lo[i]), min(hi[i], alloc.workers[i])) for i in range(n)]
-    cap = max(sum(max(1, x) for x in lo), int(limits.cpus * oversubscribe + 0.5))
-    while sum(workers) > cap:
-        i = max(range(n), key=lambda j: (workers[j] - max(1, lo[j]), workers[j]))
+    # A fused stage runs no workers of its own: only the others count against the CPUs.
+    own = [i for i in range(n) if not (alloc.fused and alloc.fused[i])]
+    cap = max(sum(max(1, lo[i]) for i in own), int(limits.cpus * oversubscribe + 0.5))
+    while sum(workers[i] for i in own) > cap:
+        i = max(own, key=lambda j: (workers[j] - max(1, lo[j]), workers[j]))
         if workers[i] <= max(1, lo[i]):
             break
         workers[i] -= 1
@@ -306,7 +330,7 @@ def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allo
     if total > limits.memory_bytes > 0:
         scale = limits.memory_bytes / total
         buffers = [max(limits.min_buffer_bytes, int(b * scale)) for b in buffers]
-    return Allocation(tuple(workers), tuple(buffers), alloc.concurrency)
+    return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
 
 
 @runtime_checkable
