@@ -32,6 +32,7 @@ from typing import Any
 
 from . import channel, lifetime, policy, pool, stats
 from . import protocol as P
+from . import spec as spec_mod
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
@@ -49,11 +50,6 @@ log = logging.getLogger(__name__)
 
 _exec_ids = itertools.count()
 _swept = threading.Event()  # stale segments are swept once per process
-
-
-def _modules_of(fn: Any) -> list[str]:
-    mods = [getattr(fn, "__module__", None), getattr(type(fn), "__module__", None)]
-    return [m for m in mods if m and m != "builtins"]
 
 
 @dataclass(frozen=True)
@@ -90,10 +86,11 @@ class Executor(Router, Workers, Fusion):
             stale = channel.sweep_stale_segments()
             if stale:
                 log.info("removed %d shared-memory segments of dead processes", len(stale))
-        # The modules that define the stage functions: the fork server imports them once
+        # The modules a worker imports to unpickle its stage (the stage functions', and
+        # whatever they reference, however wrapped): the fork server imports them once
         # instead of every new worker importing them (what a resize costs).
         self._preload = tuple(
-            dict.fromkeys(m for s in spec.stages for m in _modules_of(s.fn) if m != "__main__")
+            dict.fromkeys(m for b in self._stage_bytes for m in spec_mod.imported_modules(b))
         )
         self._names = [s.name for s in spec.stages]
         self._init_fusion()

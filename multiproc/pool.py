@@ -47,6 +47,16 @@ def context(preload: tuple[str, ...] = ()):
         return _ctx
 
 
+def warm(preload: tuple[str, ...] = ()) -> None:
+    """Start the fork server now, with ``preload`` (see :func:`context`): it imports torch and
+    those modules in its own process while the caller goes on, so the first workers start
+    without waiting for them. Does nothing once the server runs."""
+    from multiprocessing import forkserver
+
+    context(preload)
+    forkserver.ensure_running()
+
+
 class _NoMainPopen(popen_forkserver.Popen):
     """Fork-server launch without re-importing the parent's ``__main__`` in the child.
 

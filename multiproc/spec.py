@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import pickletools
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
@@ -298,3 +300,32 @@ def check_picklable(stage: StageSpec) -> bytes:
             f"stage {stage.name!r}: its function does not pickle for process workers ({e}); "
             f"make it picklable or use worker_type='thread'"
         ) from e
+
+
+def imported_modules(pickled: bytes) -> list[str]:
+    """The modules unpickling ``pickled`` imports: those it names (``GLOBAL`` and
+    ``STACK_GLOBAL`` opcodes, through the memo) that this process has imported, ``__main__``
+    excepted (workers never import it)."""
+    memo: dict[int, Any] = {}
+    last: list[Any] = [None, None]  # the two values pushed last (strings, or None)
+    found: dict[str, None] = {}
+    for op, arg, _ in pickletools.genops(pickled):
+        name = op.name
+        if name in ("SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE"):
+            last = [last[1], arg]
+        elif name == "MEMOIZE":
+            memo[len(memo)] = last[1]
+        elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            memo[int(arg)] = last[1]
+        elif name in ("GET", "BINGET", "LONG_BINGET"):
+            last = [last[1], memo.get(int(arg))]
+        elif name == "STACK_GLOBAL":
+            if isinstance(last[0], str):
+                found[last[0]] = None
+            last = [None, None]
+        elif name == "GLOBAL":
+            found[str(arg).split(" ", 1)[0]] = None
+            last = [None, None]
+        elif name not in ("FRAME", "PROTO"):
+            last = [last[1], None]
+    return [m for m in found if m != "__main__" and m in sys.modules]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -12,6 +13,7 @@ from torch.utils.data import Dataset
 
 from torchtune_pipe import DataLoader
 from torchtune_pipe._faststart import ShapeProbe
+from torchtune_pipe.tuning.loop import read_log
 
 from ._compare import assert_same
 
@@ -132,7 +134,7 @@ class Cheap(Dataset):
         return self.x[i], i
 
 
-def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once():
+def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
     """The switch itself, made certain: inline reads measured as free beat any workers, so the
     loader closes its workers at the first windows after the tuner settled, mid-epoch, and
     reads the rest inline. (Which shape wins on real costs is measured by
@@ -141,8 +143,9 @@ def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once():
     g = torch.Generator().manual_seed(3)
     want = list(torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, generator=g))
     g = torch.Generator().manual_seed(3)
+    log = tmp_path / "tuning.jsonl"
     with DataLoader(ds, batch_size=64, shuffle=True, generator=g, num_workers="auto",
-                    tuning_interval_s=0.1) as dl:  # fmt: skip
+                    tuning_interval_s=0.1, tuning_log=str(log)) as dl:  # fmt: skip
         dl.loader._shape_probe = ShapeProbe(inline_items=10**12)  # inline reads cost ~0
         for epoch in range(12):  # the choice waits for the tuner to settle (over 1 s)
             got = list(dl)
@@ -155,6 +158,11 @@ def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once():
         assert dl.loader.inline, f"the loader kept its workers: {dl.loader._shape_probe}"
         assert dl.loader.tunable is None  # the workers are gone
         assert sorted(int(i) for b in dl for i in b[1]) == list(range(len(ds)))  # next epoch
+    # The tuning log says where the tuning went: its decisions, then the switch.
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[-1]["event"] == "inline"
+    assert "reads in the calling process" in events[-1]["message"]
+    assert len(read_log(log)) == len(events) - 1
 
 
 def test_reads_that_wait_are_never_chosen_inline():

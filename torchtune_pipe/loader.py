@@ -47,10 +47,12 @@ from .running import (
     start_executor,
     start_tuning,
     start_watch,
+    warm_workers,
 )
 from .sources import ShardedSource
 from .stages import StageChain, items_out
 from .tuning.base import Observation
+from .tuning.loop import write_event
 
 __all__ = ["EpochIterator", "Loader", "RunningPipeline"]
 
@@ -170,6 +172,8 @@ class Loader:
         self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
         self._finalizer = weakref.finalize(self, close_held, self._held, self._pid)
+        if not inline:
+            warm_workers(pipeline)
 
     # ------------------------------------------------------------------------ public API
     def __iter__(self) -> Iterator[Any]:
@@ -420,6 +424,10 @@ class Loader:
         """Read inline from now on (this epoch's rest and every later one): stop tuning,
         close the workers."""
         log.info("Loader: reading in the calling thread from now on: %s", why)
+        if self.tuning_log:
+            write_event(
+                self.tuning_log, "inline", f"the loader reads in the calling process: {why}"
+            )
         loop, self._tuning = self._tuning, None
         if loop is not None:
             loop.stop(raise_error=False)

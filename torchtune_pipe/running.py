@@ -116,6 +116,26 @@ def _prefetched_bytes(slot: list[weakref.ref]) -> int:
     return pre.held_bytes() if pre is not None else 0
 
 
+def warm_workers(pipeline: StageChain) -> None:
+    """Start the worker fork server now, importing what the stages' functions need (the
+    modules their pickles name, and the source's), so the first ``iter()`` finds it warm: a
+    training script builds its loader, then its model, then iterates."""
+    import cloudpickle
+
+    from multiproc import pool
+    from multiproc.spec import imported_modules
+
+    source = getattr(pipeline.source, "dataset", pipeline.source)
+    modules = [type(source).__module__]
+    for st in pipeline.stages:
+        if st.fn is not None:
+            try:
+                modules += imported_modules(cloudpickle.dumps(st.fn))
+            except Exception:
+                pass  # reported, naming the stage, when the executor pickles it
+    pool.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))
+
+
 def start_executor(
     pipeline: StageChain,
     *,

@@ -261,7 +261,12 @@ class TuningCallback(Callback):
             self.tuner.load_state_dict(state_dict["tuner"])
         alloc = state_dict.get("allocation")
         if alloc is not None:
-            restored = Allocation(tuple(alloc["workers"]), tuple(alloc["buffer_bytes"]))
+            restored = Allocation(
+                tuple(alloc["workers"]),
+                tuple(alloc["buffer_bytes"]),
+                tuple(alloc.get("concurrency", ())),
+                tuple(alloc.get("fused", ())),
+            )
             if self._train is None:
                 self._train = Steering(Session(self.tuner), self.interval_s, self.log_path)
             self._train.session.restored = restored

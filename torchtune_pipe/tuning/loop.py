@@ -80,7 +80,7 @@ def run_episode(
 _STAGE_FIELDS = (
     "name", "workers", "min_workers", "max_workers", "items_per_s", "busy", "blocked_in",
     "blocked_out", "buffer_bytes", "buffer_fill", "cpu_s_per_item", "concurrency",
-    "max_concurrency",
+    "max_concurrency", "fused", "fusable",
 )  # fmt: skip
 
 
@@ -97,6 +97,7 @@ def read_log(path: str | os.PathLike) -> list[dict]:
         ValueError: the file holds no decision.
     """
     records = []
+    events = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
@@ -105,9 +106,19 @@ def read_log(path: str | os.PathLike) -> list[dict]:
                 continue
             if isinstance(record, dict) and "obs" in record:
                 records.append(record)
+            elif isinstance(record, dict) and "event" in record:
+                events.append(record)
     if not records:
-        raise ValueError(f"read_log(): {os.fspath(path)} holds no tuning decision")
+        why = f": {events[-1].get('message', events[-1]['event'])}" if events else ""
+        raise ValueError(f"read_log(): {os.fspath(path)} holds no tuning decision{why}")
     return records
+
+
+def write_event(path: str | os.PathLike, event: str, message: str) -> None:
+    """Append an event that is not a decision to a tuning log (``{"event", "message", "wall"}``;
+    :func:`read_log` skips it, and names the last one when the log has no decision)."""
+    with open(path, "a", encoding="utf-8") as out:
+        out.write(json.dumps({"event": event, "message": message, "wall": time.time()}) + "\n")
 
 
 def observation(record: dict) -> Observation:
@@ -322,6 +333,7 @@ class TuningLoop:
                 "workers": list(alloc.workers),
                 "buffer_bytes": list(alloc.buffer_bytes),
                 "concurrency": list(alloc.concurrency),  # [] : left to the pipeline
+                "fused": list(alloc.fused),  # [] : as it is
             },
             "applied": applied,
             "step_s": step_s,
