@@ -17,7 +17,8 @@ from .errors import (
     TooManyErrorsError,
     WorkerDiedError,
 )
-from .executor import Busy, Executor
+from .executor import Executor
+from .faults import Busy
 from .reducers import Batcher, Shuffler
 from .spec import ExecutorSpec, Reducer, Skipped, StageSpec
 from .stats import Snapshot, StageSnapshot, WorkerStats

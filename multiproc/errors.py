@@ -43,7 +43,7 @@ class TooManyErrorsError(StageError):
 class StageTimeoutError(ExecutorError):
     """A worker stayed in its stage function longer than the stage's ``timeout_s``. The message
     names the stage, the worker, the time and the item or unit; ``stuck`` holds the same as
-    :class:`~multiproc.executor.Busy` records."""
+    :class:`~multiproc.faults.Busy` records."""
 
     def __init__(self, message: str, stuck: tuple = ()):
         super().__init__(message)

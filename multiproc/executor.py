@@ -26,7 +26,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
@@ -38,13 +37,13 @@ from .errors import (
     ExecutorError,
     SpecError,
 )
-from .frames import Order, Run, StageState, Unit
+from .faults import Faults
+from .frames import Order, Run, StageState
 from .frames import WorkerState as WS
 from .fusion import Fusion
 from .lifecycle import MAX_SLOTS, Workers
 from .router import Router
 from .spec import ExecutorSpec, check_picklable
-from .worker import short_repr
 
 log = logging.getLogger(__name__)
 
@@ -52,24 +51,7 @@ _exec_ids = itertools.count()
 _swept = threading.Event()  # stale segments are swept once per process
 
 
-@dataclass(frozen=True)
-class Busy:
-    """A worker inside its stage function now (see :meth:`Executor.busy`)."""
-
-    stage: str
-    worker: int
-    pid: int
-    seconds: float  # in the function, on this frame or unit
-    work: str  # the item, frame or unit, in words
-
-    def __str__(self) -> str:
-        return (
-            f"stage {self.stage!r} worker {self.worker} (pid {self.pid}) has been in its "
-            f"function for {self.seconds:.1f} s on {self.work}"
-        )
-
-
-class Executor(Router, Workers, Fusion):
+class Executor(Router, Workers, Fusion, Faults):
     """Runs an :class:`ExecutorSpec`; see the module docstring.
 
     Args:
@@ -289,38 +271,6 @@ class Executor(Router, Workers, Fusion):
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)
-
-    def busy(self, min_s: float = 0.0) -> list[Busy]:
-        """The workers inside their stage function for at least ``min_s`` now, longest
-        first: which stage, worker, for how long, on which item or unit. What to look at when
-        nothing comes out."""
-        with self._lock:
-            if self._closed:
-                raise self._closed_error("busy()")
-            return self._busy(time.monotonic_ns(), min_s)
-
-    def _busy(self, now: int, min_s: float, stages: set | None = None) -> list[Busy]:
-        out = []
-        for h in self._workers.values():
-            if not h.alive() or (stages is not None and h.stage not in stages):
-                continue
-            row = self._counters.row(h.slot)
-            since, work_id, item = (int(v) for v in row[stats.IN_FN_SINCE_NS : stats.WORK_ITEM + 1])
-            secs = (now - since) / 1e9
-            if not since or secs < min_s:
-                continue
-            out.append(Busy(self._names[h.stage], h.wid, h.pid, secs, self._work(h, work_id, item)))
-        return sorted(out, key=lambda b: -b.seconds)
-
-    def _work(self, h: pool.WorkerHandle, work_id: int, item: int) -> str:
-        if not work_id:
-            return "its current work"
-        held = h.inflight.get(work_id - 1)
-        if isinstance(held, Unit):
-            at = f", at or after its item {item - 1}" if item > 1 else ""
-            return f"work unit {short_repr(held.unit)}{at}"
-        at = f"item {item - 1} of " if item else ""
-        return f"{at}frame {work_id - 1}"
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Stop every worker (within ``timeout_s``) and remove every shared-memory segment.

@@ -18,18 +18,13 @@ import os
 import pickle
 import time
 
-from . import channel, policy, pool, stats
+from . import channel, policy, pool
 from . import protocol as P
 from .errors import (
     ExecutorError,
-    RemoteTraceback,
-    StageError,
-    StageTimeoutError,
-    TooManyErrorsError,
 )
 from .frames import Frame, inline_size
 from .frames import WorkerState as WS
-from .spec import too_many_errors
 
 log = logging.getLogger("multiproc.executor")
 
@@ -296,29 +291,6 @@ class Router:
         if self.spec.ordered:
             self._drain_all_reorders()
 
-    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str, j: int) -> None:
-        """Count a skip of stage ``j`` (on_error='skip', run by worker ``h`` of that stage or
-        of its fusion host); log the first; past max_errors, fail the run."""
-        s = self.spec.stages[j]
-        st = self._stages[j]
-        st.skipped += 1
-        st.last_errors.append(f"worker {h.wid}, {where}: {tname}: {text}")
-        if st.skipped == 1:
-            log.warning(
-                "stage %r skipped an item (on_error='skip'; more are counted in the stage's "
-                "errors): worker %d, %s: %s: %s", s.name, h.wid, where, tname, text,
-            )  # fmt: skip
-        items_in = sum(int(self._counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
-        if st.retired is not None:
-            items_in += int(st.retired[stats.ITEMS_IN])
-        items_in += sum(r.items_in for r in self._fused_rows(j, 0))
-        if self._error is None and too_many_errors(st.skipped, items_in, s.max_errors):
-            last = "; ".join(st.last_errors)
-            self._error = TooManyErrorsError(
-                f"stage {s.name!r}: {st.skipped} items skipped of {items_in} taken in, more "
-                f"than max_errors={s.max_errors!r} allows; last errors: {last}"
-            )
-
     def _drain_all_reorders(self) -> None:
         run = self._run
         for st in self._stages:
@@ -335,23 +307,6 @@ class Router:
             h.owes.discard((seg, off))
             self._free(seg, off)
 
-    def _make_error(self, stage: str, h, exc_bytes, tname, text, tb, where) -> BaseException:
-        note = f"in stage {stage!r}, worker {h.wid} (pid {h.pid}), {where}"
-        exc = None
-        if exc_bytes is not None:
-            try:
-                exc = pickle.loads(exc_bytes)
-            except Exception:
-                exc = None
-        if exc is None:
-            exc = StageError(f"{tname}: {text} ({note})")
-        exc.__cause__ = RemoteTraceback(f'\n"""\n{tb}"""')
-        if hasattr(exc, "add_note"):
-            exc.add_note(f"raised {note}")
-        exc.stage = stage
-        exc.worker = h.wid
-        return exc
-
     def _waitables(self) -> tuple[list | None, list, float | None]:
         with self._lock:
             if self._closed:
@@ -364,34 +319,6 @@ class Router:
             if h.sentinel is not None:
                 waitables.append(h.sentinel)
         return waitables, handles, timeout
-
-    def _next_deadline_s(self, handles: list) -> float | None:
-        """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
-        if not self._timeouts or self._error is not None:
-            return None
-        now = time.monotonic_ns()
-        soonest = None
-        for h in handles:
-            limit = self._timeouts.get(h.stage)
-            if limit is None or not h.inflight:
-                continue
-            since = int(self._counters.row(h.slot)[stats.IN_FN_SINCE_NS])
-            left = limit - (now - since) / 1e9 if since else limit
-            soonest = left if soonest is None else min(soonest, left)
-        return None if soonest is None else max(soonest, 0.005)
-
-    def _check_timeouts(self) -> None:
-        limits = self._timeouts
-        if not limits or self._error is not None:
-            return
-        busy = self._busy(time.monotonic_ns(), min(limits.values()), set(limits))
-        stuck = [b for b in busy if b.seconds > limits[self._names.index(b.stage)]]
-        if stuck:
-            b = stuck[0]
-            limit = limits[self._names.index(b.stage)]
-            self._error = StageTimeoutError(
-                f"{b} (timeout_s={limit:g}); it is stopped when the executor closes", tuple(stuck)
-            )
 
     def _on_ready(self, ready: list, handles: list) -> bool:
         """Handle what woke the router; False when the executor is closed."""

@@ -7,6 +7,8 @@ tuner read them at any time without a lock and without stopping anything.
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,3 +188,45 @@ def read_fused(stage: str, row: np.ndarray, d: int) -> WorkerStats:
         alive_ns=0,
         cpu_ns=int(row[fused_col(d, F_CPU_NS)]),
     )
+
+
+class RunQueue:
+    """This thread's run-queue delay (runnable, waiting for a CPU) into ``RUNQ_NS``.
+
+    Read from ``/proc/thread-self/schedstat`` at most every ``EVERY_NS`` (a read costs a few
+    microseconds); stays 0 where the kernel does not export it. Created in the worker's own
+    thread: the file describes the thread that opened it.
+    """
+
+    EVERY_NS = 20_000_000
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.fd: int | None = None
+        self.last = 0
+        if not enabled:
+            return
+        try:
+            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self.base = self._read()
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def _read(self) -> int:
+        return int(os.pread(self.fd, 128, 0).split()[1])
+
+    def update(self, row) -> None:
+        if self.fd is None:
+            return
+        now = time.perf_counter_ns()
+        if now - self.last < self.EVERY_NS:
+            return
+        self.last = now
+        try:
+            row[RUNQ_NS] = self._read() - self.base
+        except (OSError, ValueError, IndexError):
+            self.close()
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -14,100 +14,31 @@ from __future__ import annotations
 
 import collections
 import os
-import pickle
-import reprlib
 import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable
 
 import cloudpickle
 
-from . import channel, concurrency, lifetime, policy, reducers, serialize, stats
+from . import channel, concurrency, lifetime, policy, reducers, stats
 from . import protocol as P
+from .chain import Chain
 from .channel import Allocator, MappingCache, Segment
-from .errors import StageError
+from .emit import Emitter
+from .items import exc_payload, serialized_size, short_repr
 from .spec import Skipped
 
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
 _mono_ns = time.monotonic_ns  # the clock of IN_FN_SINCE_NS, shared with the executor
 
-_short = reprlib.Repr()
-_short.maxstring = _short.maxother = 120
-
-
-def short_repr(x) -> str:
-    """A bounded repr for error messages (a unit may hold a million ids)."""
-    return _short.repr(x)
-
 
 class _Exit(Exception):
     pass
 
 
-class _RunQueue:
-    """This thread's run-queue delay (runnable, waiting for a CPU) into ``RUNQ_NS``.
-
-    Read from ``/proc/thread-self/schedstat`` at most every ``EVERY_NS`` (a read costs a few
-    microseconds); stays 0 where the kernel does not export it. Created in the worker's own
-    thread: the file describes the thread that opened it.
-    """
-
-    EVERY_NS = 20_000_000
-
-    def __init__(self, enabled: bool = True) -> None:
-        self.fd: int | None = None
-        self.last = 0
-        if not enabled:
-            return
-        try:
-            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-            self.base = self._read()
-        except (OSError, ValueError, IndexError):
-            self.close()
-
-    def _read(self) -> int:
-        return int(os.pread(self.fd, 128, 0).split()[1])
-
-    def update(self, row) -> None:
-        if self.fd is None:
-            return
-        now = _ns()
-        if now - self.last < self.EVERY_NS:
-            return
-        self.last = now
-        try:
-            row[stats.RUNQ_NS] = self._read() - self.base
-        except (OSError, ValueError, IndexError):
-            self.close()
-
-    def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-
-
-def _nbytes(item) -> int:
-    """Serialized size of one item (its out-of-band buffers are not copied to measure it)."""
-    try:
-        header, buffers = serialize.dumps(item)
-    except Exception:
-        return 0  # reported with its place when its frame is encoded
-    return len(header) + sum(serialize.buffer_nbytes(buffers))
-
-
-def _exc_payload(exc: BaseException) -> bytes | None:
-    try:
-        data = pickle.dumps(exc)
-        pickle.loads(data)
-        return data
-    except Exception:
-        return None
-
-
-class _Worker:
+class _Worker(Emitter, Chain):
     def __init__(
         self,
         conn,
@@ -145,7 +76,7 @@ class _Worker:
         self.epoch = 0
         self.calls = concurrency.CallPool(self.stage.concurrency, self.stage.max_concurrency)
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
-        self.runq = _RunQueue(enabled=False)  # opened by loop(), in the worker's thread
+        self.runq = stats.RunQueue(enabled=False)  # opened by loop(), in the worker's thread
         # Fusion: the pickled specs of the next stages this worker may run too (unpickled and
         # initialized on first use), and how many of them it runs now.
         self.chain_bytes = chain
@@ -216,83 +147,6 @@ class _Worker:
                 return False
         return True
 
-    def _encode(self, obj):
-        """Write one frame into the arena, waiting for room (backpressure) if needed.
-
-        A frame bigger than this worker's whole budget waits too, until the router lets it
-        travel inline (``policy``): none of this worker's frames is queued or in flight, or
-        nothing else can move. So it counts against the budget as one frame in flight.
-        """
-        payload, nbytes = channel.encode(obj, self.alloc, self.seg)
-        if payload is not None:
-            return payload, nbytes
-        t0 = _ns()
-        self._say(P.Blocked(self.wid, self._take_frees()))
-        since = self.cell[stats.IN_FN_SINCE_NS]
-        self.cell[stats.IN_FN_SINCE_NS] = 0  # waiting for room is not being stuck in fn
-        try:
-            while True:
-                msg = P.read(self.conn.recv())
-                if type(msg) is P.SpillOk:
-                    self.row[stats.SPILLED] += 1
-                    return channel.encode(obj, None, None)
-                if not self._handle_control(msg):
-                    self.deferred.append(msg)
-                    continue
-                if type(msg) in (P.Free, P.Budget) and nbytes <= self.alloc.limit:
-                    payload, nbytes = channel.encode(obj, self.alloc, self.seg)
-                    if payload is not None:
-                        self._say(P.Unblocked(self.wid))
-                        return payload, nbytes
-        finally:
-            waited = _ns() - t0
-            self.row[stats.BLOCKED_OUT_NS] += waited
-            if since:
-                self.cell[stats.IN_FN_SINCE_NS] = since + waited
-
-    def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list | None:
-        """Encode outputs of a stateful stage; None when an error was reported instead."""
-        outs = []
-        if frame_items > 1 and items:
-            frame_items = policy.frame_items(_nbytes(items[0]), frame_items)
-        for i in range(0, len(items), frame_items):
-            encoded = self._encode_items(None, items[i : i + frame_items], lambda: "output")
-            if encoded is None:
-                return None
-            payload, nbytes, chunk = encoded
-            outs.append((payload, len(chunk)))
-            if count:
-                self.row[stats.BYTES_OUT] += nbytes
-                self.row[stats.FRAMES_OUT] += 1
-                self.row[stats.ITEMS_OUT] += len(chunk)
-        return outs
-
-    def _encode_items(self, frame_id, items: list, where: Callable[[], str], depth: int = 0):
-        """Encode a frame of items; an item that does not pickle is reported, naming it and
-        its type, or dropped under ``on_error='skip'``. Returns ``(payload, nbytes, items)``,
-        or None when the error was reported (the stage stops). ``where()`` names the frame
-        (called only on failure: a repr per frame would cost every frame)."""
-        try:
-            payload, nbytes = self._encode(items)
-            return payload, nbytes, items
-        except Exception as e:
-            bad = _unpicklable(items)
-            if not bad:
-                raise
-            where = where()
-            for i, (path, tname, err) in bad.items():
-                exc = StageError(
-                    f"{where}, item {i}: the stage returned {tname} (at item{path}) that does "
-                    f"not pickle ({type(err).__name__}: {err}); return plain data, tensors or "
-                    "arrays, or make the type picklable"
-                )
-                exc.__cause__ = e
-                if not self._error(frame_id, exc, f"{where}, item {i}", depth):
-                    return None
-            keep = [x for i, x in enumerate(items) if i not in bad]
-            payload, nbytes = self._encode(keep)
-            return payload, nbytes, keep
-
     def _error(self, frame_id, exc: BaseException, where: str, depth: int = 0) -> bool:
         """Report or count a failure of the function of the stage ``depth`` after this
         worker's own (fusion); True when processing may go on."""
@@ -308,59 +162,10 @@ class _Worker:
             return True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         text, tname = str(exc), type(exc).__name__
-        self._say(P.Error(self.wid, frame_id, _exc_payload(exc), tname, text, tb, where, depth))
+        self._say(P.Error(self.wid, frame_id, exc_payload(exc), tname, text, tb, where, depth))
         return False
 
     # -- fusion ---------------------------------------------------------------------------
-    def _chained(self, d: int):
-        """The spec of the stage ``d`` after this worker's own, ready to run here."""
-        while len(self.chain) < d:
-            st = cloudpickle.loads(self.chain_bytes[len(self.chain)])
-            if st.init is not None:
-                st.init(st.name, self.index)
-            self.chain.append(st)
-        return self.chain[d - 1]
-
-    def _run_chain(self, work_id, items: list, depth: int, where: str) -> list | None:
-        """Run the next ``depth`` stages' functions over ``items`` (one call at a time), each
-        stage's time, items and errors in its own columns; None when an error stops the run."""
-        row = self.row
-        for d in range(1, depth + 1):
-            st = self._chained(d)
-            t0, c0 = _ns(), _cpu_ns()
-            row[stats.fused_col(d, stats.F_ITEMS_IN)] += len(items)
-            out: list = []
-            try:
-                if st.kind == "batch_map":
-                    try:
-                        out = list(st.fn(items))
-                    except Exception as e:
-                        if not self._error(work_id, e, f"{where}, stage {st.name!r}", d):
-                            return None
-                else:
-                    fn, flat = st.fn, st.kind == "flat_map"
-                    for i, x in enumerate(items):
-                        try:
-                            if flat:
-                                out.extend(fn(x))
-                            else:
-                                out.append(fn(x))
-                        except Exception as e:
-                            if not self._error(
-                                work_id, e, f"{where}, stage {st.name!r}, item {i}", d
-                            ):
-                                return None
-            finally:
-                ns, cpu = _ns() - t0, _cpu_ns() - c0
-                row[stats.fused_col(d, stats.F_BUSY_NS)] += ns
-                row[stats.fused_col(d, stats.F_CPU_NS)] += cpu
-                self.chain_ns += ns
-                self.chain_cpu_ns += cpu
-            row[stats.fused_col(d, stats.F_ITEMS_OUT)] += len(out)
-            items = out
-        return items
-
-    # -- stage kinds -----------------------------------------------------------------------
     def run_unit(self, unit_id, unit, skip_frames: int) -> None:
         fi = self.stage.frame_items
         k = 0
@@ -381,7 +186,7 @@ class _Worker:
                     continue
                 buf.append(item)
                 if k == 0 and fi > 1 and len(buf) == 1:
-                    fi = policy.frame_items(_nbytes(item), fi)
+                    fi = policy.frame_items(serialized_size(item), fi)
                 if len(buf) == fi:
                     if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
                         return
@@ -570,7 +375,7 @@ class _Worker:
             torch.set_num_threads(self.stage.torch_threads)
         if self.stage.init is not None:
             self.stage.init(self.stage.name, self.index)
-        self.runq = _RunQueue()
+        self.runq = stats.RunQueue()
         concurrency._install(self.calls)  # sources reach it through concurrency.current()
         self.started = True
         self._say(P.Hello(self.wid, os.getpid()))
@@ -622,7 +427,7 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
         try:
             where = "worker start" if w is None or not w.started else "the worker's loop"
             wid = args[1] if len(args) > 1 else -1
-            msg = P.Error(wid, None, _exc_payload(e), type(e).__name__, str(e), tb, where)
+            msg = P.Error(wid, None, exc_payload(e), type(e).__name__, str(e), tb, where)
             conn.send(P.wire(msg))
         except Exception:
             print(tb, file=sys.stderr)
@@ -633,40 +438,3 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
             conn.close()
         except Exception:
             pass
-
-
-def _unpicklable(items: list) -> dict[int, tuple[str, str, BaseException]]:
-    """The items of a frame that do not pickle: index -> (path to the first part that does
-    not, its type name, the error). Runs only after a frame failed to encode."""
-    bad = {}
-    for i, x in enumerate(items):
-        err = _pickle_error(x)
-        if err is not None:
-            path, part, err = _culprit(x, err)
-            bad[i] = (path, f"a {type(part).__module__}.{type(part).__qualname__}", err)
-    return bad
-
-
-def _pickle_error(x) -> BaseException | None:
-    try:
-        channel.encode([x], None, None)
-        return None
-    except Exception as e:
-        return e
-
-
-def _culprit(x, err: BaseException, depth: int = 0) -> tuple[str, object, BaseException]:
-    """Descend into containers to the innermost part that does not pickle."""
-    if depth < 6:
-        if isinstance(x, (list, tuple)):
-            parts = enumerate(x)
-        elif isinstance(x, dict):
-            parts = x.items()
-        else:
-            parts = ()
-        for key, part in parts:
-            e = _pickle_error(part)
-            if e is not None:
-                path, inner, e = _culprit(part, e, depth + 1)
-                return f"[{key!r}]{path}", inner, e
-    return "", x, err

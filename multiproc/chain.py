@@ -1,0 +1,74 @@
+"""The worker side of fusion: a worker that runs the next stages' functions too.
+
+:class:`Chain` is the part of the worker (``worker._Worker``) that unpickles and initializes
+the specs of the stages fused into its own (on first use) and runs them over its outputs, one
+call at a time, counting each stage's time, items and errors in that stage's own columns
+(``stats.fused_col``). The router side is :mod:`multiproc.fusion`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import cloudpickle
+
+from . import stats
+
+_ns = time.perf_counter_ns
+_cpu_ns = time.thread_time_ns
+
+
+class Chain:
+    """Fused stages run by a worker (see the module docstring). The worker provides
+    ``chain_bytes``, ``chain``, ``index``, ``row``, ``chain_ns``, ``chain_cpu_ns`` and
+    ``_error(work_id, exc, where, depth)``."""
+
+    def _chained(self, d: int):
+        """The spec of the stage ``d`` after this worker's own, ready to run here."""
+        while len(self.chain) < d:
+            st = cloudpickle.loads(self.chain_bytes[len(self.chain)])
+            if st.init is not None:
+                st.init(st.name, self.index)
+            self.chain.append(st)
+        return self.chain[d - 1]
+
+    def _run_chain(self, work_id, items: list, depth: int, where: str) -> list | None:
+        """Run the next ``depth`` stages' functions over ``items`` (one call at a time), each
+        stage's time, items and errors in its own columns; None when an error stops the run."""
+        row = self.row
+        for d in range(1, depth + 1):
+            st = self._chained(d)
+            t0, c0 = _ns(), _cpu_ns()
+            row[stats.fused_col(d, stats.F_ITEMS_IN)] += len(items)
+            out: list = []
+            try:
+                if st.kind == "batch_map":
+                    try:
+                        out = list(st.fn(items))
+                    except Exception as e:
+                        if not self._error(work_id, e, f"{where}, stage {st.name!r}", d):
+                            return None
+                else:
+                    fn, flat = st.fn, st.kind == "flat_map"
+                    for i, x in enumerate(items):
+                        try:
+                            if flat:
+                                out.extend(fn(x))
+                            else:
+                                out.append(fn(x))
+                        except Exception as e:
+                            if not self._error(
+                                work_id, e, f"{where}, stage {st.name!r}, item {i}", d
+                            ):
+                                return None
+            finally:
+                ns, cpu = _ns() - t0, _cpu_ns() - c0
+                row[stats.fused_col(d, stats.F_BUSY_NS)] += ns
+                row[stats.fused_col(d, stats.F_CPU_NS)] += cpu
+                self.chain_ns += ns
+                self.chain_cpu_ns += cpu
+            row[stats.fused_col(d, stats.F_ITEMS_OUT)] += len(out)
+            items = out
+        return items
+
+    # -- stage kinds -----------------------------------------------------------------------
