@@ -18,6 +18,37 @@ _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
 
 
+def call_stage(st, items: list, error, cell=None) -> list | None:
+    """Run a stateless stage's function over a frame's items, one call at a time:
+    ``batch_map`` once on the list, ``flat_map`` and ``map`` per item. A raising call goes to
+    ``error(i, exc)`` (``i`` None for a whole-frame call), which returns whether to go on
+    (``on_error='skip'``); None when it says stop. ``cell`` gets each item's position (the
+    worker's ``WORK_ITEM`` counter)."""
+    if st.kind == "batch_map":
+        try:
+            return list(st.fn(items))
+        except Exception as e:
+            return [] if error(None, e) else None
+    out: list = []
+    fn, flat = st.fn, st.kind == "flat_map"
+    for i, x in enumerate(items):
+        if cell is not None:
+            cell[stats.WORK_ITEM] = i + 1
+        try:
+            if flat:
+                out.extend(fn(x))
+            else:
+                out.append(fn(x))
+        except Exception as e:
+            if not error(i, e):
+                return None
+    return out
+
+
+def _at(i: int | None) -> str:
+    return "" if i is None else f", item {i}"
+
+
 class Chain:
     """Fused stages run by a worker (see the module docstring). The worker provides
     ``chain_bytes``, ``chain``, ``index``, ``row``, ``chain_ns``, ``chain_cpu_ns`` and
@@ -40,27 +71,16 @@ class Chain:
             st = self._chained(d)
             t0, c0 = _ns(), _cpu_ns()
             row[stats.fused_col(d, stats.F_ITEMS_IN)] += len(items)
-            out: list = []
             try:
-                if st.kind == "batch_map":
-                    try:
-                        out = list(st.fn(items))
-                    except Exception as e:
-                        if not self._error(work_id, e, f"{where}, stage {st.name!r}", d):
-                            return None
-                else:
-                    fn, flat = st.fn, st.kind == "flat_map"
-                    for i, x in enumerate(items):
-                        try:
-                            if flat:
-                                out.extend(fn(x))
-                            else:
-                                out.append(fn(x))
-                        except Exception as e:
-                            if not self._error(
-                                work_id, e, f"{where}, stage {st.name!r}, item {i}", d
-                            ):
-                                return None
+                out = call_stage(
+                    st,
+                    items,
+                    lambda i, e, st=st, d=d: self._error(
+                        work_id, e, f"{where}, stage {st.name!r}" + _at(i), d
+                    ),
+                )
+                if out is None:
+                    return None
             finally:
                 ns, cpu = _ns() - t0, _cpu_ns() - c0
                 row[stats.fused_col(d, stats.F_BUSY_NS)] += ns
@@ -70,5 +90,3 @@ class Chain:
             row[stats.fused_col(d, stats.F_ITEMS_OUT)] += len(out)
             items = out
         return items
-
-    # -- stage kinds -----------------------------------------------------------------------

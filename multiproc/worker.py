@@ -23,7 +23,7 @@ import cloudpickle
 
 from . import channel, concurrency, lifetime, policy, reducers, stats
 from . import protocol as P
-from .chain import Chain
+from .chain import Chain, call_stage
 from .channel import Allocator, MappingCache, Segment
 from .emit import Emitter
 from .items import exc_payload, serialized_size, short_repr
@@ -258,14 +258,8 @@ class _Worker(Emitter, Chain):
             if st.kind == "stateful":
                 self._run_stateful(frame_id, items, skip)
                 return
-            out: list = []
-            if st.kind == "batch_map":
-                try:
-                    out = list(st.fn(items))
-                except Exception as e:
-                    if not self._error(frame_id, e, f"frame of {len(items)} items"):
-                        return
-            elif self.calls.width > 1 and len(items) > 1:
+            out: list | None = []
+            if self.calls.width > 1 and len(items) > 1 and st.kind != "batch_map":
                 # Calls that wait run side by side on the worker's threads, in order.
                 flat = st.kind == "flat_map"
                 cell[stats.WORK_ITEM] = 1
@@ -278,18 +272,18 @@ class _Worker(Emitter, Chain):
                     else:
                         out.append(o.value)
             else:
-                fn = st.fn
-                flat = st.kind == "flat_map"
-                for i, x in enumerate(items):
-                    cell[stats.WORK_ITEM] = i + 1
-                    try:
-                        if flat:
-                            out.extend(fn(x))
-                        else:
-                            out.append(fn(x))
-                    except Exception as e:
-                        if not self._error(frame_id, e, f"item {i} of frame {frame_id}"):
-                            return
+                n = len(items)
+                out = call_stage(
+                    st,
+                    items,
+                    lambda i, e: self._error(
+                        frame_id, e,
+                        f"frame of {n} items" if i is None else f"item {i} of frame {frame_id}",
+                    ),
+                    cell,
+                )  # fmt: skip
+                if out is None:
+                    return
             del items
             made = len(out)
             depth = self.depth
