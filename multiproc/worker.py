@@ -165,7 +165,7 @@ class _Worker(Emitter, Chain):
         self._say(P.Error(self.wid, frame_id, exc_payload(exc), tname, text, tb, where, depth))
         return False
 
-    # -- fusion ---------------------------------------------------------------------------
+    # -- stage kinds -----------------------------------------------------------------------
     def run_unit(self, unit_id, unit, skip_frames: int) -> None:
         fi = self.stage.frame_items
         k = 0
