@@ -38,7 +38,7 @@ from .channel import Segment
 # A worker that also runs the next stages' functions (fusion) counts their work apart, so each
 # stage's totals stay its own: for the stage d after the worker's own (d = 1..MAX_FUSED),
 # columns FUSED + FUSED_WIDTH * (d - 1) + one of these.
-MAX_FUSED = 4
+MAX_FUSED = 8
 FUSED = 17
 F_ITEMS_IN, F_ITEMS_OUT, F_BUSY_NS, F_CPU_NS, F_ERRORS = range(5)
 FUSED_WIDTH = 5

@@ -49,8 +49,11 @@ def test_map_source_units_follow_the_sampler_and_shard_by_rank():
     assert [u.entries for u in units] == [([0, 1, 2], [3, 4, 5]), ([6, 7, 8], [9])]
     assert list(src.read(units[1])) == [[60, 70, 80], [90]]
     assert list(read_indexed(src, units[0], frozenset({0}))) == [(1, [30, 40, 50])]
-    r1 = MapDatasetSource(Table(), rank=1, world_size=2).units()
+    r1 = MapDatasetSource(Table(), rank=1, world_size=2, entries_per_unit=1).units()
     assert [u.id for u in r1] == [1, 3, 5, 7, 9]
+    # Unbatched, a unit holds a frame's worth of samples by default (not one sample each).
+    (whole,) = MapDatasetSource(Table()).units()
+    assert list(whole.entries) == list(range(10))
     assert len(src) == 4 and isinstance(src, Source)
     assert list(MapDatasetSource(Batched(), batch_size=2).read(src.units()[0]))[0][0] == ("many", 0)
 

@@ -324,6 +324,7 @@ class DataLoader:
                 drop_last=drop_last,
                 generator=generator,
                 seed_units=workers > 0 and seed_each_batch,
+                entries_per_unit=1,  # a batch (or, unbatched, a sample) per unit: torch's seeds
             )
             self.sampler = self.source.sampler
             self.batch_sampler = (

@@ -28,6 +28,11 @@ class IndexUnit:
     seed: int | None = None
 
 
+# Samples per work unit of an unbatched map-style dataset, by default: as many as a frame holds
+# (multiproc.StageSpec.frame_items), so samples travel between stages a frame at a time.
+SAMPLES_PER_UNIT = 64
+
+
 class MapDatasetSource:
     """A map-style ``Dataset`` as a source, with torch's samplers and batching semantics.
 
@@ -47,7 +52,9 @@ class MapDatasetSource:
         drop_last: drop the last incomplete batch.
         generator: the ``torch.Generator`` of the sampler and the base seed.
         entries_per_unit: sampler entries per work unit (the unit of load balancing and of
-            resume bookkeeping).
+            resume bookkeeping, and what travels together between stages). Default: 1 batch
+            when batched, else :data:`SAMPLES_PER_UNIT` samples (a unit of one sample would
+            make every sample a frame of its own, paying a hop per sample).
         seed_units: seed ``random``, ``numpy`` and ``torch`` with ``base_seed + unit.id``
             before reading a unit, so random transforms in ``__getitem__`` do not depend on
             which worker reads which unit.
@@ -68,7 +75,7 @@ class MapDatasetSource:
         batch_sampler: Any = None,
         drop_last: bool = False,
         generator: Any = None,
-        entries_per_unit: int = 1,
+        entries_per_unit: int | None = None,
         seed_units: bool = False,
         rank: int = 0,
         world_size: int = 1,
@@ -83,6 +90,10 @@ class MapDatasetSource:
         if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
             raise ValueError(
                 f"{name}(): batch_size must be a positive int or None, got {batch_size!r}"
+            )
+        if entries_per_unit is None:
+            entries_per_unit = (
+                1 if (batch_size is not None or batch_sampler is not None) else (SAMPLES_PER_UNIT)
             )
         if not isinstance(entries_per_unit, int) or entries_per_unit < 1:
             raise ValueError(
