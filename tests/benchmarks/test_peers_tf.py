@@ -26,7 +26,7 @@ def tf_contender(tool: str = "tfdata-ops", python: str = "/envs/tf/bin/python"):
     return peers.Contender(tool, tool, python=python)
 
 
-@pytest.mark.parametrize("scenario", peers.SCENARIOS)
+@pytest.mark.parametrize("scenario", peers.CRITEO_SCENARIOS)
 @pytest.mark.parametrize("quick", [False, True])
 def test_tfdata_runs_in_every_scenario_only_when_tensorflow_is_there(scenario, quick):
     with_tf = peers.contenders(scenario, 2, quick, spdl=False, tf_python="/envs/tf/bin/python")
@@ -50,7 +50,7 @@ def test_tf_contenders_run_their_own_python_on_the_tf_script():
     assert child_env is env
 
 
-@pytest.mark.parametrize("scenario", peers.SCENARIOS)
+@pytest.mark.parametrize("scenario", peers.CRITEO_SCENARIOS)
 @pytest.mark.parametrize("tool", peers.TF_TOOLS)
 def test_the_tf_child_gets_every_field_it_reads(scenario, tool):
     spec, _ = peers.scenario_spec(scenario, peers.base_spec(["/d/day_0.txt"], 2.0), ARGS)
