@@ -36,15 +36,20 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import psutil
 
 from benchmarks import _peers_shape as shape
 from benchmarks._common import machine_info, median, print_table, usable_cores, write_json
 from benchmarks._peers_report import COLUMNS, SHAPE_COLUMNS, TARGET_COLUMNS, markdown, plots
+from benchmarks._peers_watch import (
+    TreeWatch,
+    cpu_util_of,
+    remove_segments,
+    tree_of,
+    watch_tree,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 CRITEO_SCENARIOS = ("steady", "udf", "latency", "rescale", "memory")
@@ -54,16 +59,12 @@ DEFAULT_SPDL_PATH = "/tmp/peers-venv/lib/python3.11/site-packages"
 DEFAULT_TF_PYTHON = "/tmp/tf-venv/bin/python"
 TF_TOOLS = ("tfdata-ops", "tfdata-pyfunc")
 TF_SCRIPT = REPO / "benchmarks" / "_peers_tf.py"
-_SAMPLE_S = 0.25
 # Timed window per contender: the udf scenario's epoch takes ~7 s on 2 cores (fast while the
 # source is done reading, slow while it reads), and the tuners act once a second.
 DEFAULT_WINDOW_S = 15.0
 # The memory scenario: rows per batch (~2.4 MB batches) and the least timed window.
 MEMORY_BATCH_ROWS = 8192
 MEMORY_WINDOW_S = 20.0
-# Reading a process's PSS (/proc/PID/smaps_rollup) costs ~4 ms of CPU: every 4th sample only,
-# or the harness takes several % of the machine from tools that run many processes.
-_PSS_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -77,95 +78,6 @@ class Contender:
     tuner: str | None = None
     python: str | None = None
     module: str = "benchmarks._peers_fns"  # the child's entry point (``-m module SPEC``)
-
-
-@dataclass
-class TreeWatch:
-    """What the watcher saw of one contender's process tree."""
-
-    peak_pss_bytes: int = 0
-    cpu_s: dict[int, float] = field(default_factory=dict)
-    cpu_at_first: dict[int, float] | None = None
-    t_first: float | None = None
-    t_last: float | None = None
-    killed: str | None = None
-    affinity_events: list[tuple[float, int]] = field(default_factory=list)
-    pss_at_first: int | None = None
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _set_affinity(procs: list[psutil.Process], cpus: list[int]) -> None:
-    # Per thread: sched_setaffinity(pid) moves only a process's main thread, and thread pools
-    # (tf.data, SPDL, torch) are started before the CPUs are taken away.
-    for p in procs:
-        try:
-            tids = [t.id for t in p.threads()]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:
-                pass  # the thread ended between listing and setting
-
-
-def _watch(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeWatch) -> None:
-    """Samples the tree's CPU times every ``_SAMPLE_S`` and its PSS every ``_PSS_EVERY``
-    samples until ``done``; applies the rescale plan and the memory cap."""
-    all_cpus = sorted(os.sched_getaffinity(0))
-    first_marker = plan["first_marker"]
-    t_first = None
-    tick = 0
-    while not done.wait(_SAMPLE_S):
-        procs = _tree(proc.pid)
-        pss, tick = 0, tick + 1
-        for p in procs:
-            try:
-                if tick % _PSS_EVERY == 0:
-                    pss += p.memory_full_info().pss
-                t = p.cpu_times()
-                out.cpu_s[p.pid] = t.user + t.system
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        out.peak_pss_bytes = max(out.peak_pss_bytes, pss)
-        growth = plan.get("mem_growth_bytes")
-        if growth and pss and t_first is not None and out.pss_at_first is None:
-            out.pss_at_first = pss
-        if growth and pss and out.pss_at_first and pss > out.pss_at_first + growth:
-            if out.killed is None:
-                out.killed = (
-                    f"killed by the memory watchdog: tree PSS {pss >> 20} MiB, "
-                    f"{(pss - out.pss_at_first) >> 20} MiB past its {out.pss_at_first >> 20} MiB "
-                    f"at the first batch (allowed {growth >> 20})"
-                )
-            for p in reversed(procs):
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        if t_first is None and os.path.exists(first_marker):
-            t_first = out.t_first = time.monotonic()
-            out.cpu_at_first = dict(out.cpu_s)
-        out.t_last = time.monotonic()
-        if plan.get("rescale") and t_first is not None and len(all_cpus) > 1:
-            since = time.monotonic() - t_first
-            stage = (
-                0
-                if since < plan["duration_s"] / 3
-                else (1 if since < plan["duration_s"] * 2 / 3 else 2)
-            )
-            want = 1 if stage == 1 else len(all_cpus)
-            if not out.affinity_events or out.affinity_events[-1][1] != want or stage == 1:
-                _set_affinity(procs, all_cpus[:want])  # new workers inherit it from the parent
-                if not out.affinity_events or out.affinity_events[-1][1] != want:
-                    out.affinity_events.append((round(since, 2), want))
 
 
 def child_spec(c: Contender, spec: dict, out_path: str) -> dict:
@@ -198,20 +110,20 @@ def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> di
         argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     watch, done = TreeWatch(), threading.Event()
-    watcher = threading.Thread(target=_watch, args=(proc, plan, done, watch), daemon=True)
+    watcher = threading.Thread(target=watch_tree, args=(proc, plan, done, watch), daemon=True)
     watcher.start()
     limit = spec["duration_s"] + plan.get("startup_limit_s", 90)
     try:
         _, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        for p in reversed(_tree(proc.pid)):
+        for p in reversed(tree_of(proc.pid)):
             p.kill()
         _, err = proc.communicate()
         watch.killed = watch.killed or f"no result within {limit:.0f} s (hung)"
     wall = time.monotonic() - t0
     done.set()
     watcher.join()
-    _remove_segments([proc.pid, *watch.cpu_s])
+    remove_segments([proc.pid, *watch.cpu_s])
     result: dict[str, Any] = {"times": [], "rows": [], "error": None}
     if os.path.exists(out_path):
         with open(out_path) as f:
@@ -225,35 +137,13 @@ def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> di
         label=c.label, tool=c.tool, workers=c.workers, tuner=c.tuner,
         peak_pss_mib=watch.peak_pss_bytes / 2**20,
         pss_at_first_mib=(watch.pss_at_first or 0) / 2**20 or None,
-        cpu_util=_cpu_util(watch, cores),
+        cpu_util=cpu_util_of(watch, cores),
         wall_s=wall,
         load_avg_1m=os.getloadavg()[0],  # other work on the machine skews every number
         crash=(crash or "").strip().splitlines()[-1] if crash else None,
         affinity_events=watch.affinity_events,
     )  # fmt: skip
     return m
-
-
-def _remove_segments(pids: list[int]) -> None:
-    """Removes the shared-memory segments of a tree that was killed (named after the pid)."""
-    prefixes = tuple(f"ttp_{pid}_" for pid in pids)
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
-    except FileNotFoundError:
-        return
-    for n in names:
-        try:
-            os.unlink(os.path.join("/dev/shm", n))
-        except FileNotFoundError:
-            pass
-
-
-def _cpu_util(w: TreeWatch, cores: int) -> float | None:
-    """Share of the usable CPUs the tree used during the timed window (after the first batch)."""
-    if w.cpu_at_first is None or w.t_last is None or w.t_last <= w.t_first:
-        return None
-    used = sum(v - w.cpu_at_first.get(pid, 0.0) for pid, v in w.cpu_s.items())
-    return used / (w.t_last - w.t_first) / cores
 
 
 def summarize(
