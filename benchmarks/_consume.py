@@ -23,8 +23,9 @@ def consume(
     clock: Callable[[], float] = time.perf_counter,
 ) -> dict:
     """Iterates ``build(spec)`` for ``spec["duration_s"]`` after its first batch, epoch after
-    epoch; returns batch times (from the start of building), rows per batch (``rows_of``), any
-    error and the tool's ``stop``.
+    epoch; returns batch times (from the start of building), ``iter_s`` (when the first
+    ``iter()`` was called, on the same clock), rows per batch (``rows_of``), any error and the
+    tool's ``stop``.
 
     ``spec["step_s"]`` emulates the training step: the consumer burns that much CPU-free time
     per batch (a wait on the clock, as a GPU step leaves the host CPU idle). When ``spec`` has
@@ -35,12 +36,15 @@ def consume(
     rows: list[int] = []
     error = None
     stop = None
+    iter_s = None
     step_s = spec.get("step_s", 0.0)
     try:
         epoch_iter, stop = build(spec)
         epoch = 0
         deadline = float("inf")  # the timed window starts at the first batch
         while clock() < deadline:
+            if iter_s is None:
+                iter_s = clock() - t0
             for batch in epoch_iter(epoch):
                 now = clock()
                 if not times:
@@ -56,7 +60,7 @@ def consume(
             epoch += 1
     except Exception:  # reported in the result: a crash is a benchmark outcome
         error = traceback.format_exc(limit=4)
-    return {"times": times, "rows": rows, "error": error, "stop": stop}
+    return {"times": times, "iter_s": iter_s, "rows": rows, "error": error, "stop": stop}
 
 
 def run_child(spec_path: str, build: Build, rows_of: Callable[[Any], int], warm=None) -> int:

@@ -1,9 +1,12 @@
-"""The child process of ``benchmarks/mapstyle.py``: a user's map-style dataset through one tool.
+"""One contender of the execution-shape scenarios of ``benchmarks/peers.py``, in its own process.
 
-The datasets are what a user's script has: ``__getitem__`` that waits on a remote read (a
+``python -m benchmarks._mapstyle_fns SPEC.json`` runs a user's map-style dataset through one
+tool. The datasets are what a user's script has: ``__getitem__`` that waits on a remote read (a
 sleep, as a network filesystem leaves the CPU idle) or that costs a little CPU per row, a
-default or CPU-heavy collate, ``shuffle=True``. Every tool gets the same dataset, sampler
-order, batch size and collate; only how the work is executed differs.
+default or CPU-heavy collate, ``shuffle=True``; or (``spec["steps_us"]``, the ``fusion``
+scenario) a chain of cheap per-row maps, built the way each tool builds a chain. Every tool
+gets the same dataset, sampler order, batch size and collate; only how the work is executed
+differs.
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
+from multiproc.stats import MAX_FUSED
+
 from . import _consume
 from ._bench_fns import burn
 
-TOOLS = ("dataloader", "nodes-thread", "nodes-process", "torchtune_pipe")
+# "torchtune_pipe": the drop-in DataLoader; "-maps": a Pipeline with a map stage per step,
+# "-fused": the same with every map fused from the start.
+TOOLS = ("dataloader", "nodes-thread", "nodes-process", "spdl", "torchtune_pipe",
+         "torchtune_pipe-maps", "torchtune_pipe-fused")  # fmt: skip
 
 
 class Rows(Dataset):
@@ -58,50 +66,139 @@ class Collate:
         return default_collate(samples)
 
 
-def _dataset(spec: dict) -> tuple[Rows, Collate]:
-    return Rows(spec["rows"], spec["wait_s"], spec["row_cpu_us"]), Collate(spec["collate_cpu_us"])
+class Step:
+    """One cheap map of the ``fusion`` chain: ``us`` of CPU per row, the row passed on."""
+
+    def __init__(self, us: float):
+        self.us = us
+
+    def __call__(self, row: Any) -> Any:
+        burn(self.us / 1e6)
+        return row
+
+
+class Chained(Dataset):
+    """``ds`` with ``steps`` applied inside ``__getitem__``: how a DataLoader user chains maps."""
+
+    def __init__(self, ds: Dataset, steps: list[Step]):
+        self.ds = ds
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        row = self.ds[i]
+        for step in self.steps:
+            row = step(row)
+        return row
+
+
+def _dataset(spec: dict) -> tuple[Rows, Collate, list[Step]]:
+    ds = Rows(spec["rows"], spec["wait_s"], spec["row_cpu_us"])
+    return ds, Collate(spec["collate_cpu_us"]), [Step(us) for us in spec.get("steps_us", ())]
+
+
+def _order(ds: Dataset, shuffle: bool) -> Any:
+    return torch.utils.data.RandomSampler(ds) if shuffle else torch.utils.data.SequentialSampler(ds)
+
+
+def _dataloader(spec: dict, ds: Dataset, collate: Collate) -> Callable[[int], Iterator[Any]]:
+    w = spec["workers"]
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=spec["batch_size"], shuffle=spec.get("shuffle", True), num_workers=w,
+        collate_fn=collate, persistent_workers=w > 0,
+    )  # fmt: skip
+    return lambda epoch: iter(loader)
+
+
+def _nodes(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> Callable:
+    import torchdata.nodes as tn
+
+    tool, w = spec["tool"], spec["workers"]
+    node: Any = tn.SamplerWrapper(_order(ds, spec.get("shuffle", True)))
+    if w == 0:
+        node = tn.Mapper(node, ds.__getitem__)
+    else:
+        node = tn.ParallelMapper(
+            node, ds.__getitem__, num_workers=w, method=tool.split("-")[1],
+            in_order=True, multiprocessing_context="fork" if tool == "nodes-process" else None,
+        )  # fmt: skip
+    for step in steps:  # a chain of nodes, each map its own Mapper
+        node = tn.Mapper(node, step)
+    node = tn.Batcher(node, batch_size=spec["batch_size"], drop_last=False)
+    node = tn.Mapper(node, collate)
+    node = tn.Prefetcher(node, prefetch_factor=2)
+    nl = tn.Loader(node)
+    return lambda epoch: iter(nl)
+
+
+def _spdl(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tuple[Callable, Callable]:
+    from spdl.pipeline import PipelineBuilder
+
+    w = max(1, spec["workers"])
+    order = _order(ds, spec.get("shuffle", True))
+
+    def forever() -> Iterator[int]:
+        while True:
+            yield from order
+
+    builder = PipelineBuilder().add_source(forever()).pipe(ds.__getitem__, concurrency=w)
+    for step in steps:
+        builder = builder.pipe(step)
+    pipeline = (
+        builder.aggregate(spec["batch_size"])
+        .pipe(collate)
+        .add_sink(2)
+        .build(num_threads=w, max_failures=0)  # reads wait on threads of SPDL's own pool
+    )
+    pipeline.start()
+    it = iter(pipeline.get_iterator(timeout=60))
+    return (lambda epoch: it), (lambda: pipeline.stop(timeout=10))
+
+
+def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tuple[Callable, Any]:
+    import torchtune_pipe
+
+    tool, w, bs = spec["tool"], spec["workers"], spec["batch_size"]
+    if tool == "torchtune_pipe":  # the drop-in, over the same dataset a DataLoader user has
+        kw = {} if spec.get("tuner") is None else {"tuner": spec["tuner"]}
+        loader = torchtune_pipe.DataLoader(
+            Chained(ds, steps) if steps else ds, batch_size=bs, shuffle=spec.get("shuffle", True),
+            num_workers="auto" if w < 0 else w, collate_fn=collate, **kw,
+        )  # fmt: skip
+    else:  # one map stage per step, fused from the start with "torchtune_pipe-fused"
+        pipe = torchtune_pipe.Pipeline.from_source(ds)
+        for i, step in enumerate(steps, start=1):
+            # A worker runs its own stage and at most MAX_FUSED after it: six maps fuse as
+            # source+step1..4 and step5+step6.
+            fused = tool == "torchtune_pipe-fused" and i % (MAX_FUSED + 1) != 0
+            pipe = pipe.map(step, name=f"step{i}", fused=fused)
+        loader = pipe.batch(bs, collate=collate).loader(tuner=spec.get("tuner") or "intune")
+
+    def epochs(epoch: int) -> Iterator[Any]:
+        loader.set_epoch(epoch)
+        return iter(loader)
+
+    return epochs, loader.close
 
 
 def build(spec: dict) -> tuple[Callable[[int], Iterator[Any]], Callable[[], None] | None]:
-    """``(epoch -> batch iterator, stop)`` of the spec's tool."""
-    ds, collate = _dataset(spec)
-    tool, w, bs = spec["tool"], spec["workers"], spec["batch_size"]
+    """``(epoch -> batch iterator, stop)`` of the spec's tool.
+
+    Raises:
+        ValueError: an unknown tool.
+    """
+    ds, collate, steps = _dataset(spec)
+    tool = spec["tool"]
     if tool == "dataloader":
-        loader = torch.utils.data.DataLoader(
-            ds, batch_size=bs, shuffle=True, num_workers=w, collate_fn=collate,
-            persistent_workers=w > 0,
-        )  # fmt: skip
-        return (lambda epoch: iter(loader)), None
+        return _dataloader(spec, Chained(ds, steps) if steps else ds, collate), None
     if tool in ("nodes-thread", "nodes-process"):
-        import torchdata.nodes as tn
-
-        node: Any = tn.SamplerWrapper(torch.utils.data.RandomSampler(ds))
-        if w == 0:
-            node = tn.Mapper(node, ds.__getitem__)
-        else:
-            node = tn.ParallelMapper(
-                node, ds.__getitem__, num_workers=w, method=tool.split("-")[1],
-                in_order=True, multiprocessing_context="fork" if tool == "nodes-process" else None,
-            )  # fmt: skip
-        node = tn.Batcher(node, batch_size=bs, drop_last=False)
-        node = tn.Mapper(node, collate)
-        node = tn.Prefetcher(node, prefetch_factor=2)
-        nl = tn.Loader(node)
-        return (lambda epoch: iter(nl)), None
-    if tool == "torchtune_pipe":
-        import torchtune_pipe
-
-        kw = {} if spec.get("tuner") is None else {"tuner": spec["tuner"]}
-        ttp = torchtune_pipe.DataLoader(
-            ds, batch_size=bs, shuffle=True, num_workers="auto" if w < 0 else w, collate_fn=collate,
-            **kw,
-        )  # fmt: skip
-
-        def epochs(epoch: int) -> Iterator[Any]:
-            ttp.set_epoch(epoch)
-            return iter(ttp)
-
-        return epochs, ttp.close
+        return _nodes(spec, ds, collate, steps), None
+    if tool == "spdl":
+        return _spdl(spec, ds, collate, steps)
+    if tool.startswith("torchtune_pipe") and tool in TOOLS:
+        return _torchtune(spec, ds, collate, steps)
     raise ValueError(f"benchmarks._mapstyle_fns: unknown tool {tool!r}; choose one of {TOOLS}")
 
 

@@ -13,12 +13,17 @@ Scenarios: ``steady`` (parse + features), ``udf`` (plus ``ExtraCost``, CPU-bound
 ``latency`` (a remote-read latency per work unit), ``rescale`` (CPUs taken and given back
 mid-run) and ``memory`` (a consumer slower than the pipeline, buffers that want more than a
 tree memory cap; a watchdog kills a tree over the cap, as the kernel's OOM killer would).
+The execution-shape scenarios ``remote-map``, ``cheap-map`` and ``fusion`` run a user's
+map-style dataset instead (``benchmarks/_peers_shape.py``). Every scenario ends with the
+tracker's targets checked (ours against each peer's best and the DataLoader's common guess,
+time to the first batch, peak PSS against torchdata.nodes).
 
 Usage::
 
-    python -m benchmarks.peers                 # default run, ~10 min on 2 cores
+    python -m benchmarks.peers                 # default run, ~45 min on 2 cores
     python -m benchmarks.peers --quick         # smoke run, under a minute
-    python -m benchmarks.peers --scenarios udf --duration 20 --repeats 3
+    python -m benchmarks.peers --scenarios udf --duration 20 --rounds 3
+    python -m benchmarks.peers --scenarios remote-map cheap-map fusion --rounds 3
 """
 
 from __future__ import annotations
@@ -31,31 +36,35 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from benchmarks import _peers_shape as shape
 from benchmarks._common import machine_info, median, print_table, usable_cores, write_json
+from benchmarks._peers_report import COLUMNS, SHAPE_COLUMNS, TARGET_COLUMNS, markdown, plots
+from benchmarks._peers_watch import (
+    TreeWatch,
+    cpu_util_of,
+    remove_segments,
+    tree_of,
+    watch_tree,
+)
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("steady", "udf", "latency", "rescale", "memory")
+CRITEO_SCENARIOS = ("steady", "udf", "latency", "rescale", "memory")
+SCENARIOS = CRITEO_SCENARIOS + tuple(shape.SCENARIOS)
 TUNERS = ("unoptimized", "heuristic", "autotune", "plumber", "intune", "oracle")
 DEFAULT_SPDL_PATH = "/tmp/peers-venv/lib/python3.11/site-packages"
 DEFAULT_TF_PYTHON = "/tmp/tf-venv/bin/python"
 TF_TOOLS = ("tfdata-ops", "tfdata-pyfunc")
 TF_SCRIPT = REPO / "benchmarks" / "_peers_tf.py"
-_SAMPLE_S = 0.25
 # Timed window per contender: the udf scenario's epoch takes ~7 s on 2 cores (fast while the
 # source is done reading, slow while it reads), and the tuners act once a second.
 DEFAULT_WINDOW_S = 15.0
 # The memory scenario: rows per batch (~2.4 MB batches) and the least timed window.
 MEMORY_BATCH_ROWS = 8192
 MEMORY_WINDOW_S = 20.0
-# Reading a process's PSS (/proc/PID/smaps_rollup) costs ~4 ms of CPU: every 4th sample only,
-# or the harness takes several % of the machine from tools that run many processes.
-_PSS_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -69,95 +78,6 @@ class Contender:
     tuner: str | None = None
     python: str | None = None
     module: str = "benchmarks._peers_fns"  # the child's entry point (``-m module SPEC``)
-
-
-@dataclass
-class TreeWatch:
-    """What the watcher saw of one contender's process tree."""
-
-    peak_pss_bytes: int = 0
-    cpu_s: dict[int, float] = field(default_factory=dict)
-    cpu_at_first: dict[int, float] | None = None
-    t_first: float | None = None
-    t_last: float | None = None
-    killed: str | None = None
-    affinity_events: list[tuple[float, int]] = field(default_factory=list)
-    pss_at_first: int | None = None
-
-
-def _tree(pid: int) -> list[psutil.Process]:
-    try:
-        root = psutil.Process(pid)
-        return [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _set_affinity(procs: list[psutil.Process], cpus: list[int]) -> None:
-    # Per thread: sched_setaffinity(pid) moves only a process's main thread, and thread pools
-    # (tf.data, SPDL, torch) are started before the CPUs are taken away.
-    for p in procs:
-        try:
-            tids = [t.id for t in p.threads()]
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cpus)
-            except OSError:
-                pass  # the thread ended between listing and setting
-
-
-def _watch(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeWatch) -> None:
-    """Samples the tree's CPU times every ``_SAMPLE_S`` and its PSS every ``_PSS_EVERY``
-    samples until ``done``; applies the rescale plan and the memory cap."""
-    all_cpus = sorted(os.sched_getaffinity(0))
-    first_marker = plan["first_marker"]
-    t_first = None
-    tick = 0
-    while not done.wait(_SAMPLE_S):
-        procs = _tree(proc.pid)
-        pss, tick = 0, tick + 1
-        for p in procs:
-            try:
-                if tick % _PSS_EVERY == 0:
-                    pss += p.memory_full_info().pss
-                t = p.cpu_times()
-                out.cpu_s[p.pid] = t.user + t.system
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
-        out.peak_pss_bytes = max(out.peak_pss_bytes, pss)
-        growth = plan.get("mem_growth_bytes")
-        if growth and pss and t_first is not None and out.pss_at_first is None:
-            out.pss_at_first = pss
-        if growth and pss and out.pss_at_first and pss > out.pss_at_first + growth:
-            if out.killed is None:
-                out.killed = (
-                    f"killed by the memory watchdog: tree PSS {pss >> 20} MiB, "
-                    f"{(pss - out.pss_at_first) >> 20} MiB past its {out.pss_at_first >> 20} MiB "
-                    f"at the first batch (allowed {growth >> 20})"
-                )
-            for p in reversed(procs):
-                try:
-                    p.kill()
-                except psutil.NoSuchProcess:
-                    pass
-        if t_first is None and os.path.exists(first_marker):
-            t_first = out.t_first = time.monotonic()
-            out.cpu_at_first = dict(out.cpu_s)
-        out.t_last = time.monotonic()
-        if plan.get("rescale") and t_first is not None and len(all_cpus) > 1:
-            since = time.monotonic() - t_first
-            stage = (
-                0
-                if since < plan["duration_s"] / 3
-                else (1 if since < plan["duration_s"] * 2 / 3 else 2)
-            )
-            want = 1 if stage == 1 else len(all_cpus)
-            if not out.affinity_events or out.affinity_events[-1][1] != want or stage == 1:
-                _set_affinity(procs, all_cpus[:want])  # new workers inherit it from the parent
-                if not out.affinity_events or out.affinity_events[-1][1] != want:
-                    out.affinity_events.append((round(since, 2), want))
 
 
 def child_spec(c: Contender, spec: dict, out_path: str) -> dict:
@@ -190,20 +110,20 @@ def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> di
         argv, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     watch, done = TreeWatch(), threading.Event()
-    watcher = threading.Thread(target=_watch, args=(proc, plan, done, watch), daemon=True)
+    watcher = threading.Thread(target=watch_tree, args=(proc, plan, done, watch), daemon=True)
     watcher.start()
     limit = spec["duration_s"] + plan.get("startup_limit_s", 90)
     try:
         _, err = proc.communicate(timeout=limit)
     except subprocess.TimeoutExpired:
-        for p in reversed(_tree(proc.pid)):
+        for p in reversed(tree_of(proc.pid)):
             p.kill()
         _, err = proc.communicate()
         watch.killed = watch.killed or f"no result within {limit:.0f} s (hung)"
     wall = time.monotonic() - t0
     done.set()
     watcher.join()
-    _remove_segments([proc.pid, *watch.cpu_s])
+    remove_segments([proc.pid, *watch.cpu_s])
     result: dict[str, Any] = {"times": [], "rows": [], "error": None}
     if os.path.exists(out_path):
         with open(out_path) as f:
@@ -211,13 +131,13 @@ def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> di
     crash = watch.killed or result["error"]
     if crash is None and proc.returncode not in (0, None):
         crash = f"exit status {proc.returncode}: {(err or '').strip().splitlines()[-1:]}"
-    m = summarize(result["times"], result["rows"], spec["duration_s"])
+    m = summarize(result["times"], result["rows"], spec["duration_s"], result.get("iter_s"))
     cores = usable_cores()
     m.update(
         label=c.label, tool=c.tool, workers=c.workers, tuner=c.tuner,
         peak_pss_mib=watch.peak_pss_bytes / 2**20,
         pss_at_first_mib=(watch.pss_at_first or 0) / 2**20 or None,
-        cpu_util=_cpu_util(watch, cores),
+        cpu_util=cpu_util_of(watch, cores),
         wall_s=wall,
         load_avg_1m=os.getloadavg()[0],  # other work on the machine skews every number
         crash=(crash or "").strip().splitlines()[-1] if crash else None,
@@ -226,34 +146,20 @@ def run_one(c: Contender, spec: dict, plan: dict, env: dict, workdir: str) -> di
     return m
 
 
-def _remove_segments(pids: list[int]) -> None:
-    """Removes the shared-memory segments of a tree that was killed (named after the pid)."""
-    prefixes = tuple(f"ttp_{pid}_" for pid in pids)
-    try:
-        names = [n for n in os.listdir("/dev/shm") if n.startswith(prefixes)]
-    except FileNotFoundError:
-        return
-    for n in names:
-        try:
-            os.unlink(os.path.join("/dev/shm", n))
-        except FileNotFoundError:
-            pass
+def summarize(
+    times: list[float], rows: list[int], duration_s: float, iter_s: float | None = None
+) -> dict:
+    """Throughput of the timed window, 1 s throughput series, time to steady throughput.
 
-
-def _cpu_util(w: TreeWatch, cores: int) -> float | None:
-    """Share of the usable CPUs the tree used during the timed window (after the first batch)."""
-    if w.cpu_at_first is None or w.t_last is None or w.t_last <= w.t_first:
-        return None
-    used = sum(v - w.cpu_at_first.get(pid, 0.0) for pid, v in w.cpu_s.items())
-    return used / (w.t_last - w.t_first) / cores
-
-
-def summarize(times: list[float], rows: list[int], duration_s: float) -> dict:
-    """Throughput of the timed window, 1 s throughput series, time to steady throughput."""
+    ``times`` count from the start of building the tool, ``iter_s`` is when its first
+    ``iter()`` was called: ``startup_s`` runs from there to the first batch (all of
+    ``times[0]`` when not given), ``first_batch_s`` from the start of building.
+    """
+    t_first = times[0] if times else None
+    startup = None if t_first is None else t_first - (iter_s or 0.0)
     if len(times) < 2:
-        return {"samples_per_s": 0.0, "startup_s": times[0] if times else None,
+        return {"samples_per_s": 0.0, "startup_s": startup, "first_batch_s": t_first,
                 "time_to_steady_s": None, "series": []}  # fmt: skip
-    t_first = times[0]
     span = max(times[-1] - t_first, 1e-9)
     rate = sum(rows[1:]) / span
     n_bins = max(1, int(span))
@@ -263,18 +169,24 @@ def summarize(times: list[float], rows: list[int], duration_s: float) -> dict:
     series = [[round(t_first + i + 0.5, 2), b] for i, b in enumerate(bins[:n_bins])]
     steady = median([b for _, b in series[len(series) // 2 :]])
     reach = next((t for t, b in series if b >= 0.9 * steady), None)
-    return {"samples_per_s": rate, "startup_s": t_first, "time_to_steady_s": reach,
-            "series": series, "batches": len(times)}  # fmt: skip
+    return {"samples_per_s": rate, "startup_s": startup, "first_batch_s": t_first,
+            "time_to_steady_s": reach, "series": series, "batches": len(times)}  # fmt: skip
 
 
 def contenders(
     scenario: str, cores: int, quick: bool, spdl: bool, tf_python: str | None = None
 ) -> list[Contender]:
-    """Who runs in ``scenario``: full worker sweeps for steady and udf, a short list otherwise.
+    """Who runs in ``scenario``: full worker sweeps for steady and udf, a short list otherwise;
+    the execution-shape scenarios' own sweeps (``_peers_shape``).
 
     ``tf_python``: an interpreter that imports TensorFlow; the tf.data contenders (AUTOTUNE
-    sizes them, so there is nothing to sweep) run in every scenario when it is given.
+    sizes them, so there is nothing to sweep) run in every Criteo scenario when it is given.
     """
+    if scenario in shape.SCENARIOS:
+        return [
+            Contender(label, tool, workers, module=shape.MODULE)
+            for label, tool, workers in shape.contender_args(scenario, cores, quick, spdl)
+        ]
     tf = [Contender(t, t, python=tf_python) for t in TF_TOOLS] if tf_python else []
     if quick:
         return [Contender(f"dataloader-w{cores}", "dataloader", cores),
@@ -363,107 +275,47 @@ def tf_unavailable(python: str) -> str | None:
     return f"not run: {python} cannot import tensorflow ({last})"
 
 
-def add_ratios(rows: list[dict]) -> None:
-    """``vs_intune``: each row's throughput over torchtune_pipe intune's in the same scenario."""
-    ref = next((r["samples_per_s"] for r in rows if r["label"] == "torchtune_pipe-intune"), 0)
+OURS = "torchtune_pipe-intune"  # ours in the Criteo scenarios (``shape.OURS`` in the others)
+
+
+def add_ratios(rows: list[dict], ours: str = OURS) -> None:
+    """``vs_intune``: each row's throughput over ours (torchtune_pipe with intune, the default
+    tuner of ``num_workers="auto"``), and ``ours_vs_this``, its inverse."""
+    ref = next((r["samples_per_s"] for r in rows if r["label"] == ours), 0)
     for r in rows:
         r["vs_intune"] = r["samples_per_s"] / ref if ref else None
+        r["ours_vs_this"] = ref / r["samples_per_s"] if ref and r["samples_per_s"] else None
 
 
-def headline(rows: list[dict], cores: int) -> dict:
-    """intune against DataLoader's common guess (workers = cores), the best of each sweep and
-    tf.data with AUTOTUNE (its two variants)."""
-
-    def best(tool: str) -> dict | None:
-        mine = [r for r in rows if r["tool"] == tool and not r["crash"]]
-        return max(mine, key=lambda r: r["samples_per_s"]) if mine else None
-
-    intune = next((r for r in rows if r["label"] == "torchtune_pipe-intune"), None)
+def headline(rows: list[dict], cores: int, ours: str = OURS) -> dict:
+    """Ours (intune) against DataLoader's common guess (workers = cores), the best of each
+    sweep and tf.data with AUTOTUNE (its two variants); ``ours_row`` has our throughput,
+    start-up and peak PSS."""
+    me = next((r for r in rows if r["label"] == ours), None)
     guess = next((r for r in rows if r["label"] == f"dataloader-w{cores}"), None)
-    out: dict[str, Any] = {"intune": intune and intune["samples_per_s"]}
-    for key, r in (("dataloader_guess", guess), ("dataloader_best", best("dataloader")),
-                   ("nodes_best", best("nodes")), ("spdl_best", best("spdl")),
-                   ("tfdata_ops", best("tfdata-ops")),
-                   ("tfdata_pyfunc", best("tfdata-pyfunc"))):  # fmt: skip
+    out: dict[str, Any] = {"intune": me and me["samples_per_s"], "ours": ours}
+    if me is not None:
+        out["ours_row"] = {k: me.get(k) for k in ("samples_per_s", "startup_s", "peak_pss_mib")}
+    for key, r in (("dataloader_guess", guess), ("dataloader_best", shape.best(rows, "dataloader")),
+                   ("nodes_best", shape.best(rows, "nodes")),
+                   ("spdl_best", shape.best(rows, "spdl")),
+                   ("tfdata_ops", shape.best(rows, "tfdata-ops")),
+                   ("tfdata_pyfunc", shape.best(rows, "tfdata-pyfunc"))):  # fmt: skip
         if r is not None:
             out[key] = {"label": r["label"], "samples_per_s": r["samples_per_s"],
-                        "intune_ratio": (intune["samples_per_s"] / r["samples_per_s"])
-                        if intune and r["samples_per_s"] else None}  # fmt: skip
+                        "peak_pss_mib": r.get("peak_pss_mib"),
+                        "intune_ratio": (me["samples_per_s"] / r["samples_per_s"])
+                        if me and r["samples_per_s"] else None}  # fmt: skip
     return out
 
 
-def plots(results: dict, png_dir: str) -> list[str]:
-    """Bar chart of throughput per scenario and throughput over time under rescaling."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(png_dir, exist_ok=True)
-    written = []
-    for name in ("steady", "udf"):
-        rows = results["scenarios"].get(name)
-        if not rows:
-            continue
-        fig, ax = plt.subplots(figsize=(9, 4))
-        ax.bar([r["label"] for r in rows], [r["samples_per_s"] for r in rows])
-        ax.set_ylabel("samples/s")
-        ax.set_title(f"{name}: throughput (median of repeats)")
-        ax.tick_params(axis="x", rotation=70, labelsize=7)
-        fig.tight_layout()
-        written.append(os.path.join(png_dir, f"peers_{name}.png"))
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    rows = results["scenarios"].get("rescale")
-    if rows:
-        fig, ax = plt.subplots(figsize=(9, 4))
-        for r in rows:
-            if r["series"]:
-                ax.plot([t - r["startup_s"] for t, _ in r["series"]],
-                        [b for _, b in r["series"]], label=r["label"])  # fmt: skip
-        d = results["config"]["duration_s"]
-        ax.axvspan(d / 3, 2 * d / 3, color="grey", alpha=0.2, label="1 CPU")
-        ax.set_xlabel("s since first batch")
-        ax.set_ylabel("samples/s")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(os.path.join(png_dir, "peers_rescale.png"))
-        fig.savefig(written[-1], dpi=110)
-        plt.close(fig)
-    return written
-
-
-def markdown(results: dict) -> str:
-    """The results as Markdown tables, one per scenario (for BENCHMARKS.md)."""
-    from benchmarks._common import fmt
-
-    cols = ["label", "samples_per_s", "vs_intune", "peak_pss_mib", "cpu_util", "startup_s",
-            "time_to_steady_s", "crash"]  # fmt: skip
-    out = []
-    for name, rows in results["scenarios"].items():
-        out += [f"\n**{name}**\n", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-        for r in rows:
-            cells = [fmt(r.get(c)) if c != "samples_per_s" else f"{r[c]:,.0f}" for c in cols]
-            out.append("| " + " | ".join(cells) + " |")
-    if results.get("not_run"):
-        out += [
-            "\n**not run**\n",
-            *(f"- {tool}: {why}" for tool, why in results["not_run"].items()),
-        ]
-    return "\n".join(out) + "\n"
-
-
-COLUMNS = ["label", "samples_per_s", "vs_intune", "peak_pss_mib", "cpu_util", "startup_s",
-           "time_to_steady_s", "crash"]  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> dict:
-    """Runs the benchmark; prints one table per scenario; writes JSON (and PNGs)."""
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="smoke run: few contenders, 3 s each")
+    ap.add_argument("--quick", action="store_true", help="smoke run: few contenders, 2-3 s each")
     ap.add_argument("--scenarios", nargs="+", choices=SCENARIOS)
     ap.add_argument("--duration", type=float, help="seconds per contender after its first batch")
-    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--rounds", "--repeats", dest="repeats", type=int, default=1,
+                    help="interleaved rounds (every contender once per round)")  # fmt: skip
     ap.add_argument("--extra-cost-ns", type=int, default=20_000, help="ExtraCost per row (udf)")
     ap.add_argument("--latency-s", type=float, default=0.02, help="read latency per unit")
     ap.add_argument("--mem-growth-mib", type=int, default=256,
@@ -477,12 +329,34 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--contenders", nargs="+", help="run only these labels (e.g. nodes-w2)")
     ap.add_argument("--markdown", help="also write the tables as Markdown to this file")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def target_row(scenario: str, head: dict) -> dict:
+    """The scenario's targets (``_peers_shape.targets``) as one table row of values."""
+    limit = (
+        shape.startup_target_s(scenario)
+        if scenario in shape.SCENARIOS
+        else shape.STARTUP_PIPELINE_S
+    )
+    checked = shape.targets(head, limit)
+    row: dict[str, Any] = {"scenario": scenario, "ours": head["ours"], "checked": checked}
+    for name, c in checked.items():
+        v = c["value"]
+        row[name] = "-" if v is None else f"{v:.3g} ({'met' if c['met'] else 'MISSED'})"
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the benchmark; prints one table per scenario and the targets; writes JSON (and
+    PNGs)."""
+    args = _parser().parse_args(argv)
     quick = args.quick
     scenarios = args.scenarios or (("steady",) if quick else SCENARIOS)
+    criteo = [n for n in scenarios if n in CRITEO_SCENARIOS]
     duration = args.duration or (2.0 if quick else DEFAULT_WINDOW_S)
     files, rows = (1, 20_000) if quick else (4, 100_000)
-    paths = ensure_data(args.data_dir, files, rows)
+    paths = ensure_data(args.data_dir, files, rows) if criteo else []
     cores = usable_cores()
     env = spdl_env(args.spdl_path)
     spdl_ok = env is not None
@@ -500,10 +374,13 @@ def main(argv: list[str] | None = None) -> dict:
         ),  # fmt: skip
         "not_run": {},
         "scenarios": {},
+        "targets": {},
     }
     if not spdl_ok:
         results["not_run"]["spdl"] = f"not run: spdl is not importable from {args.spdl_path}"
-    if args.contenders and not set(args.contenders) & set(TF_TOOLS):
+    if not criteo:
+        why_not_tf = "not run: only in the Criteo scenarios"
+    elif args.contenders and not set(args.contenders) & set(TF_TOOLS):
         why_not_tf = "not run: not among --contenders"
     else:
         why_not_tf = tf_unavailable(args.tf_python)  # checked once: importing TF takes seconds
@@ -512,28 +389,38 @@ def main(argv: list[str] | None = None) -> dict:
         results["not_run"]["tf.data"] = why_not_tf
     with tempfile.TemporaryDirectory(prefix="ttp_peers_") as workdir:
         for name in scenarios:
-            spec, plan = scenario_spec(name, base, args)
+            if name in shape.SCENARIOS:
+                window = args.duration or (shape.QUICK_WINDOW_S if quick else shape.WINDOW_S)
+                spec, plan, ours = shape.spec(name, window), {}, shape.OURS[name]
+                columns = SHAPE_COLUMNS
+            else:
+                (spec, plan), ours, columns = scenario_spec(name, base, args), OURS, COLUMNS
             chosen = [
                 c
                 for c in contenders(name, cores, quick, spdl_ok, tf_python)
                 if not args.contenders or c.label in args.contenders
             ]
-            # Repeats go round the contenders (each round runs every one once), so a slow
+            # Rounds go round the contenders (each round runs every one once), so a slow
             # spell of a noisy machine lands on all of them rather than on one tool's runs.
             runs: dict[str, list[dict]] = {c.label: [] for c in chosen}
-            for _ in range(args.repeats):
+            for k in range(args.repeats):
                 for c in chosen:
                     runs[c.label].append(run_one(c, spec, plan, env, workdir))
-            rows_out = [median_run(runs[c.label]) for c in chosen]
-            add_ratios(rows_out)
+                    m = runs[c.label][-1]
+                    print(f"  {name} round {k + 1}/{args.repeats} {c.label}: "
+                          f"{m['samples_per_s']:,.0f} rows/s, startup {m['startup_s']} s"
+                          + (f" CRASH {m['crash']}" if m["crash"] else ""), flush=True)  # fmt: skip
+            rows_out = [shape.combine_rounds(runs[c.label]) for c in chosen]
+            add_ratios(rows_out, ours)
             results["scenarios"][name] = rows_out
-            results.setdefault("headlines", {})[name] = headline(rows_out, cores)
+            head = results.setdefault("headlines", {})[name] = headline(rows_out, cores, ours)
+            results["targets"][name] = target_row(name, head)
             print_table(
-                rows_out, COLUMNS, title=f"\n== {name} ({cores} cores, {spec['duration_s']:g} s)"
+                rows_out, columns, title=f"\n== {name} ({cores} cores, {spec['duration_s']:g} s)"
             )
-            print(json.dumps(results["headlines"][name]))
     for tool, why in results["not_run"].items():
         print(f"{tool}: {why}")
+    print_table(list(results["targets"].values()), TARGET_COLUMNS, title="\n== targets")
     write_json(args.out, results)
     if not args.no_plots:
         results["plots"] = plots(results, args.png_dir)
@@ -542,14 +429,6 @@ def main(argv: list[str] | None = None) -> dict:
         Path(args.markdown).write_text(markdown(results))
     print(f"wrote {args.out}")
     return results
-
-
-def median_run(runs: list[dict]) -> dict:
-    """The run with the median samples/s (the upper one of an even count), carrying every
-    run's samples/s in ``runs_samples_per_s``."""
-    row = sorted(runs, key=lambda r: r["samples_per_s"])[len(runs) // 2]
-    row["runs_samples_per_s"] = [r["samples_per_s"] for r in runs]
-    return row
 
 
 if __name__ == "__main__":

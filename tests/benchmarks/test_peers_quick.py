@@ -1,12 +1,13 @@
-"""The peers benchmark: its summaries, and a ``--quick`` run's JSON structure."""
+"""The peers benchmark: its summaries, its contenders, and ``--quick`` runs' JSON structure."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+import torch
 
-from benchmarks import peers
+from benchmarks import _mapstyle_fns, _peers_shape, peers
 
 
 def test_summarize_measures_the_timed_window():
@@ -96,3 +97,119 @@ def test_repeats_go_round_the_contenders_and_keep_the_median(tmp_path, monkeypat
     assert rows[dl]["samples_per_s"] == 20.0
     assert rows[dl]["runs_samples_per_s"] == [30.0, 10.0, 20.0]
     assert rows[nodes]["samples_per_s"] == 6.0
+
+
+# ------------------------------------------------------------ the execution-shape scenarios
+@pytest.mark.parametrize(
+    "scenario, tool, workers",
+    [
+        ("remote-map", "dataloader", 0),
+        ("remote-map", "dataloader", 2),
+        ("remote-map", "nodes-thread", 2),
+        ("remote-map", "torchtune_pipe", -1),
+        ("fusion", "dataloader", 2),
+        ("fusion", "nodes-thread", 2),
+        ("fusion", "torchtune_pipe-maps", 0),
+        ("fusion", "torchtune_pipe-fused", 0),
+    ],
+)
+def test_every_shape_contender_delivers_every_row_once(scenario, tool, workers):
+    spec = dict(_peers_shape.SCENARIOS[scenario], rows=96, wait_s=0.0005 if workers else 0.0,
+                tool=tool, workers=workers)  # fmt: skip
+    epochs, stop = _mapstyle_fns.build(spec)
+    try:
+        for epoch in range(2):
+            labels = torch.cat([y for _, y in epochs(epoch)])
+            assert sorted(labels.tolist()) == list(range(96))
+    finally:
+        if stop is not None:
+            stop()
+
+
+def test_shape_contenders_sweep_every_peer_and_the_common_guess():
+    labels = [c.label for c in peers.contenders("remote-map", 2, quick=False, spdl=True)]
+    assert [f"dataloader-w{w}" for w in (0, 2, 4, 8, 16, 32)] == labels[:6]
+    assert {"nodes-thread-w64", "nodes-process-w8", "spdl-w64", "torchtune_pipe-auto"} <= set(
+        labels
+    )
+    fusion = {c.label: c for c in peers.contenders("fusion", 3, quick=True, spdl=False)}
+    assert "dataloader-w3" in fusion  # the common guess is workers = cores, swept or not
+    assert {"torchtune_pipe-intune", "torchtune_pipe-intune-fused"} <= set(fusion)
+    assert all(c.module == _peers_shape.MODULE for c in fusion.values())
+
+
+def test_rounds_combine_into_median_spread_startup_and_peak():
+    def run(rate, startup, pss, crash=None):
+        return {"label": "x", "tool": "dataloader", "samples_per_s": rate, "startup_s": startup,
+                "peak_pss_mib": pss, "crash": crash}  # fmt: skip
+
+    row = _peers_shape.combine_rounds(
+        [run(300.0, 0.3, 100.0), run(0.0, None, 90.0, "boom"), run(100.0, 0.1, 120.0),
+         run(200.0, 0.2, 110.0)]
+    )  # fmt: skip
+    assert row["samples_per_s"] == 200.0  # the crashed round is not a rate
+    assert row["spread"] == "100-300"
+    assert row["startup_s"] == 0.2
+    assert row["peak_pss_mib"] == 120.0
+    assert row["crashes"] == 1
+    assert row["runs_samples_per_s"] == [300.0, 0.0, 100.0, 200.0]
+
+
+def test_targets_compare_ours_with_every_peers_best_the_guess_startup_and_nodes_pss():
+    def row(label, tool, rate, pss, startup=0.1):
+        return {"label": label, "tool": tool, "samples_per_s": rate, "peak_pss_mib": pss,
+                "startup_s": startup, "crash": None}  # fmt: skip
+
+    rows = [
+        row("dataloader-w2", "dataloader", 100.0, 200.0),
+        row("dataloader-w16", "dataloader", 400.0, 500.0),
+        row("nodes-thread-w16", "nodes-thread", 300.0, 200.0),
+        row("nodes-process-w2", "nodes-process", 50.0, 300.0),
+        row("torchtune_pipe-auto", "torchtune_pipe", 360.0, 250.0, startup=1.2),
+    ]
+    peers.add_ratios(rows, "torchtune_pipe-auto")
+    head = peers.headline(rows, cores=2, ours="torchtune_pipe-auto")
+    assert head["nodes_best"]["label"] == "nodes-thread-w16"  # threads and processes: one peer
+    t = peers.target_row("remote-map", head)
+    checked = t["checked"]
+    assert checked["vs_every_best"]["value"] == pytest.approx(0.9)  # against DataLoader's best
+    assert checked["vs_every_best"]["met"] is False
+    assert checked["vs_dataloader_guess"]["value"] == pytest.approx(3.6)
+    assert checked["vs_dataloader_guess"]["met"] is True
+    assert checked["startup_s"] == {"value": 1.2, "aim": 1.0, "met": False}  # the drop-in's aim
+    assert checked["pss_vs_nodes"]["value"] == pytest.approx(1.25)
+    assert rows[1]["ours_vs_this"] == pytest.approx(0.9)
+    assert peers.target_row("udf", head)["checked"]["startup_s"]["aim"] == 1.5  # a Pipeline's
+
+
+@pytest.mark.timeout(300)  # ~1 min on an idle machine
+def test_quick_shape_scenarios_write_rows_and_targets(tmp_path):
+    out, md = tmp_path / "peers.json", tmp_path / "peers.md"
+    ours = ["torchtune_pipe-auto", "torchtune_pipe-intune"]
+    peers.main(
+        ["--quick", "--scenarios", "remote-map", "cheap-map", "fusion", "--duration", "1",
+         "--out", str(out), "--no-plots", "--markdown", str(md),
+         "--contenders", "dataloader-w2", "nodes-thread-w0", "nodes-thread-w16", *ours]
+    )  # fmt: skip
+    data = json.loads(out.read_text())
+    assert data["not_run"]["tf.data"].startswith("not run")
+    want = {
+        "remote-map": {"dataloader-w2", "nodes-thread-w16", "torchtune_pipe-auto"},
+        "cheap-map": {"dataloader-w2", "nodes-thread-w0", "torchtune_pipe-auto"},
+        "fusion": {"dataloader-w2", "nodes-thread-w0", *ours},
+    }
+    for scenario, labels in want.items():
+        rows = data["scenarios"][scenario]
+        assert {r["label"] for r in rows} == labels
+        for r in rows:
+            assert set(peers.SHAPE_COLUMNS) <= set(r), scenario
+            assert r["crashes"] == 0, r["crash"]
+            assert r["samples_per_s"] > 0 and r["peak_pss_mib"] > 0 and r["startup_s"] > 0
+        head = data["headlines"][scenario]
+        assert head["ours"] == _peers_shape.OURS[scenario]
+        assert head["dataloader_guess"]["label"] == "dataloader-w2"
+        checked = data["targets"][scenario]["checked"]
+        assert set(checked) == {"vs_every_best", "vs_dataloader_guess", "startup_s",
+                                "pss_vs_nodes"}  # fmt: skip
+        assert all(c["value"] is not None for c in checked.values())
+    assert "**fusion**" in md.read_text() and "**targets**" in md.read_text()

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from benchmarks import _peers_tf, peers
+from benchmarks import _peers_tf, _peers_watch, peers
 from examples.dlrm.pipeline import Features
 from torchtune_pipe.sources import LineFileSource
 
@@ -26,7 +26,7 @@ def tf_contender(tool: str = "tfdata-ops", python: str = "/envs/tf/bin/python"):
     return peers.Contender(tool, tool, python=python)
 
 
-@pytest.mark.parametrize("scenario", peers.SCENARIOS)
+@pytest.mark.parametrize("scenario", peers.CRITEO_SCENARIOS)
 @pytest.mark.parametrize("quick", [False, True])
 def test_tfdata_runs_in_every_scenario_only_when_tensorflow_is_there(scenario, quick):
     with_tf = peers.contenders(scenario, 2, quick, spdl=False, tf_python="/envs/tf/bin/python")
@@ -50,7 +50,7 @@ def test_tf_contenders_run_their_own_python_on_the_tf_script():
     assert child_env is env
 
 
-@pytest.mark.parametrize("scenario", peers.SCENARIOS)
+@pytest.mark.parametrize("scenario", peers.CRITEO_SCENARIOS)
 @pytest.mark.parametrize("tool", peers.TF_TOOLS)
 def test_the_tf_child_gets_every_field_it_reads(scenario, tool):
     spec, _ = peers.scenario_spec(scenario, peers.base_spec(["/d/day_0.txt"], 2.0), ARGS)
@@ -214,7 +214,7 @@ def test_rescale_moves_every_thread_of_a_process():
     try:
         assert proc.stdout.readline().strip() == "ready"
         p = psutil.Process(proc.pid)
-        peers._set_affinity([p], cpus[:1])
+        _peers_watch.set_affinity([p], cpus[:1])
         tids = [t.id for t in p.threads()]
         assert len(tids) == 4
         assert all(os.sched_getaffinity(tid) == {cpus[0]} for tid in tids)
@@ -234,8 +234,8 @@ def test_memory_watchdog_kills_a_tree_that_grows_past_its_allowance(tmp_path):
     )
     proc = subprocess.Popen([sys.executable, "-c", grow])
     plan = {"first_marker": str(marker), "mem_growth_bytes": 32 << 20}
-    watch, done = peers.TreeWatch(), threading.Event()
-    watcher = threading.Thread(target=peers._watch, args=(proc, plan, done, watch))
+    watch, done = _peers_watch.TreeWatch(), threading.Event()
+    watcher = threading.Thread(target=_peers_watch.watch_tree, args=(proc, plan, done, watch))
     watcher.start()
     try:
         assert proc.wait(timeout=20) != 0  # killed, not finished
