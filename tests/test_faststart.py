@@ -138,7 +138,7 @@ def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
     """The switch itself, made certain: inline reads measured as free beat any workers, so the
     loader closes its workers at the first windows after the tuner settled, mid-epoch, and
     reads the rest inline. (Which shape wins on real costs is measured by
-    ``benchmarks/mapstyle.py``, not asserted here.)"""
+    ``benchmarks/peers.py --scenarios cheap-map``, not asserted here.)"""
     ds = Cheap()
     g = torch.Generator().manual_seed(3)
     want = list(torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, generator=g))
