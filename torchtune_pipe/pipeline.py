@@ -146,7 +146,8 @@ class Pipeline:
             buffer_bytes: the outbound buffer knob (>= 64 KiB).
             worker_type: ``process`` (default) or ``thread`` (for GIL-free functions).
             on_error: ``raise`` or ``skip``.
-            init: ``init(stage_name, worker_index)`` run once in every new worker.
+            init: ``init(stage_name, worker_index)`` run once in every new worker (on the
+                actor, with ``placement="ray"``).
             max_errors: the bound on skipped items (see :class:`Stage`).
             concurrency: calls of ``fn`` in flight per worker, on threads (for functions
                 that wait on I/O; see :class:`Stage`).
@@ -277,7 +278,8 @@ class Pipeline:
                 fn = ReadTagged(self.source, skip=st.on_error == "skip")
             elif st.placement == "ray":
                 # One remote call per frame: a thread worker per actor (remote.py).
-                fn, kind = RayMap(map_fn(st), st.name, st.ray_options or {}), "batch_map"
+                remote = RayMap(map_fn(st), st.name, st.ray_options or {}, init=st.init)
+                fn, kind, common["init"] = remote, "batch_map", remote.start
             elif st.kind == "map":
                 fn = MapTagged(map_fn(st))
             else:

@@ -44,6 +44,9 @@ INSTALL_HINT = "pip install torchtune-pipe[ray]"
 ACTOR_PREFIX = "ttp:"  # names of the actors remote stages start: ttp:<stage>:<id>
 # Ray reserves a CPU per actor unless told otherwise: one actor does one worker's work.
 DEFAULT_RAY_OPTIONS: Mapping[str, Any] = {"num_cpus": 1}
+# How long a new actor may take to start before its stage gives up (Ray keeps an actor the
+# cluster has no room for pending, without an error).
+ACTOR_START_TIMEOUT_S = 120.0
 # ray.init from several starting worker threads at once would race.
 _INIT_LOCK = threading.Lock()
 
@@ -85,10 +88,19 @@ def check_ray_options(method: str, options: Any) -> dict[str, Any]:
 
 
 class _Runner:
-    """The actor: runs the stage function over one frame's items at a time."""
+    """The actor: runs the stage's ``init`` once, then its function over one frame's items at
+    a time."""
 
-    def __init__(self, fn_bytes: bytes):
+    def __init__(self, fn_bytes: bytes, init_bytes: bytes | None, stage: str, index: int):
         self.fn = cloudpickle.loads(fn_bytes)
+        if init_bytes is not None:
+            cloudpickle.loads(init_bytes)(stage, index)
+
+    def ready(self) -> str:
+        """The node the actor runs on (answers once the actor has started)."""
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
 
     def run(self, xs: list) -> tuple[list, int]:
         """``fn`` over ``xs``, and the CPU time it took on the actor (ns)."""
@@ -102,24 +114,42 @@ class RayMap:
     """A remote map stage's function (``batch_map``): a frame's tagged items, mapped on the
     Ray actor of the worker running this copy. Unit ends pass through untouched.
 
+    The executor runs :meth:`start` as the worker's ``init``, so an actor starts with its
+    worker (a resize adds actors at once), and :meth:`on_worker_exit` when the worker ends.
+
     Args:
         fn: the user's function, run on the actor.
         stage: the stage's name (in actor names and errors).
         options: ``ActorClass.options(...)`` for every actor (``num_cpus``, ``resources``,
             ``scheduling_strategy``, ``runtime_env``...).
+        init: the stage's ``init(stage_name, worker_index)``, run on each actor as it starts.
     """
 
-    def __init__(self, fn: Callable[[Any], Any], stage: str, options: Mapping[str, Any]):
+    def __init__(
+        self,
+        fn: Callable[[Any], Any],
+        stage: str,
+        options: Mapping[str, Any],
+        init: Callable[[str, int], None] | None = None,
+    ):
         self.fn = fn
         self.stage = stage
         self.options = dict(options)
         self._fn_bytes = cloudpickle.dumps(fn)
+        self._init_bytes = cloudpickle.dumps(init) if init is not None else None
+        self._index = 0
         self._actor: Any = None
+        self._ready: Any = None  # the actor's first answer, until it came
         self._name = ""
 
     def __getstate__(self) -> dict:
         # Each worker's copy starts its own actor: a handle never travels with the function.
-        return {**self.__dict__, "_actor": None, "_name": ""}
+        return {**self.__dict__, "_actor": None, "_ready": None, "_name": ""}
+
+    def start(self, stage: str, index: int) -> None:
+        """Start this worker's actor (without waiting for it): the worker's ``init``."""
+        self._index = index
+        self._start(_ray())
 
     def __call__(self, items: list) -> list:
         work = [i for i, (u, k, _) in enumerate(items) if not (u >= 0 and k < 0)]
@@ -136,21 +166,25 @@ class RayMap:
     def _run(self, xs: list, items: list, work: list[int]) -> tuple[list, int]:
         ray = _ray()
         for attempt in (0, 1):
-            actor = self._actor if self._actor is not None else self._start(ray)
+            if self._actor is None:
+                self._start(ray)
             try:
+                if self._ready is not None:
+                    self._wait_ready(ray)
                 # Blocks until the actor answers or Ray reports it dead (RayActorError).
-                return ray.get(actor.run.remote(xs))
+                return ray.get(self._actor.run.remote(xs))
             except ray.exceptions.RayTaskError as e:
                 raise _unwrap(e, self._name)  # noqa: B904 (the actor's traceback is its cause)
             except ray.exceptions.RayActorError as e:
-                name, self._actor, self._name = self._name, None, ""
+                name = self._name
+                self._forget()
                 frame = _describe(items, work)
                 if attempt:
                     raise RemoteStageError(
                         f"stage {self.stage!r}: a second Ray actor ({name}) died running the "
                         f"frame of {frame}; the frame was re-run once after its first actor "
                         f"died and is not tried again. Check the actors' logs (out of memory? "
-                        f"a node lost?) ({type(e).__name__}: {e})"
+                        f"a node lost? init failed?) ({type(e).__name__}: {e})"
                     ) from e
                 log.warning(
                     "stage %r: Ray actor %s died running the frame of %s; running it again "
@@ -158,20 +192,40 @@ class RayMap:
                 )  # fmt: skip
         raise AssertionError("unreachable")
 
-    def _start(self, ray: Any) -> Any:
+    def _wait_ready(self, ray: Any) -> None:
+        """Wait (at most ``ACTOR_START_TIMEOUT_S``) for the actor to start: one the cluster
+        has no room for would otherwise hold its frame for ever."""
+        try:
+            node = ray.get(self._ready, timeout=ACTOR_START_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError as e:
+            raise RemoteStageError(
+                f"stage {self.stage!r}: Ray did not start actor {self._name} within "
+                f"{ACTOR_START_TIMEOUT_S:g} s; the cluster has no room for its options "
+                f"{self.options} (available now: {ray.available_resources()}). Lower the "
+                "stage's workers or its ray_options, or add nodes"
+            ) from e
+        self._ready = None
+        log.debug("stage %r: actor %s runs on node %s", self.stage, self._name, node)
+
+    def _start(self, ray: Any) -> None:
         with _INIT_LOCK:
             if not ray.is_initialized():
                 ray.init()
         self._name = f"{ACTOR_PREFIX}{self.stage}:{uuid.uuid4().hex[:12]}"
         cls = ray.remote(_Runner)
         self._actor = cls.options(name=self._name, max_restarts=0, **self.options).remote(
-            self._fn_bytes
+            self._fn_bytes, self._init_bytes, self.stage, self._index
         )
-        return self._actor
+        self._ready = self._actor.ready.remote()
+
+    def _forget(self) -> None:
+        self._actor = self._ready = None
+        self._name = ""
 
     def on_worker_exit(self) -> None:
         """Kill this worker's actor (its worker retired, was replaced or stopped)."""
-        actor, self._actor = self._actor, None
+        actor = self._actor
+        self._forget()
         if actor is not None:
             _ray().kill(actor, no_restart=True)
 
