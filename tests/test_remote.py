@@ -237,3 +237,27 @@ def test_init_runs_on_each_actor(ray_cluster):
     assert [x for x, _, _ in out] == list(range(32))
     assert {tag for _, tag, _ in out} == {"w/0"}
     assert os.getpid() not in {pid for _, _, pid in out} and "TTP_TEST_INIT" not in os.environ
+
+
+def test_tensors_travel_whole_and_writable(ray_cluster):
+    import torch
+
+    def make(i: int) -> dict:
+        return {
+            "i": i,
+            "small": torch.arange(4) + i,
+            "big": torch.full((64, 1024), float(i))[:, ::2],
+        }
+
+    def bump(x: dict) -> dict:
+        x["big"] += 1  # the actor's inputs are its own, writable memory
+        return {**x, "sum": float(x["big"].sum())}
+
+    pipe = Pipeline.from_source(_source(24, per_unit=8)).map(make).map(bump, placement="ray")
+    with pipe.loader(ordered=True) as loader:
+        out = list(loader)
+    assert [x["i"] for x in out] == list(range(24))
+    for x in out:
+        i = x["i"]
+        assert x["big"].shape == (64, 512) and bool((x["big"] == i + 1).all())
+        assert x["small"].tolist() == [i, i + 1, i + 2, i + 3] and x["sum"] == (i + 1) * 64 * 512
