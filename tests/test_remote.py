@@ -261,3 +261,23 @@ def test_tensors_travel_whole_and_writable(ray_cluster):
         i = x["i"]
         assert x["big"].shape == (64, 512) and bool((x["big"] == i + 1).all())
         assert x["small"].tolist() == [i, i + 1, i + 2, i + 3] and x["sum"] == (i + 1) * 64 * 512
+
+
+def test_the_dlrm_feature_stages_on_ray_make_the_local_batches(ray_cluster):
+    pytest.importorskip("torchrec")
+    from examples.dlrm.pipeline import DLRMPipelineConfig, build_pipeline
+
+    data = os.path.join(os.path.dirname(__file__), "data", "criteo", "sample_train.txt")
+    config = dict(batch_size=32, chunk_rows=16, pin_memory=False, extra_cost_ns_per_row=10)
+
+    def batches(placement: str, **options) -> list:
+        cfg = DLRMPipelineConfig(**config, placement=placement, ray_max_workers=2)
+        pipe = build_pipeline(data, cfg, shuffle=False)
+        with pipe.loader(**options) as loader:
+            return [(b.dense_features, b.sparse_features.values(), b.labels) for b in loader]
+
+    remote = batches("ray", ordered=True)
+    local = batches("local", inline=True)
+    assert len(remote) == len(local) == 4
+    for r, ll in zip(remote, local, strict=True):
+        assert all(a.equal(b) for a, b in zip(r, ll, strict=True))
