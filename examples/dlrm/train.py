@@ -328,7 +328,8 @@ def train(args: argparse.Namespace) -> TrainResult:
 
 def _placement(args: argparse.Namespace) -> dict[str, Any]:
     """The feature stages' placement: with ``--ray``, connect to (or start) a Ray cluster and
-    bound each feature stage's actors by the cluster's CPUs."""
+    share its CPUs among the feature stages as their bound on actors (one CPU each: an actor
+    the cluster has no room for would wait, and its stage fail after a timeout)."""
     if not args.ray:
         return {}
     import ray
@@ -338,7 +339,8 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
     cpus = int(ray.cluster_resources().get("CPU", 1))
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     print(f"Ray: feature stages on {nodes} node(s), {cpus} CPU(s)", flush=True)
-    return {"placement": "ray", "ray_max_workers": max(1, cpus)}
+    remote_stages = 1 + (args.noise_std > 0) + (args.extra_cost_ns > 0)
+    return {"placement": "ray", "ray_max_workers": max(1, cpus // remote_stages)}
 
 
 def _check_weights(tuner: str, n_stages: int) -> None:
