@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	  test -x $(PY) || $(PYTHON) -m venv $(VENV); \
 	  $(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0; \
 	fi
+	# .[dev] includes Ray (2.x, about 80 MB), so tests/test_remote.py runs a two-node cluster.
 	$(PIP) install -q -e ".[dev]"
 	# TorchRec for the DLRM example. On CPU its normal dependencies pull a CUDA fbgemm, so the
 	# CPU fbgemm is installed first and torchrec itself without dependencies.

@@ -83,6 +83,12 @@ class CallPool:
             with self._lock:
                 self.cpu_ns += spent
 
+    def add_cpu_ns(self, ns: int) -> None:
+        """Count ``ns`` of CPU spent elsewhere on this worker's calls (a remote actor's, for a
+        stage whose function forwards its work); the worker adds it to its ``cpu_ns``."""
+        with self._lock:
+            self.cpu_ns += ns
+
     def take_cpu_ns(self) -> int:
         """CPU time of the pool's threads since the last call (and reset it)."""
         with self._lock:

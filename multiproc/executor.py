@@ -268,6 +268,7 @@ class Executor(Router, Workers, Fusion, Faults):
                         concurrency=st.concurrency,
                         fused=self._fused[st.index],
                         fusable=fusable[st.index],
+                        placement=self.spec.stages[st.index].placement,
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)

@@ -107,7 +107,8 @@ class StageSpec:
             own index when it takes its first frame of each epoch, so a shuffle can seed by
             both).
         fn: the stage function; must pickle (cloudpickle is used, so lambdas and closures work
-            with process workers).
+            with process workers). Every worker runs its own copy; a copy with an
+            ``on_worker_exit()`` method has it called when its worker ends.
         workers: initial worker count; min_workers/max_workers bound ``resize``.
         buffer_bytes: byte budget of the stage's outbound channel (split across its workers).
         max_buffer_bytes: the largest budget ``set_budget`` may set (address space reserved,
@@ -132,6 +133,9 @@ class StageSpec:
             running, up to ``max_concurrency``. For calls that wait (I/O), not compute.
         fused: start with this stage's function running in the previous stage's workers
             (``Executor.set_fused`` changes it while running; see :mod:`multiproc.fusion`).
+        placement: where the function does its work: ``"local"`` (in the worker), or the name
+            of a runtime it forwards each call to (``"ray"``); the executor runs the stage
+            alike and reports it in :class:`~multiproc.stats.StageSnapshot`.
     """
 
     name: str
@@ -152,9 +156,12 @@ class StageSpec:
     concurrency: int = 1
     max_concurrency: int = 64
     fused: bool = False
+    placement: str = "local"
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
+        if not isinstance(self.placement, str) or not self.placement:
+            raise SpecError(f"{where}: placement must be a non-empty str, got {self.placement!r}")
         if not isinstance(self.name, str) or not self.name:
             raise SpecError(f"StageSpec: name must be a non-empty str, got {self.name!r}")
         if self.kind not in KINDS:

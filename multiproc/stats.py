@@ -101,7 +101,9 @@ class StageSnapshot:
     ``runq_ns`` is the time its workers were runnable but waiting for a CPU (the kernel's
     run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it).
     ``cpu_ns`` counts the CPU of every thread that ran the stage's calls, so with
-    ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function).
+    ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function). A stage
+    whose ``placement`` is not ``"local"`` forwards its work elsewhere (one remote worker per
+    local worker); ``cpu_ns`` then includes the remote workers' CPU, as they report it.
     """
 
     name: str
@@ -126,6 +128,7 @@ class StageSnapshot:
     concurrency: int = 1  # calls in flight per worker
     fused: bool = False  # runs in the previous stage's workers (multiproc.fusion)
     fusable: bool = False  # set_fused(stage, True) would be accepted now
+    placement: str = "local"  # where the function does its work (StageSpec.placement)
 
 
 @dataclass(frozen=True)

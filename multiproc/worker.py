@@ -13,6 +13,7 @@ The messages, both ways, are the classes of :mod:`multiproc.protocol`.
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import signal
 import sys
@@ -28,6 +29,8 @@ from .channel import Allocator, MappingCache, Segment
 from .emit import Emitter
 from .items import exc_payload, serialized_size, short_repr
 from .spec import Skipped
+
+log = logging.getLogger(__name__)
 
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
@@ -393,6 +396,15 @@ class _Worker(Emitter, Chain):
                     raise RuntimeError(f"worker got a message it does not take: {msg!r}")
 
     def close(self) -> None:
+        # A stage function that holds something per worker (a remote actor) lets it go when
+        # the worker ends: retired, replaced or stopped (StageSpec: on_worker_exit).
+        for st in (self.stage, *self.chain):
+            hook = getattr(st.fn, "on_worker_exit", None)
+            if callable(hook):
+                try:
+                    hook()
+                except Exception:
+                    log.exception("stage %r: the function's on_worker_exit failed", st.name)
         concurrency._install(None)
         self.calls.close()
         self.runq.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing.forkserver as _fs
 import multiprocessing.resource_tracker as _rt
 import os
+import sys
 import time
 
 import psutil
@@ -26,9 +27,23 @@ def _service_pids() -> set[int]:
     return pids
 
 
-def _children() -> dict[int, str]:
+# Processes of a Ray cluster a test module starts (tests/test_remote.py): its daemons (GCS,
+# raylets, their agents) and the worker processes they start and reuse at will. They are the
+# cluster's, not ours; that module checks its actors and the cluster's resources instead, and
+# that the cluster's processes are gone when it shuts it down.
+_RAY_MARKS = ("ray::", "/ray/_private/", "/ray/core/", "/ray/dashboard/", "/ray/autoscaler/")
+
+
+def is_ray_process(cmdline: list[str], name: str) -> bool:
+    """Whether a process belongs to a Ray cluster (by its name or command line)."""
+    text = " ".join(cmdline[:3])
+    return name in ("raylet", "gcs_server") or any(m in text for m in _RAY_MARKS)
+
+
+def _children(include_ray: bool = False) -> dict[int, str]:
     me = psutil.Process()
     services = _service_pids()
+    ray_loaded = "ray" in sys.modules  # no Ray process without it
     out = {}
     for p in me.children(recursive=True):
         if p.pid in services:
@@ -36,7 +51,10 @@ def _children() -> dict[int, str]:
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 continue
-            out[p.pid] = " ".join(p.cmdline()[:3])
+            cmdline = p.cmdline()
+            if ray_loaded and not include_ray and is_ray_process(cmdline, p.name()):
+                continue
+            out[p.pid] = " ".join(cmdline[:3])
         except psutil.Error:
             continue
     return out

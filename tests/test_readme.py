@@ -11,18 +11,18 @@ import pytest
 
 from ._readme import ROOT, snippets
 
-NEEDS = {"callback": "lightning"}
+NEEDS = {"callback": "lightning", "remote-stages": "ray"}
 
 
 def test_the_readme_marks_its_snippets():
-    assert set(snippets()) == {"quickstart", "callback", "pipeline"}
+    assert set(snippets()) == {"quickstart", "callback", "pipeline", "remote-stages"}
     quick = snippets()["quickstart"].strip().splitlines()
     code = [line for line in quick if line.strip() and not line.lstrip().startswith("#")]
     assert len(code) <= 6  # the import lines and the loop: "five lines" plus the main guard
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["quickstart", "callback", "pipeline"])
+@pytest.mark.parametrize("name", ["quickstart", "callback", "pipeline", "remote-stages"])
 def test_readme_snippet_runs(name, tmp_path):
     need = NEEDS.get(name)
     if need and importlib.util.find_spec(need) is None:

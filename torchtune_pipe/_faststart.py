@@ -101,7 +101,8 @@ def fast_start_fits(pipeline: StageChain, interleave: bool, timeout_s: float) ->
     """Whether a pipeline's first units may be read in the calling thread: no shuffle or batch
     stage (they group items across units), no interleaving, no prefetch thread (inline reads
     reseed the global generators, which only the consumer's own thread may touch) and no
-    timeout, and a source stage whose ``init`` (if any) can stand in inline."""
+    timeout, no remote stage, and a source stage whose ``init`` (if any) can stand in
+    inline."""
     init = pipeline.stages[0].init
     return (
         (init is None or hasattr(init, "inline"))  # an init a read may need
@@ -109,6 +110,8 @@ def fast_start_fits(pipeline: StageChain, interleave: bool, timeout_s: float) ->
         and pipeline.prefetch_spec is None
         and not timeout_s
         and not any(st.stateful for st in pipeline.stages)
+        # Inline reads would run a remote stage's function here, not on its actors.
+        and all(st.placement == "local" for st in pipeline.stages)
     )
 
 

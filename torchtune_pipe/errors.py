@@ -80,6 +80,13 @@ class LoaderTimeoutError(TorchtunePipeError, RuntimeError):
     stuck: tuple = ()
 
 
+class RemoteStageError(TorchtunePipeError, RuntimeError):
+    """A stage with ``placement="ray"`` could not run its work remotely: Ray is not installed
+    (``pip install torchtune-pipe[ray]``), or a frame's Ray actor died twice (the message
+    names the frame's items and the actors; check their logs for out-of-memory kills or a
+    lost node)."""
+
+
 class StateError(TorchtunePipeError, ValueError):
     """A saved loader state does not fit this loader (another pipeline or source); load a
     state saved by the same pipeline."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import cloudpickle
@@ -41,6 +41,7 @@ from ._inline import run_inline
 from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reducer_factory
 from .errors import PipelineError
 from .loader import Loader
+from .remote import INSTALL_HINT, PLACEMENTS, RayMap, check_ray_options, ray_installed
 from .sources import as_source
 from .stages import (
     DEFAULT_BUFFER_BYTES,
@@ -132,6 +133,8 @@ class Pipeline:
         concurrency: int = 1,
         max_concurrency: int | None = None,
         fused: bool = False,
+        placement: Literal["local", "ray"] = "local",
+        ray_options: Mapping[str, Any] | None = None,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
 
@@ -143,7 +146,8 @@ class Pipeline:
             buffer_bytes: the outbound buffer knob (>= 64 KiB).
             worker_type: ``process`` (default) or ``thread`` (for GIL-free functions).
             on_error: ``raise`` or ``skip``.
-            init: ``init(stage_name, worker_index)`` run once in every new worker.
+            init: ``init(stage_name, worker_index)`` run once in every new worker (on the
+                actor, with ``placement="ray"``).
             max_errors: the bound on skipped items (see :class:`Stage`).
             concurrency: calls of ``fn`` in flight per worker, on threads (for functions
                 that wait on I/O; see :class:`Stage`).
@@ -152,6 +156,17 @@ class Pipeline:
             fused: start with ``fn`` running in the previous stage's workers (a source or
                 map stage of the same worker type), with no hop between them; the tuner may
                 split it while running.
+            placement: ``local`` (default), or ``ray``: ``fn`` runs on a pool of Ray
+                actors, one per worker (the workers are then threads of this process that
+                forward each frame's items in one remote call; ``workers`` and resizing
+                count actors). Order, exactly-once delivery, resume and errors are as for
+                local stages; an actor that dies costs its frame one re-run on a new actor.
+                Needs ``pip install torchtune-pipe[ray]``; see :mod:`torchtune_pipe.remote`.
+            ray_options: the actors' ``ActorClass.options(...)`` (default ``{"num_cpus":
+                1}``), e.g. ``{"num_cpus": 2, "resources": {"feature_node": 1}}``.
+
+        Example:
+            >>> pipe.map(featurize, workers=4, placement="ray")              # doctest: +SKIP
         """
         method = f"map({name!r})" if name else "map()"
         if not callable(fn):
@@ -162,10 +177,11 @@ class Pipeline:
             method, self.stages, name, "map", fn, workers, min_workers, max_workers,
             buffer_bytes, worker_type, on_error, init,
         )  # fmt: skip
-        if worker_type == "process":
+        if worker_type == "process" or placement != "local":
             _check_pickles(method, "fn", fn)
         stage = _with_concurrency(method, stage, concurrency, max_concurrency)
         stage = _with_fused(method, self.stages, stage, fused)
+        stage = _with_placement(method, stage, placement, ray_options)
         return self._add(_with_max_errors(method, stage, max_errors), method)
 
     def shuffle(
@@ -254,16 +270,21 @@ class Pipeline:
                 max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
                 on_error=st.on_error, init=st.init, max_errors=st.max_errors,
                 concurrency=st.concurrency, max_concurrency=st.max_concurrency,
-                fused=st.fused,
+                fused=st.fused, placement=st.placement,
             )  # fmt: skip
             fn: Callable[..., Any]
+            kind = EXECUTOR_KIND[st.kind]
             if st.kind == "source":
                 fn = ReadTagged(self.source, skip=st.on_error == "skip")
+            elif st.placement == "ray":
+                # One remote call per frame: a thread worker per actor (remote.py).
+                remote = RayMap(map_fn(st), st.name, st.ray_options or {}, init=st.init)
+                fn, kind, common["init"] = remote, "batch_map", remote.start
             elif st.kind == "map":
                 fn = MapTagged(map_fn(st))
             else:
                 fn = TaggedReducer(reducer_factory(st))
-            specs.append(StageSpec(st.name, EXECUTOR_KIND[st.kind], fn, **common))
+            specs.append(StageSpec(st.name, kind, fn, **common))
         return ExecutorSpec(tuple(specs), ordered=ordered, name=name)
 
     def __repr__(self) -> str:
@@ -350,6 +371,31 @@ def _with_fused(method: str, before: tuple[Stage, ...], stage: Stage, fused: Any
                 f"a {prev.kind} stage with worker_type={prev.worker_type!r})"
             )
     return dataclasses.replace(stage, fused=fused)
+
+
+def _with_placement(method: str, stage: Stage, placement: Any, ray_options: Any) -> Stage:
+    if placement not in PLACEMENTS:
+        raise PipelineError(f"{method}: placement must be one of {PLACEMENTS}, got {placement!r}")
+    if placement == "local":
+        if ray_options is not None:
+            raise PipelineError(f"{method}: ray_options needs placement='ray'")
+        return stage
+    if not ray_installed():
+        raise PipelineError(f"{method}: placement='ray' needs Ray: {INSTALL_HINT}")
+    options = check_ray_options(method, ray_options)
+    # The stage calls its actor once per frame and reports the frame's failure as a whole.
+    for arg, value, need in (
+        ("on_error", stage.on_error, "raise"),
+        ("concurrency", stage.concurrency, 1),
+        ("max_concurrency", stage.max_concurrency, 1),
+        ("fused", stage.fused, False),
+    ):
+        if value != need:
+            raise PipelineError(
+                f"{method}: placement='ray' needs {arg}={need!r}, got {value!r} (a remote "
+                "stage sends each frame to its actor in one call)"
+            )
+    return dataclasses.replace(stage, placement="ray", ray_options=options, worker_type="thread")
 
 
 def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:

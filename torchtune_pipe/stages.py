@@ -9,7 +9,7 @@ its ``from_source``/``map``/``shuffle``/``batch`` methods, which validate the kn
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -56,6 +56,9 @@ class Stage:
         fused: (map stages) start with ``fn`` running in the previous stage's workers, on
             their outputs, with no hop between them; the tuner may split or fuse it while
             running (see :mod:`multiproc.fusion`).
+        placement: (map stages) ``local``, or ``ray``: ``fn`` runs on Ray actors, one per
+            worker (:mod:`torchtune_pipe.remote`).
+        ray_options: the actors' ``ActorClass.options(...)`` (``placement="ray"``).
     """
 
     name: str
@@ -77,6 +80,8 @@ class Stage:
     concurrency: int = 1
     max_concurrency: int = 1
     fused: bool = False
+    placement: Literal["local", "ray"] = "local"
+    ray_options: Mapping[str, Any] | None = None
 
     @property
     def stateful(self) -> bool:

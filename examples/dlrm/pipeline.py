@@ -71,6 +71,12 @@ class DLRMPipelineConfig:
         max_workers: upper bound of every stage's workers.
         buffer_bytes: initial outbound buffer budget of every stage.
         on_error: ``raise`` on a malformed row, or ``skip`` it (counted and logged).
+        placement: where the feature stages (``features``, ``augment``, ``extra_cost``) run:
+            ``local`` worker processes, or ``ray`` actors on the Ray cluster this process is
+            connected to (``ray.init(...)`` first; ``pip install torchtune-pipe[ray]``).
+        ray_max_workers: with ``placement="ray"``, the most actors a feature stage may have
+            (a tuner's resize beyond the cluster's room would wait for an actor that never
+            starts); None: ``max_workers``.
     """
 
     batch_size: int = 512
@@ -87,8 +93,14 @@ class DLRMPipelineConfig:
     max_workers: int = 32
     buffer_bytes: int = 16 * MiB
     on_error: str = "raise"
+    placement: str = "local"
+    ray_max_workers: int | None = None
 
     def __post_init__(self) -> None:
+        if self.placement not in ("local", "ray"):
+            raise ValueError(
+                f"DLRMPipelineConfig: placement must be 'local' or 'ray', got {self.placement!r}"
+            )
         for name in ("batch_size", "chunk_rows", "chunk_bytes", "shuffle_chunks", "workers"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -172,11 +184,15 @@ def build_pipeline(
         pipe = pipe.shuffle(
             config.shuffle_chunks, seed=config.seed, buffer_bytes=config.buffer_bytes
         )
-    pipe = pipe.map(Features(tuple(config.table_sizes)), name="features", **knobs)
+    feature_knobs: dict[str, Any] = dict(knobs)
+    if config.placement == "ray":
+        top = min(config.max_workers, config.ray_max_workers or config.max_workers)
+        feature_knobs.update(placement="ray", max_workers=top, workers=min(config.workers, top))
+    pipe = pipe.map(Features(tuple(config.table_sizes)), name="features", **feature_knobs)
     if config.noise_std > 0:
-        pipe = pipe.map(AddNoise(config.noise_std, config.seed), name="augment", **knobs)
+        pipe = pipe.map(AddNoise(config.noise_std, config.seed), name="augment", **feature_knobs)
     if config.extra_cost_ns_per_row > 0:
-        pipe = pipe.map(ExtraCost(config.extra_cost_ns_per_row), name="extra_cost", **knobs)
+        pipe = pipe.map(ExtraCost(config.extra_cost_ns_per_row), name="extra_cost", **feature_knobs)
     pipe = pipe.batch(config.chunks_per_batch, collate=collate_batch, **knobs)
     return pipe.prefetch(config.prefetch_depth, pin_memory=config.pin_memory)
 

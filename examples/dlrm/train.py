@@ -13,6 +13,7 @@ Usage::
 
     python -m examples.dlrm.train --tuner intune --time-budget-s 90
     python -m examples.dlrm.train --data 'criteo/day_*.gz' --val-data criteo/day_23.gz --epochs 1
+    python -m examples.dlrm.train --ray --tuner heuristic   # feature stages on Ray actors
 """
 
 from __future__ import annotations
@@ -104,6 +105,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--print-every-s", type=float, default=5.0)
     p.add_argument("--accelerator", default="auto")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the feature stages on Ray actors: on the cluster RAY_ADDRESS names, "
+        "else on a local one started here (pip install torchtune-pipe[ray])",
+    )
     args = p.parse_args(argv)
     for name in ("rows", "val_rows", "batch_size", "chunk_rows", "epochs"):
         if getattr(args, name) < 1:
@@ -247,6 +254,7 @@ def train(args: argparse.Namespace) -> TrainResult:
     pipe_config = DLRMPipelineConfig(
         batch_size=args.batch_size, chunk_rows=args.chunk_rows, table_sizes=tables,
         noise_std=args.noise_std, extra_cost_ns_per_row=args.extra_cost_ns, seed=args.seed,
+        **_placement(args),
     )  # fmt: skip
     dim = args.embedding_dim
     model_config = DLRMConfig(
@@ -316,6 +324,23 @@ def train(args: argparse.Namespace) -> TrainResult:
     )
     _report(result, args)
     return result
+
+
+def _placement(args: argparse.Namespace) -> dict[str, Any]:
+    """The feature stages' placement: with ``--ray``, connect to (or start) a Ray cluster and
+    share its CPUs among the feature stages as their bound on actors (one CPU each: an actor
+    the cluster has no room for would wait, and its stage fail after a timeout)."""
+    if not args.ray:
+        return {}
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(logging_level="WARNING")  # RAY_ADDRESS, a running local cluster, or a new one
+    cpus = int(ray.cluster_resources().get("CPU", 1))
+    nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
+    print(f"Ray: feature stages on {nodes} node(s), {cpus} CPU(s)", flush=True)
+    remote_stages = 1 + (args.noise_std > 0) + (args.extra_cost_ns > 0)
+    return {"placement": "ray", "ray_max_workers": max(1, cpus // remote_stages)}
 
 
 def _check_weights(tuner: str, n_stages: int) -> None:

@@ -101,3 +101,18 @@ def test_pipeline_and_model_shapes():
                                   dense_arch=(8, 4), over_arch=(8, 1)))  # fmt: skip
     bags = model.sparse_arch.embedding_bag_collection.embedding_bags
     assert len(bags) == 26 and all(b.sparse for b in bags.values())
+
+
+def test_the_feature_stages_can_run_on_ray_actors():
+    from torchtune_pipe.remote import ray_installed
+
+    if not ray_installed():
+        pytest.skip("ray is not installed")
+    config = DLRMPipelineConfig(extra_cost_ns_per_row=5, placement="ray", ray_max_workers=3)
+    pipe = build_pipeline(__file__, config, shuffle=False)
+    where = {s.name: (s.placement, s.max_workers) for s in pipe.stages}
+    assert where == {"read": ("local", 32), "features": ("ray", 3),
+                     "extra_cost": ("ray", 3), "batch": ("local", 32)}  # fmt: skip
+    assert train.parse_args(["--ray"]).ray and not train.parse_args([]).ray
+    with pytest.raises(ValueError, match="placement must be"):
+        DLRMPipelineConfig(placement="gpu")
