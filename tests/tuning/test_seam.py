@@ -14,7 +14,7 @@ from torchtune_pipe import Pipeline
 from torchtune_pipe.sim.model import SimPipeline
 from torchtune_pipe.sim.workloads import generate
 from torchtune_pipe.tuning import TUNERS, make_tuner, run_episode
-from torchtune_pipe.tuning.base import MiB, Observation, StageStats, Tuner
+from torchtune_pipe.tuning.base import MiB, Observation, StageStats, Tuner, running_workers
 from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 
 STEPS = 3
@@ -50,14 +50,15 @@ def _tuner(name: str) -> Tuner:
 def _check_stage(st: StageStats, side: str) -> None:
     where = f"{side} stage {st.name!r}"
     assert st.name, where
-    assert 1 <= st.min_workers <= st.workers <= st.max_workers, where
+    if st.fused:  # runs in the previous stage's workers: none of its own, nothing blocks it
+        assert st.fusable and st.workers == 0 and st.blocked_in == st.blocked_out == 0, where
+    else:
+        assert 1 <= st.min_workers <= st.workers <= st.max_workers, where
     assert 1 <= st.concurrency <= max(1, st.max_concurrency), where
     assert st.items_per_s >= 0.0 and math.isfinite(st.items_per_s), where
     assert st.items_in_per_s >= 0.0, where
     for frac in ("busy", "blocked_in", "blocked_out", "buffer_fill"):
         assert 0.0 <= getattr(st, frac) <= 1.0, (where, frac)
-    if side == "sim":  # live, a wait is counted when it ends: short intervals may pass 1
-        assert st.busy + st.blocked_in + st.blocked_out == pytest.approx(1.0), where
     assert st.runqueue is None or 0.0 <= st.runqueue <= 1.0, where
     # Budgets are at least the hard limits' minimum (1 MiB) once a guarded decision ran.
     assert st.buffer_bytes >= MiB, where
@@ -76,6 +77,17 @@ def _check(obs: Observation, side: str, flowing: bool) -> None:
     assert sum(obs.workers) <= max(len(obs.stages), MAX_OVERSUBSCRIBE * obs.cpus + 1), side
     for st in obs.stages:
         _check_stage(st, side)
+    assert not obs.stages[0].fused and not obs.stages[0].fusable, side
+    if side == "sim":  # live, a wait is counted when it ends: short intervals may pass 1
+        for i, st in enumerate(obs.stages):
+            # A group's workers (a host's and the stages fused into it) are busy in one of its
+            # stages or wait: the shares of their wall time add up to 1.
+            if not st.fused:
+                group = [st]
+                while i + len(group) < len(obs.stages) and obs.stages[i + len(group)].fused:
+                    group.append(obs.stages[i + len(group)])
+                total = sum(s.busy for s in group) + st.blocked_in + st.blocked_out
+                assert total == pytest.approx(1.0), (side, st.name)
     if flowing:
         assert obs.throughput > 0.0, side
         assert all(st.items_per_s > 0.0 and st.cpu_s_per_item > 0.0 for st in obs.stages), side
@@ -100,7 +112,7 @@ def test_every_tuner_runs_on_the_simulator(name):
         for k, default in LIVE_ONLY.items():
             assert _defaults(obs)[k] == {default}, k
     # The simulator reports exactly what the guard applied.
-    assert trace[-1].workers == sim.allocation.workers
+    assert trace[-1].workers == running_workers(sim.allocation)
 
 
 def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
