@@ -210,9 +210,9 @@ def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
     """
     f = obs.cpus / max(old_cpus, 1e-9)
     workers = [
-        min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
+        w if st.fused else min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
         for w, st in zip(alloc.workers, obs.stages, strict=True)
-    ]
+    ]  # a fused stage runs in its host's workers: it has none to rescale
     while sum(workers) > cpu_cap(obs, alloc.replace(workers=tuple(workers))):
         j = idlest_donor(workers, obs)
         if j is None:

@@ -32,6 +32,20 @@ headroom absorbs noise and heavy-tailed items), each charged the CPU it would us
 is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
 than the consumer takes items.
+
+Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host
+and the stages fused into it) is planned as one stage with the host's workers, costing the sum
+of its members' ``g_i`` and ``u_i``, charged the highest floor among them. The observation does
+not measure hops, so the plan takes ``HOP_S_PER_ITEM`` of CPU (and worker time) per item per
+channel crossed: a stage whose output stops crossing one (its next stage fused) saves it, and
+one that starts crossing pays it. From every stage split, in pipeline order, a stage that may
+be fused (``StageStats.fusable``, or fused now) is fused when the model gains more than
+``FUSE_MIN_GAIN`` by it, or when it is cheap (its own CPU per item at most ``CHEAP_HOPS``
+hops) and loses nothing; else it runs split. So cheap stages are fused (the hop is a third or
+more of their cost, and on a few cores each split stage keeps a worker charged at least its
+floor), expensive ones split (the hop is noise next to their cost, and a split stage keeps its
+own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
+split: a fused stage runs one call at a time in its host's workers.
 """
 
 from __future__ import annotations
