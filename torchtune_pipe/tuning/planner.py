@@ -147,6 +147,7 @@ def plan(
     hop = [HOP_S_PER_ITEM * r[i] for i in range(n)]
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
+        model.allow_split()
         shape = _fusion_shape(obs, model, hop, io, idle)
     found = model.solve(shape, now, hop)
     if found is None:
@@ -200,6 +201,12 @@ class _Model:
         self.obs, self.g, self.u, self.floor = obs, g, u, floor
         self.lo, self.hi, self.idle, self.headroom = lo, hi, idle, headroom
         self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
+        self.allowance = 0.0  # the least CPU budget every shape gets (see solve)
+
+    def allow_split(self) -> None:
+        """Give every shape the budget the fewest workers of every stage split are charged."""
+        n = len(self.g)
+        self.allowance = sum(max(1, self.lo[i]) * self.floor[i] for i in range(n))
 
     def costs(self, shape, now, hop) -> tuple[list[float], list[float]]:
         """CPU and worker seconds per delivered item per stage under ``shape``: a stage whose
@@ -265,8 +272,10 @@ class _Model:
             return sum(w[k] * max(fl[k], min(1.0, t * gs[k] / w[k])) for k in range(m))
 
         # The fewest workers every stage must run are always allowed: on a machine with
-        # fewer cores than stages they alone may pass the budget.
-        cpus = max(obs.cpus, charged(0.0, lo))
+        # fewer cores than stages they alone may pass the budget. Shapes are compared under
+        # the allowance of every stage split: fewer groups run fewer workers in it, and must
+        # not be charged a tighter budget for it.
+        cpus = max(obs.cpus, charged(0.0, lo), self.allowance)
 
         def workers(t: float) -> list[int]:
             return [
