@@ -18,7 +18,11 @@ One step (:meth:`InTuneTuner.step`) is :meth:`~InTuneTuner.prepare`, a choice, a
 
 **Actions** (``2 + 6 * n_stages``): the no-op; per stage ``+1, -1, +5, -5`` workers, buffer
 up, buffer down (geometric steps of 50 % in whole MiB, at least 1 MiB); last, "plan": every
-stage's workers from the planner. **Reward**
+stage's workers from the planner, and which stages run fused. **Fusion** is the plan's: the
+network was trained before the knob existed and keeps deciding workers and buffers on the
+shape the plan chose (its moves on a fused stage, which has no workers or buffer of its own,
+are masked); re-training it for the knob would cost every weight file for what the plan's
+model already decides (BENCHMARKS.md, "Fusion in the simulator"). **Reward**
 (:func:`~.intune_state.transition_reward`): throughput over a reference, times a factor that
 is 1 up to ``MEMORY_KNEE`` of the memory limit and falls by a smoothstep to 0 at the limit,
 less ``CHANGE_COST`` for a move; ``-1`` on an OOM, which ends the episode. The reference is the
