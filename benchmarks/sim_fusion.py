@@ -132,8 +132,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         title=f"fusion_like, batches of 256 rows/s delivered (medians over {args.seeds} seeds)",
     )
     if args.out:
-        write_json(args.out, result)
-        print(f"wrote {args.out}")
+        print(f"wrote {write_json(args.out, result)}")
     return result
 
 
