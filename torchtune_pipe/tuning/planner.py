@@ -45,7 +45,10 @@ hops) and loses nothing; else it runs split. So cheap stages are fused (the hop 
 more of their cost, and on a few cores each split stage keeps a worker charged at least its
 floor), expensive ones split (the hop is noise next to their cost, and a split stage keeps its
 own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
-split: a fused stage runs one call at a time in its host's workers.
+split, and nothing is fused into a host that waits on I/O: a fused stage runs one call at a time
+in its host's workers, and a group that both waits and computes is one the plan's per-stage
+split of wait and CPU time misjudges (in the held-out simulations, fusing a UDF into a remote
+read made the plan split it again from the fused measurement, and back).
 """
 
 from __future__ import annotations
@@ -165,8 +168,8 @@ def _fusion_shape(
     stage is fused when the model gains more than ``FUSE_MIN_GAIN`` by it, or when it is
     cheap (its own CPU per item at most ``CHEAP_HOPS`` hops) and fusing loses nothing (the
     rates tie when the consumer or a bound limits them: the hop's CPU is still saved). Stages
-    that wait on I/O or keep calls in flight stay split (a fused stage runs one call at a
-    time in its host's workers)."""
+    that wait on I/O or keep calls in flight, and stages after a host that waits on I/O, stay
+    split."""
     n, now = len(obs.stages), tuple(s.fused for s in obs.stages)
     split, _ = model.costs([False] * n, now, hop)
     # What each stage's own function costs: its cost split, less the hop its output pays.
@@ -176,8 +179,10 @@ def _fusion_shape(
     best_rate = best[0] if best is not None else 0.0
     for j in range(1, n):
         s = obs.stages[j]
-        if not (s.fusable or s.fused) or io[j] or s.concurrency > 1 or idle[j] or idle[j - 1]:
+        if not (s.fusable or s.fused) or s.concurrency > 1 or idle[j] or idle[j - 1]:
             continue
+        if io[j] or io[fusion_host(shape, j - 1)]:
+            continue  # a group that waits on I/O and computes: kept apart (module docstring)
         shape[j] = True
         host, end = fusion_host(shape, j), j
         while end + 1 < n and shape[end + 1]:
