@@ -80,7 +80,7 @@ def run_episode(
 _STAGE_FIELDS = (
     "name", "workers", "min_workers", "max_workers", "items_per_s", "busy", "blocked_in",
     "blocked_out", "buffer_bytes", "buffer_fill", "cpu_s_per_item", "concurrency",
-    "max_concurrency",
+    "max_concurrency", "fused", "fusable",
 )  # fmt: skip
 
 
@@ -322,6 +322,7 @@ class TuningLoop:
                 "workers": list(alloc.workers),
                 "buffer_bytes": list(alloc.buffer_bytes),
                 "concurrency": list(alloc.concurrency),  # [] : left to the pipeline
+                "fused": list(alloc.fused),  # [] : stages stay as they run
             },
             "applied": applied,
             "step_s": step_s,
