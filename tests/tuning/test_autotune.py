@@ -171,3 +171,20 @@ def test_other_algorithms_run_end_to_end(algorithm):
     assert max(trace[-1].workers) <= 8
     assert sum(trace[-1].workers) <= 8 / CPU_MIN_CHARGE
     assert trace[-1].workers[1] >= trace[-1].workers[0]
+
+
+def _chain_of_maps(n: int) -> Observation:
+    stages = tuple(
+        StageStats(f"s{i}", 1, items_per_s=100.0, busy=0.5, cpu_s_per_item=0.005, fusable=i > 0)
+        for i in range(n)
+    )
+    return Observation(stages, 100.0, 8.0, 1 << 34, 0)
+
+
+def test_map_fusion_is_a_static_rewrite_off_by_default_as_in_tf_data():
+    obs = _chain_of_maps(7)
+    assert AutotuneTuner().reset(obs).fused == ()
+    tuner = AutotuneTuner(map_fusion=True)
+    fused = (False, True, True, True, True, False, True)  # at most four in one host
+    assert tuner.reset(obs).fused == fused
+    assert tuner.step(obs).fused == fused

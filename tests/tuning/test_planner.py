@@ -152,3 +152,70 @@ def test_measured_run_queue_delay_is_neither_work_nor_io():
     p = plan(obs, Allocation((4,), (MiB,)))
     assert p.allocation.workers == (8,)
     assert p.throughput == pytest.approx(8 / 0.36, rel=1e-6)
+
+
+def _chain_obs(fused: tuple[bool, ...]) -> Observation:
+    # A source of 1 ms per item, a 1 us map and a 1 ms map, all CPU, 1000 items/s on 8 cores;
+    # stages fused into the source run in its 4 workers, split ones in 2 each.
+    cost = (1e-3, 1e-6, 1e-3)
+    host_workers = 4 if any(fused) else 2
+    stages = []
+    for i, (name, c) in enumerate(zip(("src", "cheap", "dear"), cost, strict=True)):
+        w = 0 if fused[i] else (host_workers if i == 0 else 2)
+        busy = 1000 * c / (host_workers if fused[i] or i == 0 else w)
+        stages.append(
+            StageStats(
+                name,
+                w,
+                items_per_s=1000.0,
+                busy=busy,
+                cpu_s_per_item=c,
+                blocked_in=1 - busy if i else 0.0,
+                fused=fused[i],
+                fusable=i > 0,
+            )  # fmt: skip
+        )
+    return Observation(tuple(stages), 1000.0, 8.0, 1 << 40, 0)
+
+
+def test_the_plan_fuses_cheap_stages_and_keeps_expensive_ones_split():
+    obs = _chain_obs((False, False, False))
+    p = plan(obs, obs.allocation())
+    assert p.allocation.fused == (False, True, False)
+    # The expensive stage keeps workers of its own; the cheap one's entry is its split target.
+    assert p.allocation.workers[2] >= 2 and p.allocation.workers[1] == 1
+
+
+def test_the_plan_splits_an_expensive_stage_that_runs_fused():
+    obs = _chain_obs((False, True, True))
+    p = plan(obs, Allocation((4, 1, 2), (MiB,) * 3, fused=(False, True, True)))
+    assert p.allocation.fused == (False, True, False)
+    assert p.allocation.workers[2] >= 2
+
+
+def test_the_plan_leaves_fusion_alone_when_asked():
+    obs = _chain_obs((False, False, False))
+    assert plan(obs, obs.allocation(), fusion=False).allocation.fused == ()
+
+
+def test_cheap_stages_are_fused_when_cores_are_scarce():
+    # Eight 2 us maps after a 4 us source on 2 cores, one worker each: fused, the hops go and
+    # no stage keeps a worker that mostly waits.
+    n = 6
+    stages = [StageStats("src", 1, items_per_s=1e5, busy=0.9, cpu_s_per_item=4e-6)]
+    stages += [
+        StageStats(
+            f"m{k}",
+            1,
+            items_per_s=1e5,
+            busy=0.2,
+            blocked_in=0.8,
+            cpu_s_per_item=2e-6,
+            fusable=True,
+        )  # fmt: skip
+        for k in range(n)
+    ]
+    obs = Observation(tuple(stages), 1e5, 2.0, 1 << 40, 0)
+    p = plan(obs, obs.allocation())
+    assert p.allocation.fused == (False, True, True, True, True, False, True)
+    assert p.throughput > 1.2 * p.current

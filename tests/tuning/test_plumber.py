@@ -106,3 +106,19 @@ def test_io_bound_stage_gets_the_workers_its_wall_rate_needs():
     assert p.throughput == pytest.approx(4 / 0.11)
     # One read worker delivers 10/s of wall time: 36.4/s needs ceil(3.64) = 4 of them.
     assert p.workers == (4, 4)
+
+
+def test_a_fused_group_is_one_node_of_the_lp():
+    # The map runs in the source's 2 workers: its CPU is the source node's, and Plumber keeps
+    # the shape (it never fuses or splits).
+    src = StageStats("src", 2, items_per_s=100.0, busy=0.5, cpu_s_per_item=0.004)
+    udf = StageStats("udf", 0, items_per_s=100.0, busy=0.5, cpu_s_per_item=0.006, fused=True,
+                     fusable=True)  # fmt: skip
+    obs = Observation((src, udf), 100.0, 4.0, 1 << 30, 0)
+    rates = stage_rates(obs)
+    assert rates[0] == pytest.approx(1 / 0.010) and rates[1] == float("inf")
+    p = plan(obs)
+    assert p.workers[0] == 4 and p.throughput == pytest.approx(400.0)
+    tuner = PlumberTuner()
+    tuner.reset(obs)
+    assert tuner.step(obs).fused == ()  # as it runs

@@ -10,6 +10,7 @@ from torchtune_pipe.tuning.safety import (
     SHED_BUFFER_FLOOR_BYTES,
     Guarded,
     fit_memory,
+    fusable_only,
     safe,
     within_limits,
 )
@@ -106,3 +107,50 @@ def test_fit_memory_refuses_the_costliest_growth_first():
     obs = _obs(limit=1100 * MiB)
     out = fit_memory(Allocation((3, 6), (16 * MiB, 16 * MiB)), obs)
     assert out.workers == (3, 4)
+
+
+def _fusion_obs(fusable, fused=None, cpus=2.0) -> Observation:
+    fused = fused or (False,) * len(fusable)
+    stages = tuple(
+        StageStats(
+            f"s{i}",
+            0 if f else 1,
+            items_per_s=10.0,
+            busy=0.9,
+            cpu_s_per_item=0.09,
+            buffer_bytes=MiB,
+            fusable=ok,
+            fused=f,
+        )  # fmt: skip
+        for i, (ok, f) in enumerate(zip(fusable, fused, strict=True))
+    )
+    return Observation(stages, 10.0, cpus, 1 << 40, 0)
+
+
+def test_the_guard_drops_fusion_the_pipeline_would_refuse():
+    obs = _fusion_obs((False, True, False, True))
+    want = Allocation((1,) * 4, (MiB,) * 4, fused=(False, True, True, True))
+    # Stage 2 may not fuse (stateful, another worker type...): it stays split, the rest fuse.
+    assert fusable_only(want, obs).fused == (False, True, False, True)
+    # A host runs at most four stages after it, checked in the order a pipeline applies them.
+    long = _fusion_obs((False,) + (True,) * 6)
+    got = fusable_only(Allocation((1,) * 7, (MiB,) * 7, fused=(False,) + (True,) * 6), long)
+    assert got.fused == (False, True, True, True, True, False, True)
+    # Splitting is always allowed; leaving fusion open stays open.
+    fused = _fusion_obs((False, True), fused=(False, True))
+    assert fusable_only(Allocation((1, 1), (MiB, MiB), fused=(False, False)), fused).fused == (
+        False,
+        False,
+    )
+    assert fusable_only(Allocation((1, 1), (MiB, MiB)), fused).fused == ()
+    # Guarded applies it with the other limits: the simulator, like a live pipeline, would raise.
+    assert within_limits(want, obs).fused == (False, True, False, True)
+
+
+def test_a_fused_stages_worker_target_costs_no_cpu_and_no_memory():
+    obs = _fusion_obs((False, True, True), fused=(False, True, True), cpus=2.0)
+    alloc = Allocation((2, 9, 9), (MiB,) * 3, fused=(False, True, True))
+    # Nine workers each are targets for when the stages are split again: nothing to clamp.
+    assert safe(alloc, obs) == alloc
+    parts = memory_parts(obs)
+    assert parts.worst_case_bytes(alloc) == parts.worst_case_bytes(alloc.replace(workers=(2, 1, 1)))

@@ -11,10 +11,17 @@ import time
 import pytest
 
 from torchtune_pipe import Pipeline
-from torchtune_pipe.sim.model import SimPipeline
+from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
 from torchtune_pipe.sim.workloads import generate
 from torchtune_pipe.tuning import TUNERS, make_tuner, run_episode
-from torchtune_pipe.tuning.base import MiB, Observation, StageStats, Tuner
+from torchtune_pipe.tuning.base import (
+    Allocation,
+    MiB,
+    Observation,
+    StageStats,
+    Tuner,
+    running_workers,
+)
 from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 
 STEPS = 3
@@ -50,14 +57,18 @@ def _tuner(name: str) -> Tuner:
 def _check_stage(st: StageStats, side: str) -> None:
     where = f"{side} stage {st.name!r}"
     assert st.name, where
-    assert 1 <= st.min_workers <= st.workers <= st.max_workers, where
+    if st.fused:  # runs in the previous stage's workers: none of its own, nothing blocks it
+        assert st.fusable and 0 <= st.workers <= st.max_workers, where
+        # Live, its own workers finish what was queued for them before they retire.
+        if side == "sim":
+            assert st.workers == 0 and st.blocked_in == st.blocked_out == 0, where
+    else:
+        assert 1 <= st.min_workers <= st.workers <= st.max_workers, where
     assert 1 <= st.concurrency <= max(1, st.max_concurrency), where
     assert st.items_per_s >= 0.0 and math.isfinite(st.items_per_s), where
     assert st.items_in_per_s >= 0.0, where
     for frac in ("busy", "blocked_in", "blocked_out", "buffer_fill"):
         assert 0.0 <= getattr(st, frac) <= 1.0, (where, frac)
-    if side == "sim":  # live, a wait is counted when it ends: short intervals may pass 1
-        assert st.busy + st.blocked_in + st.blocked_out == pytest.approx(1.0), where
     assert st.runqueue is None or 0.0 <= st.runqueue <= 1.0, where
     # Budgets are at least the hard limits' minimum (1 MiB) once a guarded decision ran.
     assert st.buffer_bytes >= MiB, where
@@ -76,6 +87,17 @@ def _check(obs: Observation, side: str, flowing: bool) -> None:
     assert sum(obs.workers) <= max(len(obs.stages), MAX_OVERSUBSCRIBE * obs.cpus + 1), side
     for st in obs.stages:
         _check_stage(st, side)
+    assert not obs.stages[0].fused and not obs.stages[0].fusable, side
+    if side == "sim":  # live, a wait is counted when it ends: short intervals may pass 1
+        for i, st in enumerate(obs.stages):
+            # A group's workers (a host's and the stages fused into it) are busy in one of its
+            # stages or wait: the shares of their wall time add up to 1.
+            if not st.fused:
+                group = [st]
+                while i + len(group) < len(obs.stages) and obs.stages[i + len(group)].fused:
+                    group.append(obs.stages[i + len(group)])
+                total = sum(s.busy for s in group) + st.blocked_in + st.blocked_out
+                assert total == pytest.approx(1.0), (side, st.name)
     if flowing:
         assert obs.throughput > 0.0, side
         assert all(st.items_per_s > 0.0 and st.cpu_s_per_item > 0.0 for st in obs.stages), side
@@ -100,7 +122,7 @@ def test_every_tuner_runs_on_the_simulator(name):
         for k, default in LIVE_ONLY.items():
             assert _defaults(obs)[k] == {default}, k
     # The simulator reports exactly what the guard applied.
-    assert trace[-1].workers == sim.allocation.workers
+    assert trace[-1].workers == running_workers(sim.allocation)
 
 
 def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
@@ -145,3 +167,53 @@ def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
 def _consume(it, n: int = 25) -> None:
     for _ in range(n):
         next(it)
+
+
+def _check_fused(obs: Observation, side: str) -> None:
+    """Stage 2 runs in stage 1's workers: the same fields, the same meaning on both sides."""
+    _check(obs, side, flowing=False)
+    host, st = obs.stages[1], obs.stages[2]
+    assert [s.fused for s in obs.stages] == [False, False, True], side
+    assert st.fusable and st.workers == 0 and host.workers >= 1, side
+    assert obs.allocation().fused == (False, False, True), side
+    # Its own items, time and CPU; its time a share of the host's workers' wall time.
+    assert st.items_per_s > 0.0 and 0.0 < st.busy <= 1.0 and st.cpu_s_per_item > 0.0, side
+    assert host.busy + st.busy <= 1.0 + 1e-6, side
+    assert st.blocked_in == st.blocked_out == 0.0, side
+    assert st.memory_bytes == 0, side  # no processes of its own
+
+
+def test_a_fused_stage_means_the_same_on_both_sides():
+    wl = Workload(
+        "fused",
+        (
+            StageModel("source", "source", 20e-6),
+            StageModel("_work", "map", 20e-6),
+            StageModel("_again", "map", 20e-6),
+        ),
+    )
+    start = Allocation((1, 2, 2), (MiB,) * 3, fused=(False, False, True))
+    sim = SimPipeline(wl, cpus=4, memory_limit_bytes=16 << 30, initial=start, seed=1)
+    for obs in run_episode(sim, _tuner("static"), STEPS):
+        _check_fused(obs, "sim")
+    pipe = (
+        Pipeline.from_source(Ids(), workers=1, max_workers=2)
+        .map(_work, workers=2, max_workers=2)
+        .map(_again, workers=2, max_workers=2, fused=True)
+    )
+    with pipe.loader(ordered=True) as loader:
+        it = iter(loader)
+        next(it)
+        deadline = time.monotonic() + 30
+        while True:  # the fused stage's own workers retire once nothing is queued there
+            _consume(it, 200)
+            obs = loader.tunable.observe()
+            if obs.stages[2].workers == 0 and obs.stages[2].items_per_s > 0:
+                break
+            assert time.monotonic() < deadline, obs
+        _check_fused(obs, "live")
+        del it
+
+
+def _again(x):
+    return _work(x)

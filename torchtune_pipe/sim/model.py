@@ -31,6 +31,16 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    later. Past the limit the episode is over: throughput 0 until :meth:`SimPipeline.reset`.
 6. **Noise.** Per interval, mean costs are resampled (lognormal, ``cv / sqrt(items)``) and the
    reported rates carry relative measurement noise ``noise``; ``noise=0`` is deterministic.
+7. **Fusion.** A fused stage (``Allocation.fused``) runs in the workers of the stage before it,
+   as live (:mod:`multiproc.fusion`): a group of a host and the stages fused into it is one
+   station of the line, with the host's workers, costing per pipeline item the sum of its
+   stages' ``R_i c_i`` (and waits ``R_i d_i``; a fused stage runs one call at a time). The
+   hops inside the group disappear: the host no longer copies its output into a channel
+   (``bytes_per_item / dram_gbps``) nor pays the channel's per-item cost
+   (``Workload.hop_s_per_item``). A fused stage runs no workers (no worker RSS; its
+   ``worker_bytes`` are held by each host worker), and its buffer is unused: the group's
+   output goes to the host's buffer (the host worker's arena), in items of the group's last
+   stage. Which stages may fuse follows the live rule (:meth:`SimPipeline.fusable`).
 """
 
 from __future__ import annotations
@@ -42,8 +52,18 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from multiproc.spec import EXECUTOR_KIND, FUSABLE_INTO, FUSION_HOSTS
 from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
-from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, waits_on_io
+from multiproc.stats import MAX_FUSED
+from torchtune_pipe.tuning.base import (
+    Allocation,
+    MiB,
+    Observation,
+    StageStats,
+    fusion_host,
+    running_workers,
+    waits_on_io,
+)
 from torchtune_pipe.tuning.concurrency import plan_concurrency
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
@@ -95,6 +115,10 @@ class StageModel:
         max_concurrency: calls in flight per worker the stage allows (1: none). A worker with
             ``k`` calls in flight overlaps their waits on one core: per input item it costs
             ``max(c, (c + d) / k)`` seconds of wall time, of which ``c`` are CPU.
+        fusable: the stage's function holds nothing across calls and may run where the stage
+            before it runs; with a ``"map"`` kind after a ``"source"`` or ``"map"`` stage it
+            may then be fused into it, the live rule (``multiproc.spec.fuse_blocker``). False
+            for a map that must keep workers of its own (another worker type).
     """
 
     name: str
@@ -110,6 +134,7 @@ class StageModel:
     resident_bytes: int = 0
     max_concurrency: int = 1
     worker_bytes: int = 0
+    fusable: bool = True
 
     def __post_init__(self) -> None:
         where = f"StageModel {self.name!r}"
@@ -152,6 +177,11 @@ class Workload:
         dram_gbps: DRAM copy bandwidth; every output byte is copied once into a channel.
         cpu_ghz: CPU clock, reported to tuners (costs are given for this machine).
         initial_buffer_bytes: buffer per stage when no initial allocation is given.
+        hop_s_per_item: CPU seconds an item costs to cross a channel between two stages
+            besides the DRAM copy (framing, encoding and decoding, the router's messages),
+            charged to the producing stage; fusion removes it. 0 where the stage costs already
+            include it (the presets and generated workloads); BENCHMARKS.md measures ~2.5 us
+            per row on this project's machine.
     """
 
     name: str
@@ -163,6 +193,7 @@ class Workload:
     dram_gbps: float = 20.0
     cpu_ghz: float = 2.5
     initial_buffer_bytes: int = 4 * MiB
+    hop_s_per_item: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -178,6 +209,8 @@ class Workload:
             )
         if self.dram_gbps <= 0:
             raise ValueError(f"Workload {self.name!r}: dram_gbps must be > 0")
+        if self.hop_s_per_item < 0:
+            raise ValueError(f"Workload {self.name!r}: hop_s_per_item must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -188,6 +221,8 @@ class SteadyState:
     fill fraction; ``memory_bytes`` counts filled buffers, worker RSS and resident state;
     ``gap`` is, per buffer, the difference between the line's rate above and below it (in
     pipeline items per second), the rate at which the buffer fills or drains after a change.
+    Per stage, in pipeline order; a fused stage's buffer is unused (fill, probabilities and
+    gap 0) and its host's entries are its group's output buffer's.
     """
 
     throughput: float
@@ -248,6 +283,7 @@ class _State:
     alloc: Allocation | None = None
     prev_workers: tuple[int, ...] = ()
     levels: list[float] = field(default_factory=list)
+    fused: tuple[bool, ...] = ()
     oom: bool = False
     last_x: float = 0.0
     last_obs: Observation | None = None
@@ -301,7 +337,17 @@ class SimPipeline:
         self._S = tuple(out_per_sink)
         self._R = tuple(out_per_sink[i] * st[i].ratio for i in range(n))
         copy_s = 1.0 / (workload.dram_gbps * 1e9)
-        self._c0 = tuple(s.cpu_s_per_item + s.bytes_per_item * copy_s / s.ratio for s in st)
+        hop = workload.hop_s_per_item
+        # Per input item: the function, and the channel its output crosses (unless fused).
+        self._c_fn = tuple(s.cpu_s_per_item for s in st)
+        self._c_out = tuple((s.bytes_per_item * copy_s + hop) / s.ratio for s in st)
+        # For each stage, how many of the stages after it its workers could run (live rule).
+        self._chain_len = []
+        for i, host in enumerate(st):
+            k = 0
+            while i + k + 1 < n and k < MAX_FUSED and _can_host(host, st[i + k + 1]):
+                k += 1
+            self._chain_len.append(k)
         self._d0 = tuple(s.io_s_per_item for s in st)
         self._cv2 = tuple(s.cpu_cv**2 for s in st)
         self._bytes = tuple(s.bytes_per_item for s in st)
@@ -319,16 +365,21 @@ class SimPipeline:
         """Set workers and buffer bytes per stage; workers are clamped to each stage's bounds.
         Calls in flight per worker follow the allocation, or where it leaves them open the
         rule a live pipeline follows (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
+        Stages run fused as ``allocation.fused`` says (empty: as they run now).
 
         Raises:
-            ValueError: when the allocation has the wrong number of stages.
+            ValueError: when the allocation has the wrong number of stages, or fuses a stage
+                that cannot be fused (as a live ``set_fused`` refuses it; the hard limits'
+                :func:`~torchtune_pipe.tuning.safety.fusable_only` drops such requests).
         """
         a = self._checked(allocation)
         if self._s.last_obs is not None:
             a = plan_concurrency(self._s.last_obs, a)
         elif not a.concurrency and self._s.alloc is not None:
             a = a.replace(concurrency=self._concurrency(self._s.alloc))
-        self._s.alloc = a
+        fused = a.fused or self._s.fused
+        self._s.fused = fused
+        self._s.alloc = a.replace(fused=fused if any(fused) else ())
 
     def observe(self) -> Observation:
         """Advance simulated time by ``interval_s`` and return that interval's statistics."""
@@ -339,15 +390,17 @@ class SimPipeline:
         alloc = s.alloc
         if s.oom:
             return self._dead_observation(cpus, limit)
+        fused = s.fused
+        running = running_workers(alloc.replace(fused=fused))
         # A worker added since the last interval only works once it has started.
         warm = min(1.0, wl.worker_start_s / dt)
         w = tuple(
             a - (a - p) * warm if a > p else float(a)
-            for a, p in zip(alloc.workers, s.prev_workers, strict=True)
+            for a, p in zip(running, s.prev_workers, strict=True)
         )
-        s.prev_workers = alloc.workers
-        c, d = self._costs(t0 + dt / 2)
-        calls = self._concurrency(alloc)
+        s.prev_workers = running
+        c, d = self._costs(t0 + dt / 2, fused)
+        calls = self._concurrency(alloc, fused)
         d = _overlapped(c, d, calls)
         if self.noise > 0:
             rng = self._rng
@@ -358,36 +411,47 @@ class SimPipeline:
                 f = math.exp(sig * rng.gauss(0.0, 1.0) - sig * sig / 2)
                 c[i] *= f
                 d[i] *= f
-        ss = self._solve(w, alloc.buffer_bytes, c, d, cpus)
+        ss = self._solve(w, alloc.buffer_bytes, c, d, cpus, fused)
         x = ss.throughput
-        # Buffers move toward their steady fill at the rate imbalance across them.
-        rates, fills = [], []
+        # Buffers move toward their steady fill at the rate imbalance across them. A group's
+        # stages run in lockstep: the host's buffer holds the group's last stage's items.
+        rates, fills = [0.0] * n, [0.0] * n
         for i in range(n):
-            k = self._capacity(alloc.buffer_bytes[i], i)
+            if fused[i]:
+                s.levels[i] = 0.0
+                continue
+            last = self._last(i, fused)
+            k = self._capacity(alloc.buffer_bytes[i], last)
             target = ss.fill[i] * k
-            flow = x * self._S[i]
-            step = max(ss.gap[i], 0.1 * x) * self._S[i] * dt
+            flow = x * self._S[last]
+            step = max(ss.gap[i], 0.1 * x) * self._S[last] * dt
             old = min(s.levels[i], k)
             new = min(target, old + step) if target > old else max(target, old - step)
             s.levels[i] = new
-            rates.append(max(0.0, flow + (new - old) / dt))
-            fills.append(new / k)
-        used = self._memory(alloc.workers, s.levels)
+            for m in range(i, last + 1):
+                rates[m] = max(0.0, flow + (new - old) / dt) * self._S[m] / self._S[last]
+            fills[i] = new / k
+        used = self._memory(running, s.levels, fused)
         if used > limit:
             s.oom = True
             return self._dead_observation(cpus, limit, used=int(used))
         s.last_x = x
         noisy = self._noisy
+        fusable = self.fusable(fused)
         stages = []
         for i, sm in enumerate(wl.stages):
-            idle = 1.0 - ss.busy[i]
-            pe = ss.p_empty[i - 1] if i > 0 else 0.0
+            # Live, a fused stage's time is its own share of its host's workers' wall time
+            # and the group's waits are its host's (telemetry.py).
+            idle = 0.0
+            if not fused[i]:
+                idle = max(0.0, 1.0 - sum(ss.busy[i : self._last(i, fused) + 1]))
+            pe = ss.p_empty[fusion_host(fused, i - 1)] if i > 0 else 0.0
             pf = ss.p_full[i]
             share_in = pe / (pe + pf) if pe + pf > 1e-12 else 0.5
             stages.append(
                 StageStats(
                     name=sm.name,
-                    workers=alloc.workers[i],
+                    workers=running[i],
                     min_workers=sm.min_workers,
                     max_workers=sm.max_workers,
                     items_per_s=noisy(rates[i]),
@@ -400,12 +464,16 @@ class SimPipeline:
                     io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
-                    memory_bytes=self._stage_memory(alloc.workers, i),
+                    memory_bytes=self._stage_memory(running, i, fused),
+                    fused=fused[i],
+                    fusable=fusable[i],
                 )
             )
         latency = 0.0
         if x > 0:
-            latency = sum(s.levels[i] / (x * self._S[i]) for i in range(n))
+            latency = sum(
+                s.levels[i] / (x * self._S[self._last(i, fused)]) for i in range(n) if not fused[i]
+            )
             latency += sum(self._R[i] * (c[i] / ss.phi + d[i]) for i in range(n))
         obs = Observation(
             stages=tuple(stages),
@@ -443,20 +511,23 @@ class SimPipeline:
     ) -> SteadyState:
         """The noiseless steady state of ``allocation`` now (or at time ``t``) on ``cpus``."""
         a = self._checked(allocation)
+        fused = a.fused or self._s.fused
         at = self._when(t)
-        c, d = self._costs(at)
-        d = _overlapped(c, d, self._concurrency(a))
+        c, d = self._costs(at, fused)
+        d = _overlapped(c, d, self._concurrency(a, fused))
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
-        return self._solve(tuple(map(float, a.workers)), a.buffer_bytes, c, d, cpus)
+        w = tuple(map(float, running_workers(a.replace(fused=fused))))
+        return self._solve(w, a.buffer_bytes, c, d, cpus, fused)
 
     def upper_bound(self, cpus: float | None = None, t: float | None = None) -> float:
         """Throughput no allocation can beat now (or at ``t``): all CPU work on ``cpus`` cores,
         or the consumer.
 
-        Every item's CPU cost must be paid, so ``cpus / sum_i R_i c_i`` bounds any allocation.
+        Every item's CPU cost must be paid, so ``cpus / sum_i R_i c_i`` bounds any allocation,
+        with every stage that may be fused fused (the fewest hops).
         """
         at = self._when(t)
-        c, _ = self._costs(at)
+        c, _ = self._costs(at, self.widest_fusion())
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         return min(self._xc, cpus / sum(self._R[i] * c[i] for i in range(self.n_stages)))
 
@@ -469,9 +540,35 @@ class SimPipeline:
             self.seed = seed
         self._rng = random.Random(self.seed)
         init = self._initial
+        fused = init.fused or (False,) * self.n_stages
         self._s = _State(
-            alloc=init, prev_workers=init.workers, levels=[0.0] * self.n_stages, last_x=0.0
+            alloc=init,
+            prev_workers=running_workers(init.replace(fused=fused)),
+            levels=[0.0] * self.n_stages,
+            fused=fused,
+            last_x=0.0,
         )
+
+    def fusable(self, fused: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        """Per stage, whether it may be fused into the stage before it, given the stages fused
+        in ``fused`` (default: now); a fused stage is fusable. The live rule
+        (``multiproc.fusion``): a fusable ``"map"`` after a ``"source"`` or ``"map"``, at most
+        ``MAX_FUSED`` stages run in one host's workers."""
+        state = list(self._s.fused if fused is None else fused)
+        out = []
+        for j in range(self.n_stages):
+            want = list(state)
+            want[j] = True
+            out.append(self._fuse_error(j, want) is None)
+        return tuple(out)
+
+    def widest_fusion(self) -> tuple[bool, ...]:
+        """Every stage that may be fused fused, in pipeline order (the fewest hops)."""
+        fused = [False] * self.n_stages
+        for j in range(1, self.n_stages):
+            fused[j] = True
+            fused[j] = self._fuse_error(j, fused) is None
+        return tuple(fused)
 
     def copy(self) -> SimPipeline:
         """An independent copy, state and noise generator included."""
@@ -510,20 +607,53 @@ class SimPipeline:
                 f"{self.workload.name!r} has {n}"
             )
         st = self.workload.stages
+        for j, f in enumerate(a.fused):
+            if f and (why := self._fuse_error(j, a.fused)) is not None:
+                raise ValueError(f"SimPipeline.apply: cannot fuse stage {st[j].name!r}: {why}")
         w = tuple(min(st[i].max_workers, max(st[i].min_workers, a.workers[i])) for i in range(n))
         b = tuple(max(0, x) for x in a.buffer_bytes)
-        return a if (w == a.workers and b == a.buffer_bytes) else Allocation(w, b)
+        return (
+            a if (w == a.workers and b == a.buffer_bytes) else a.replace(workers=w, buffer_bytes=b)
+        )
 
-    def _concurrency(self, a: Allocation) -> tuple[int, ...]:
+    def _fuse_error(self, j: int, fused: Sequence[bool]) -> str | None:
+        """Why stage ``j`` cannot run fused under ``fused`` (None: it can), as live."""
+        if j == 0:
+            return "the first stage has no stage before it"
+        st = self.workload.stages
+        if not _can_host(st[j - 1], st[j]):
+            return f"stage {st[j].name!r} cannot run in the workers of {st[j - 1].name!r}"
+        host = fusion_host(fused, j - 1)
+        if j - host > self._chain_len[host]:
+            return (
+                f"stage {st[host].name!r} can run at most {self._chain_len[host]} stages after it"
+            )
+        return None
+
+    def _last(self, i: int, fused: Sequence[bool]) -> int:
+        """The last stage of the group hosted by stage ``i`` (``i`` when none is fused)."""
+        while i + 1 < self.n_stages and fused[i + 1]:
+            i += 1
+        return i
+
+    def _concurrency(self, a: Allocation, fused: Sequence[bool] = ()) -> tuple[int, ...]:
         st = self.workload.stages
         if not a.concurrency:
             return (1,) * self.n_stages
+        # A fused stage's function runs one call at a time in its host's worker.
         return tuple(
-            max(1, min(k, s.max_concurrency)) for k, s in zip(a.concurrency, st, strict=True)
+            1 if fused and fused[i] else max(1, min(k, s.max_concurrency))
+            for i, (k, s) in enumerate(zip(a.concurrency, st, strict=True))
         )
 
-    def _costs(self, t: float) -> tuple[list[float], list[float]]:
-        c, d = list(self._c0), list(self._d0)
+    def _costs(self, t: float, fused: Sequence[bool]) -> tuple[list[float], list[float]]:
+        n = self.n_stages
+        # The host of a fused stage hands it its output in-process: no copy, no hop.
+        c = [
+            self._c_fn[i] if i + 1 < n and fused[i + 1] else self._c_fn[i] + self._c_out[i]
+            for i in range(n)
+        ]
+        d = list(self._d0)
         for i, sm in enumerate(self.workload.stages):
             if sm.drift is not None:
                 f = sm.drift.factor(t)
@@ -535,14 +665,21 @@ class SimPipeline:
         # A channel always admits one item, whatever its byte budget.
         return max(1.0, buffer_bytes / self._bytes[i])
 
-    def _stage_memory(self, workers: Sequence[int], i: int) -> int:
-        """What stage ``i``'s workers hold (``StageStats.memory_bytes``)."""
-        stage = self.workload.stages[i]
-        return int(workers[i] * (self.workload.worker_rss_bytes + stage.worker_bytes))
+    def _stage_memory(self, workers: Sequence[int], i: int, fused: Sequence[bool]) -> int:
+        """What stage ``i``'s workers hold (``StageStats.memory_bytes``): a host's workers
+        also hold what the stages fused into it keep per worker; a fused stage has none."""
+        if fused[i]:
+            return 0
+        st = self.workload.stages
+        held = sum(st[m].worker_bytes for m in range(i, self._last(i, fused) + 1))
+        return int(workers[i] * (self.workload.worker_rss_bytes + held))
 
-    def _memory(self, workers: Sequence[int], levels: Sequence[float]) -> float:
-        buffered = sum(levels[i] * self._bytes[i] for i in range(self.n_stages))
-        held = sum(self._stage_memory(workers, i) for i in range(self.n_stages))
+    def _memory(
+        self, workers: Sequence[int], levels: Sequence[float], fused: Sequence[bool]
+    ) -> float:
+        n = self.n_stages
+        buffered = sum(levels[i] * self._bytes[self._last(i, fused)] for i in range(n))
+        held = sum(self._stage_memory(workers, i, fused) for i in range(n))
         return buffered + held + self._resident
 
     def _noisy(self, v: float) -> float:
@@ -550,69 +687,107 @@ class SimPipeline:
             return v
         return max(0.0, v * (1.0 + self.noise * self._rng.gauss(0.0, 1.0)))
 
-    def _solve(self, w, buffers, c, d, cpus) -> SteadyState:
-        n, R = self.n_stages, self._R
-        cost = sum(R[i] * c[i] for i in range(n))
-        x1 = min(self._xc, min(w[i] / (R[i] * (c[i] + d[i])) for i in range(n)))
-        x, phi = self._share(w, c, d, cpus, cost, x1)
+    def _solve(self, w, buffers, c, d, cpus, fused) -> SteadyState:
+        n = self.n_stages
+        # The line's stations: each group (a host and the stages fused into it) is one, with
+        # the host's workers and its members' costs per pipeline item; a stage on its own
+        # keeps its per-input-item costs and R, so an unfused line is solved as it always was.
+        hosts = [i for i in range(n) if not fused[i]]
+        lasts = [self._last(i, fused) for i in hosts]
+        R, cn, dn, cv2 = [], [], [], []
+        for h, last in zip(hosts, lasts, strict=True):
+            if h == last:
+                R.append(self._R[h])
+                cn.append(c[h])
+                dn.append(d[h])
+                cv2.append(self._cv2[h])
+                continue
+            group = range(h, last + 1)
+            t = [self._R[i] * (c[i] + d[i]) for i in group]
+            R.append(1.0)
+            cn.append(sum(self._R[i] * c[i] for i in group))
+            dn.append(sum(self._R[i] * d[i] for i in group))
+            # Independent per-item times add: the group's squared cv weighs its members'.
+            cv2.append(
+                sum(ti * ti * self._cv2[i] for ti, i in zip(t, group, strict=True)) / sum(t) ** 2
+            )
+        m = len(hosts)
+        wn = [w[h] for h in hosts]
+        cost = sum(R[k] * cn[k] for k in range(m))
+        x1 = min(self._xc, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
+        x, phi = self._share(wn, R, cn, dn, cpus, cost, x1)
         if x * cost / phi > cpus:  # more runnable workers than cores: switching overhead
-            runnable = min(x * cost / phi, sum(w[i] * c[i] / (c[i] + d[i]) for i in range(n)))
+            runnable = min(x * cost / phi, sum(wn[k] * cn[k] / (cn[k] + dn[k]) for k in range(m)))
             usable = cpus / (1.0 + self.workload.switch_overhead * max(0.0, runnable / cpus - 1))
-            x, phi = self._share(w, c, d, usable, cost, x1)
-        caps = [w[i] / (R[i] * (c[i] / phi + d[i])) for i in range(n)]
-        bottleneck = min(range(n), key=caps.__getitem__)
+            x, phi = self._share(wn, R, cn, dn, usable, cost, x1)
+        caps = [wn[k] / (R[k] * (cn[k] / phi + dn[k])) for k in range(m)]
+        bottleneck = min(range(m), key=caps.__getitem__)
         up = list(caps)
-        for i in range(1, n):
-            up[i] = min(up[i], up[i - 1])
-        down = [self._xc] * n
-        for i in range(n - 2, -1, -1):
-            down[i] = min(caps[i + 1], down[i + 1])
-        eff, fill, p_empty, p_full = 1.0, [], [], []
-        gap = tuple(abs(up[i] - down[i]) if down[i] < math.inf else up[i] for i in range(n))
-        for i in range(n):
-            k = self._capacity(buffers[i], i)
-            r = self._r_next[i]
-            cv2 = (self._cv2[i] + (self._cv2[i + 1] if i + 1 < n else _CONSUMER_CV2) / r) / 2
-            n_eff = (k / r + 2.0) / max(cv2, _MIN_CV2)
-            e, f, p0, pn = _mm1n(up[i] / down[i] if down[i] < math.inf else 0.0, n_eff)
+        for k in range(1, m):
+            up[k] = min(up[k], up[k - 1])
+        down = [self._xc] * m
+        for k in range(m - 2, -1, -1):
+            down[k] = min(caps[k + 1], down[k + 1])
+        eff = 1.0
+        fill, p_empty, p_full, gap = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        mem = 0.0
+        for k, (h, last) in enumerate(zip(hosts, lasts, strict=True)):
+            gap[h] = abs(up[k] - down[k]) if down[k] < math.inf else up[k]
+            cap = self._capacity(buffers[h], last)
+            r = self._r_next[last]
+            v = (cv2[k] + (cv2[k + 1] if k + 1 < m else _CONSUMER_CV2) / r) / 2
+            n_eff = (cap / r + 2.0) / max(v, _MIN_CV2)
+            e, fill[h], p_empty[h], p_full[h] = _mm1n(
+                up[k] / down[k] if down[k] < math.inf else 0.0, n_eff
+            )
             eff *= e
-            fill.append(f)
-            p_empty.append(p0)
-            p_full.append(pn)
+            mem += fill[h] * cap * self._bytes[last]
         x *= eff
-        busy = tuple(min(1.0, x * R[i] * (c[i] / phi + d[i]) / w[i]) for i in range(n))
-        mem = sum(fill[i] * self._capacity(buffers[i], i) * self._bytes[i] for i in range(n))
-        mem += sum(self._stage_memory(w, i) for i in range(self.n_stages)) + self._resident
+        host = [fusion_host(fused, i) for i in range(n)]
+        busy = tuple(min(1.0, x * self._R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
+        mem += sum(self._stage_memory(w, i, fused) for i in range(n)) + self._resident
         return SteadyState(
-            x, phi, busy, tuple(fill), tuple(p_empty), tuple(p_full), mem, bottleneck, gap
+            x,
+            phi,
+            busy,
+            tuple(fill),
+            tuple(p_empty),
+            tuple(p_full),
+            mem,
+            hosts[bottleneck],
+            tuple(gap),
         )
 
-    def _share(self, w, c, d, cpus, cost, x1) -> tuple[float, float]:
+    def _share(self, w, R, c, d, cpus, cost, x1) -> tuple[float, float]:
         """Throughput and per-worker CPU rate under processor sharing of ``cpus`` cores."""
         if x1 * cost <= cpus:
             return x1, 1.0
         x = cpus / cost
-        # The rate phi at which the slowest stage just meets x; others then block part-time.
+        # The rate phi at which the slowest station just meets x; others then block part-time.
         phi = max(
-            (c[i] / (w[i] / (self._R[i] * x) - d[i]) for i in range(self.n_stages) if c[i] > 0),
+            (c[k] / (w[k] / (R[k] * x) - d[k]) for k in range(len(w)) if c[k] > 0),
             default=1.0,
         )
         return x, min(1.0, phi)
 
     def _dead_observation(self, cpus: float, limit: int, used: int | None = None) -> Observation:
         s, wl = self._s, self.workload
+        running = running_workers(s.alloc.replace(fused=s.fused))
+        fusable = self.fusable(s.fused)
         stages = tuple(
             StageStats(
                 name=sm.name,
-                workers=s.alloc.workers[i],
+                workers=running[i],
                 min_workers=sm.min_workers,
                 max_workers=sm.max_workers,
                 buffer_bytes=s.alloc.buffer_bytes[i],
-                memory_bytes=self._stage_memory(s.alloc.workers, i),
+                memory_bytes=self._stage_memory(running, i, s.fused),
+                fused=s.fused[i],
+                fusable=fusable[i],
             )
             for i, sm in enumerate(wl.stages)
         )
-        used = int(self._memory(s.alloc.workers, s.levels)) if used is None else used
+        used = int(self._memory(running, s.levels, s.fused)) if used is None else used
         return Observation(
             stages=stages,
             throughput=0.0,
@@ -625,3 +800,12 @@ class SimPipeline:
             t=s.t,
             oom=True,
         )
+
+
+def _can_host(host: StageModel, stage: StageModel) -> bool:
+    """Whether ``stage`` may run in the workers of ``host``, the stage before it: the live
+    rule (``multiproc.spec.fuse_blocker``) on the executor kinds the simulator's kinds map to."""
+    kind = EXECUTOR_KIND.get(host.kind)  # type: ignore[call-overload]
+    return (
+        stage.fusable and kind in FUSION_HOSTS and EXECUTOR_KIND.get(stage.kind) in FUSABLE_INTO  # type: ignore[call-overload]
+    )

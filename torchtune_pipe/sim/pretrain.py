@@ -85,12 +85,15 @@ def sample_episode(
 
 def oracle_value(sim: SimPipeline, cpus: float, t: float | None = None) -> float:
     """Best static throughput on ``cpus`` CPUs now, or at time ``t``
-    (:func:`~torchtune_pipe.tuning.oracle.best_static` on the simulator's steady state)."""
+    (:func:`~torchtune_pipe.tuning.oracle.best_static` on the simulator's steady state),
+    every stage split or every stage that may be fused fused (``SimPipeline.widest_fusion``)."""
+    widest = sim.widest_fusion()
     return best_static(
         lambda a: sim.evaluate(a, cpus=cpus, t=t),
         sim.n_stages,
         cpus,
         [s.max_workers for s in sim.workload.stages],
+        fusion=((), widest) if any(widest) else ((),),
     )[1]
 
 

@@ -19,6 +19,7 @@ from torchtune_pipe.tuning.base import MiB
 __all__ = [
     "netflix_like",
     "criteo_like",
+    "fusion_like",
     "generate",
     "with_batch_size",
     "cpu_s_per_output",
@@ -104,6 +105,54 @@ def criteo_like(seed: int = 0) -> Workload:
         ),
     )  # fmt: skip
     return Workload("criteo_like", stages, consumer_step_s=1e-3)
+
+
+# What an item costs to cross a channel between two stages besides the DRAM copy: BENCHMARKS.md
+# measures ~2.5 us per row for the hops of the UDF-heavy peers scenario (per process).
+HOP_S_PER_ITEM = 2.5 * US
+
+
+def fusion_like(seed: int = 0, cpus_hint: int = 8) -> Workload:
+    """Read -> six cheap maps (1-3 us of CPU per row each) -> batch: where fusion matters
+    (issue 14's ``fusion`` scenario; eight stages, the longest the InTune agent has weights
+    for).
+
+    Each map costs about what a hop between two stages costs (``HOP_S_PER_ITEM``), so six
+    separate stages spend half their CPU moving rows, and on a few cores each keeps a worker
+    that mostly waits. The maps are stateless and run where the source runs: every one may be
+    fused (at most ``MAX_FUSED`` after one host, the live rule). The model asks for rows about
+    as fast as ``cpus_hint`` cores could make them unfused, so the pipeline limits training.
+    """
+    rng = random.Random(seed)
+    row, batch = 512, 256
+    stages = [
+        StageModel(
+            "read", "source", 4 * US * _jitter(rng), cpu_cv=0.3, bytes_per_item=row,
+        ),
+    ]  # fmt: skip
+    for k in range(6):
+        stages.append(
+            StageModel(
+                f"map{k}",
+                "map",
+                rng.uniform(1, 3) * US,
+                cpu_cv=rng.uniform(0.2, 0.6),
+                bytes_per_item=row,
+            )  # fmt: skip
+        )
+    stages.append(
+        StageModel(
+            "batch",
+            "batch",
+            1 * US * _jitter(rng),
+            cpu_cv=0.3,
+            ratio=batch,
+            bytes_per_item=batch * row,
+        )  # fmt: skip
+    )
+    wl = Workload(f"fusion_like_s{seed}", tuple(stages), hop_s_per_item=HOP_S_PER_ITEM)
+    per_row = cpu_s_per_output(wl) / batch + HOP_S_PER_ITEM * (len(stages) - 1)
+    return dataclasses.replace(wl, consumer_step_s=batch * per_row / (2 * cpus_hint))
 
 
 def generate(n_stages: int, seed: int = 0, batch_size: int | None = None) -> Workload:

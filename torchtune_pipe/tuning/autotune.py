@@ -14,7 +14,12 @@ What it keeps from tf.data, weaknesses included (they are what the baseline is f
 * RAM budget ``0.5 x (available + buffered)`` (``kRamBudgetShare``) counted from *modelled*
   buffer bytes only; a result is applied only when it fits what the prefetch left over;
 * the legacy prefetch autotuner: the last stage's buffer starts at one element, doubles (then
-  grows by 2048) each time it drains empty after having been full, and never shrinks.
+  grows by 2048) each time it drains empty after having been full, and never shrinks;
+* map fusion as a static graph rewrite: tf.data's ``map_fusion`` option (off by default in
+  every tf.data release's ``OptimizationOptions``) fuses adjacent stateless maps once, before
+  the model runs; ``AutotuneConfig(map_fusion=True)`` fuses every stage that may be fused at
+  reset and never changes it. A fused group is one node of the model, as tf.data's fused map
+  is one op: its host's self time covers every stage in it.
 
 ``AutotuneTuner(adaptive=True)`` (registry name ``autotune-adaptive``) re-launches from scratch
 when the CPU count changes, which is what a user of tf.data must do by hand.
@@ -28,7 +33,9 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from .base import Allocation, MiB, Observation
+from multiproc.stats import MAX_FUSED
+
+from .base import Allocation, MiB, Observation, fusion_host
 from .tfdata_model import ChainModel, hill_climb, stage_based
 
 log = logging.getLogger(__name__)
@@ -59,6 +66,8 @@ class AutotuneConfig:
         adaptive: re-launch from scratch when the CPU count changes.
         min_stage_based_gaps: consumer-gap samples STAGE_BASED needs before its target is
             non-zero (each observation is already a mean over many gaps).
+        map_fusion: fuse every stage that may be fused, once, at reset (tf.data's
+            ``OptimizationOptions.map_fusion``, False by default there too).
     """
 
     algorithm: str = "max_parallelism"
@@ -71,6 +80,7 @@ class AutotuneConfig:
     empty_fill: float = 0.05
     adaptive: bool = False
     min_stage_based_gaps: int = 1
+    map_fusion: bool = False
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -160,7 +170,12 @@ class AutotuneTuner:
         self._values = [min(self._hi[i], max(self._lo[i], init)) for i in range(n)]
         self._model_bytes = 0.0
         self.rounds = 0
-        return start if start is not None else self._allocation(obs)
+        self._fused: tuple[bool, ...] = ()
+        if self.config.map_fusion:
+            self._fused = _fuse_maps(obs)
+        if start is not None:
+            return start.replace(fused=self._fused) if self._fused else start
+        return self._allocation(obs)
 
     def step(self, obs: Observation) -> Allocation:
         """Account the interval, run the legacy prefetch rule, optimise when a round is due."""
@@ -188,13 +203,22 @@ class AutotuneTuner:
         if dt <= 0.0:
             dt = 1.0  # a Tunable without a clock: count each observation as one unit of time
         self._last_t = obs.t
+        fused = [s.fused for s in obs.stages]
+        busy = [0.0] * len(obs.stages)
+        for i, s in enumerate(obs.stages):
+            workers = obs.stages[fusion_host(fused, i)].workers
+            # A fused group is one node: its stages' time is its host's self time.
+            busy[fusion_host(fused, i)] += (
+                s.cpu_s_per_item * s.items_per_s * dt
+                if s.cpu_s_per_item > 0
+                else workers * s.busy * dt
+            )
         for i, s in enumerate(obs.stages):
             items = s.items_per_s * dt
-            busy = s.cpu_s_per_item * items if s.cpu_s_per_item > 0 else s.workers * s.busy * dt
-            self._busy_s[i] += busy
+            self._busy_s[i] += busy[i]
             self._elements[i] += items
             if items > 0:
-                self._ema[i] = busy / items  # ~ an EMA over elements with weight 0.1
+                self._ema[i] = busy[i] / items  # ~ an EMA over elements with weight 0.1
         if obs.consumer_step_s > 0:
             self._gaps.append(obs.consumer_step_s)
 
@@ -270,10 +294,24 @@ class AutotuneTuner:
         buffers = [max(self._eb[i], model.stage_bytes(i, self._values[i])) for i in range(n)]
         last = self._prefetch.limit if self.config.legacy_prefetch else self._prefetch_model
         buffers[-1] += last * self._eb[-1]
-        return Allocation(tuple(self._values), tuple(math.ceil(b) for b in buffers))
+        return Allocation(
+            tuple(self._values), tuple(math.ceil(b) for b in buffers), fused=self._fused
+        )
 
     def _ratios(self) -> tuple[float, ...]:
         e = self._elements
         return (0.0,) + tuple(
             e[i - 1] / e[i] if e[i] > 0 and e[i - 1] > 0 else 1.0 for i in range(1, len(e))
         )
+
+
+def _fuse_maps(obs: Observation) -> tuple[bool, ...]:
+    """tf.data's map fusion on our stages: every stage that may be fused now fused, in
+    pipeline order, at most ``MAX_FUSED`` after one host (the hard limits drop the rest)."""
+    fused = [s.fused for s in obs.stages]
+    for j, s in enumerate(obs.stages):
+        if s.fusable and not fused[j]:
+            fused[j] = True
+            if j - fusion_host(fused, j) > MAX_FUSED:
+                fused[j] = False
+    return tuple(fused)

@@ -7,6 +7,7 @@ trained and tested on the simulator and deployed unchanged on a live pipeline.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -243,6 +244,22 @@ class Allocation:
         return dataclasses.replace(self, **changes)
 
 
+def fusion_host(fused: Sequence[bool], j: int) -> int:
+    """The stage whose workers run stage ``j`` when the stages marked in ``fused`` run in the
+    stage before them (``j`` itself unless it is fused)."""
+    while j > 0 and j < len(fused) and fused[j]:
+        j -= 1
+    return j
+
+
+def running_workers(alloc: Allocation) -> tuple[int, ...]:
+    """Workers each stage of ``alloc`` runs as processes: 0 for a fused stage (its
+    ``workers`` entry is its target for when it is split again)."""
+    if not alloc.fused:
+        return alloc.workers
+    return tuple(0 if f else w for w, f in zip(alloc.workers, alloc.fused, strict=True))
+
+
 @dataclass(frozen=True)
 class MemoryParts:
     """:attr:`Observation.memory_used_bytes` split by what holds it.
@@ -262,8 +279,9 @@ class MemoryParts:
 
     def worst_case_bytes(self, alloc: Allocation) -> float:
         """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
-        its stage's workers costs now, plus the fixed part."""
-        workers = sum(w * p for w, p in zip(alloc.workers, self.per_worker_bytes, strict=True))
+        its stage's workers costs now, plus the fixed part. A fused stage runs no workers."""
+        own = running_workers(alloc)
+        workers = sum(w * p for w, p in zip(own, self.per_worker_bytes, strict=True))
         return self.fixed_bytes + workers + sum(alloc.buffer_bytes)
 
 

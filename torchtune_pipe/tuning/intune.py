@@ -18,7 +18,11 @@ One step (:meth:`InTuneTuner.step`) is :meth:`~InTuneTuner.prepare`, a choice, a
 
 **Actions** (``2 + 6 * n_stages``): the no-op; per stage ``+1, -1, +5, -5`` workers, buffer
 up, buffer down (geometric steps of 50 % in whole MiB, at least 1 MiB); last, "plan": every
-stage's workers from the planner. **Reward**
+stage's workers from the planner, and which stages run fused. **Fusion** is the plan's: the
+network was trained before the knob existed and keeps deciding workers and buffers on the
+shape the plan chose (its moves on a fused stage, which has no workers or buffer of its own,
+are masked); re-training it for the knob would cost every weight file for what the plan's
+model already decides (BENCHMARKS.md, "Fusion in the simulator"). **Reward**
 (:func:`~.intune_state.transition_reward`): throughput over a reference, times a factor that
 is 1 up to ``MEMORY_KNEE`` of the memory limit and falls by a smoothstep to 0 at the limit,
 less ``CHANGE_COST`` for a move; ``-1`` on an OOM, which ends the episode. The reference is the
@@ -51,6 +55,7 @@ from .intune_space import (
     Action,
     ActionSpace,
     MemoryModel,
+    changes_workers,
     cpu_cap,
     fit_memory,
     rescale,
@@ -152,6 +157,9 @@ class InTuneTuner:
         learn_every: steps per gradient update while learning (``FINETUNE_LEARN_EVERY``).
         plan_gain: take the planner's allocation without asking the network when it promises
             this share more throughput than measured (None: the network alone decides).
+        fusion: the plan also decides which stages run fused (``planner.plan``); the network
+            keeps deciding workers and buffers on the shape the plan chose. False: stages run
+            as they are.
         seed: seeds exploration and replay sampling.
 
     Example:
@@ -172,12 +180,14 @@ class InTuneTuner:
         reference: Callable[[Observation], float] | None = None,
         learn_every: int = FINETUNE_LEARN_EVERY,
         plan_gain: float | None = PLAN_MIN_GAIN,
+        fusion: bool = True,
         seed: int = 0,
     ) -> None:
         if learn_every < 1:
             raise ValueError(f"InTuneTuner: learn_every must be >= 1, got {learn_every}")
         self.learn_every = learn_every
         self.plan_gain = plan_gain
+        self.fusion = fusion
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
@@ -226,7 +236,7 @@ class InTuneTuner:
         self.memory.update(obs)
         self._last, self._prev, self._taken = None, None, None
         self._before, self._tabu = None, {}
-        self._seen: dict[tuple[int, ...], list[tuple[int, float]]] = {}
+        self._seen: dict[tuple[tuple[int, ...], tuple[bool, ...]], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
         if start is None:
@@ -290,7 +300,9 @@ class InTuneTuner:
         # other CPUs or buffers: the worst case must fit again with the buffers of today.
         current = fit_memory(current, obs, self.memory)
         per_worker, fixed = self.memory.split(obs)
-        planned = plan(obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed)
+        planned = plan(
+            obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed, fusion=self.fusion
+        )
         state = self.encoder.encode(obs, current, self._last, planned)
         mask = self.actions.mask(obs, current, self.memory, planned)
         for index, left in list(self._tabu.items()):
@@ -320,7 +332,7 @@ class InTuneTuner:
         self._taken = index
         self._last = self.actions.decode(index)
         self._alloc = self.actions.apply(p.current, index, p.obs, p.planned)
-        if self._alloc.workers != p.current.workers:
+        if changes_workers(p.current, self._alloc):
             self._before = (p.current, p.obs.throughput)
         return self._alloc
 
@@ -341,18 +353,24 @@ class InTuneTuner:
         if self.encoder.since_rescale == 0:
             self._seen = {}
         now = self.steps
-        seen = self._seen.setdefault(obs.workers, [])
+        # Workers are booked with the shape they ran in: a fused stage runs none of its own.
+        ran = obs.allocation()
+        shape = (ran.workers, ran.fused)
+        seen = self._seen.setdefault(shape, [])
         seen.append((now, obs.throughput))
         for key in list(self._seen):
             self._seen[key] = [(k, x) for k, x in self._seen[key] if now - k < GUARD_WINDOW]
             if not self._seen[key]:
                 del self._seen[key]
         means = {k: sum(x for _, x in v) / len(v) for k, v in self._seen.items() if len(v) >= 2}
-        if not means or obs.workers not in means:
+        if not means or shape not in means:
             return current
         best = max(means, key=means.__getitem__)
-        if means[obs.workers] < (1 - GUARD_DROP) * means[best] and best != current.workers:
-            return current.replace(workers=best)
+        if means[shape] < (1 - GUARD_DROP) * means[best] and best != (
+            current.workers,
+            current.fused,
+        ):
+            return current.replace(workers=best[0], fused=best[1] or (False,) * len(best[0]))
         return current
 
     # -- weights --------------------------------------------------------------------------

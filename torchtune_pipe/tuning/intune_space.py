@@ -92,13 +92,16 @@ class ActionSpace:
         if act.buffer:
             buffers[act.stage] = _buffer_step(buffers[act.stage], act.buffer > 0)
         if obs is not None and act.workers > 0:
-            need = sum(workers) - cpu_cap(obs, Allocation(tuple(workers), tuple(buffers)))
+            need = sum(workers) - cpu_cap(
+                obs, alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
+            )
             for _ in range(max(0, need)):
                 j = idlest_donor(workers, obs, keep=act.stage, below=obs.stages[act.stage].busy)
                 if j is None:
                     break
                 workers[j] -= 1
-        return Allocation(tuple(workers), tuple(buffers))
+        # The stages keep the shape they run in (only the plan changes fusion).
+        return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
 
     def mask(
         self,
@@ -109,12 +112,12 @@ class ActionSpace:
     ) -> torch.Tensor:
         """Bool mask of the actions that keep ``alloc`` within every hard limit.
 
-        The plan action is open when ``planned`` changes the workers (the planner already
-        kept the plan within the CPU and memory budgets).
+        The plan action is open when ``planned`` changes the workers or which stages run
+        fused (the planner already kept the plan within the CPU and memory budgets).
         """
         mask = torch.zeros(self.n, dtype=torch.bool)
         mask[0] = True
-        mask[self.plan_index] = planned is not None and planned.allocation.workers != alloc.workers
+        mask[self.plan_index] = planned is not None and changes_workers(alloc, planned.allocation)
         total_w = sum(alloc.workers)
         limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE
         per_worker, fixed = (memory or MemoryModel()).split(obs)
@@ -125,6 +128,8 @@ class ActionSpace:
         consumer_bound = obs.consumer_step_s * obs.throughput >= CONSUMER_BOUND
         for i, st in enumerate(obs.stages):
             base = 1 + ACTIONS_PER_STAGE * i
+            if st.fused:
+                continue  # no workers and no buffer of its own: nothing to move
             w, b = alloc.workers[i], alloc.buffer_bytes[i]
             for k, dw in enumerate(WORKER_DELTAS):
                 if dw < 0:
@@ -155,6 +160,12 @@ class ActionSpace:
 CONSUMER_BOUND = 0.9
 # A buffer may grow only when at least this share of it is in use.
 BUFFER_GROW_MIN_FILL = 0.5
+
+
+def changes_workers(old: Allocation, new: Allocation) -> bool:
+    """Whether ``new`` runs other workers than ``old``: other counts, or other stages fused."""
+    n = len(old.workers)
+    return old.workers != new.workers or (old.fused or (False,) * n) != (new.fused or (False,) * n)
 
 
 def can_use_workers(st: StageStats) -> bool:
@@ -199,15 +210,15 @@ def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
     """
     f = obs.cpus / max(old_cpus, 1e-9)
     workers = [
-        min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
+        w if st.fused else min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
         for w, st in zip(alloc.workers, obs.stages, strict=True)
-    ]
-    while sum(workers) > cpu_cap(obs, Allocation(tuple(workers), alloc.buffer_bytes)):
+    ]  # a fused stage runs in its host's workers: it has none to rescale
+    while sum(workers) > cpu_cap(obs, alloc.replace(workers=tuple(workers))):
         j = idlest_donor(workers, obs)
         if j is None:
             break
         workers[j] -= 1
-    return Allocation(tuple(workers), alloc.buffer_bytes)
+    return alloc.replace(workers=tuple(workers))
 
 
 class MemoryModel:
@@ -288,4 +299,4 @@ def fit_memory(
             buffers = [max(MiB, b // 2) for b in buffers]
         else:
             break
-    return Allocation(tuple(workers), tuple(buffers))
+    return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))

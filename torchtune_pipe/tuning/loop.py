@@ -333,7 +333,7 @@ class TuningLoop:
                 "workers": list(alloc.workers),
                 "buffer_bytes": list(alloc.buffer_bytes),
                 "concurrency": list(alloc.concurrency),  # [] : left to the pipeline
-                "fused": list(alloc.fused),  # [] : as it is
+                "fused": list(alloc.fused),  # [] : stages stay as they run
             },
             "applied": applied,
             "step_s": step_s,

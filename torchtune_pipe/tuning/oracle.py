@@ -66,6 +66,7 @@ def oracle_search(
     buffer_bytes: int = 64 * MiB,
     buffer_choices: Sequence[int] | None = None,
     exhaustive_limit: int = 20_000,
+    fused: Sequence[bool] = (),
 ) -> tuple[Allocation, float]:
     """Find the static allocation with the highest ``evaluate`` value.
 
@@ -77,6 +78,8 @@ def oracle_search(
         buffer_bytes: buffer bytes per stage when ``buffer_choices`` is None.
         buffer_choices: per-stage buffer sizes to try (the same for every stage).
         exhaustive_limit: search exhaustively when at most this many worker tuples exist.
+        fused: run these stages fused (``Allocation.fused``): only the other stages' workers
+            are searched and counted (a fused stage's entry stays 1, its target when split).
 
     Returns:
         (best allocation, its value).
@@ -84,6 +87,11 @@ def oracle_search(
     Example:
         >>> alloc, value = oracle_search(sim.evaluate, 4, cpus=16, max_workers=16)
     """
+    if any(fused):
+        return _fused_search(
+            evaluate, n_stages, cpus, max_workers, buffer_bytes, buffer_choices,
+            exhaustive_limit, tuple(bool(f) for f in fused),
+        )  # fmt: skip
     if n_stages < 1 or cpus < n_stages:
         raise ValueError(f"oracle_search(): need cpus >= n_stages >= 1, got {cpus=}, {n_stages=}")
     hi = _bounds(n_stages, max_workers)
@@ -108,12 +116,50 @@ def oracle_search(
     return best
 
 
+def _fused_search(
+    evaluate, n_stages, cpus, max_workers, buffer_bytes, buffer_choices, exhaustive_limit, fused
+) -> tuple[Allocation, float]:
+    """:func:`oracle_search` over the stages that run their own workers under ``fused``."""
+    if len(fused) != n_stages:
+        raise ValueError(f"oracle_search(): fused has {len(fused)} stages, not {n_stages}")
+    own = [i for i in range(n_stages) if not fused[i]]
+    hi = _bounds(n_stages, max_workers)
+
+    def full(a: Allocation) -> Allocation:
+        workers = [1] * n_stages
+        for k, i in enumerate(own):
+            workers[i] = a.workers[k]
+        return Allocation(tuple(workers), (a.buffer_bytes[0],) * n_stages, fused=fused)
+
+    found, value = oracle_search(
+        lambda a: evaluate(full(a)), len(own), cpus, [hi[i] for i in own], buffer_bytes,
+        buffer_choices, exhaustive_limit,
+    )  # fmt: skip
+    return full(found), value
+
+
+def fusion_shapes(fusable: Sequence[bool]) -> list[tuple[bool, ...]]:
+    """The fusion shapes a search tries: every stage split, and every stage in ``fusable``
+    (a shape that may run, e.g. ``SimPipeline.widest_fusion``) fused, then each of those
+    split alone (a stage that pays more split than fused)."""
+    n = len(fusable)
+    shapes = [(False,) * n]
+    if any(fusable):
+        widest = tuple(bool(f) for f in fusable)
+        shapes.append(widest)
+        for j in range(n):
+            if widest[j]:
+                shapes.append(tuple(f and i != j for i, f in enumerate(widest)))
+    return shapes
+
+
 def best_static(
     evaluate: Callable[[Allocation], float],
     n_stages: int,
     cpus: float,
     max_workers: int | Sequence[int],
     factors: Sequence[float] = (1, 2, MAX_OVERSUBSCRIBE),
+    fusion: Sequence[Sequence[bool]] = ((),),
 ) -> tuple[Allocation, float]:
     """The best static allocation on ``cpus`` CPUs among worker totals up to each of
     ``cpus * factors``.
@@ -121,14 +167,23 @@ def best_static(
     The hard limits let tuners run more workers than cores (up to ``MAX_OVERSUBSCRIBE`` per
     core when stages wait on I/O or on their neighbours), so the yardstick searches those
     totals too: one tuners could beat would measure nothing. One search per total: a search
-    started far past the memory limit sees only zeros around it and cannot climb.
+    started far past the memory limit sees only zeros around it and cannot climb. With
+    ``fusion`` (shapes, e.g. :func:`fusion_shapes`), one search per shape and total, counting
+    only the workers that run.
 
     Returns:
         (best allocation, its value).
     """
     return max(
         (
-            oracle_search(evaluate, n_stages, max(n_stages, int(cpus * f)), max_workers)
+            oracle_search(
+                evaluate,
+                n_stages,
+                max(n_stages - sum(map(bool, shape)), int(cpus * f)),
+                max_workers,
+                fused=shape,
+            )
+            for shape in fusion
             for f in factors
         ),
         key=lambda found: found[1],

@@ -32,6 +32,23 @@ headroom absorbs noise and heavy-tailed items), each charged the CPU it would us
 is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
 than the consumer takes items.
+
+Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host
+and the stages fused into it) is planned as one stage with the host's workers, costing the sum
+of its members' ``g_i`` and ``u_i``, charged the highest floor among them. The observation does
+not measure hops, so the plan takes ``HOP_S_PER_ITEM`` of CPU (and worker time) per item per
+channel crossed: a stage whose output stops crossing one (its next stage fused) saves it, and
+one that starts crossing pays it. From every stage split, in pipeline order, a stage that may
+be fused (``StageStats.fusable``, or fused now) is fused when the model gains more than
+``FUSE_MIN_GAIN`` by it, or when it is cheap (its own CPU per item at most ``CHEAP_HOPS``
+hops) and loses nothing; else it runs split. So cheap stages are fused (the hop is a third or
+more of their cost, and on a few cores each split stage keeps a worker charged at least its
+floor), expensive ones split (the hop is noise next to their cost, and a split stage keeps its
+own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
+split, and nothing is fused into a host that waits on I/O: a fused stage runs one call at a time
+in its host's workers, and a group that both waits and computes is one the plan's per-stage
+split of wait and CPU time misjudges (in the held-out simulations, fusing a UDF into a remote
+read made the plan split it again from the fused measurement, and back).
 """
 
 from __future__ import annotations
@@ -39,7 +56,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .base import Allocation, Observation
+from multiproc.stats import MAX_FUSED
+
+from .base import Allocation, Observation, fusion_host
 from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
@@ -47,6 +66,15 @@ HEADROOM = 1.2
 # Share of the memory limit the planned workers and buffers may fill in the worst case.
 MEMORY_SHARE = 0.9
 _BISECT_STEPS = 40
+# CPU seconds an item costs to cross a channel between two stages, the planner's prior (the
+# observation does not measure hops): BENCHMARKS.md measures ~2.5 us per row here.
+HOP_S_PER_ITEM = 2.5e-6
+# A stage is fused only when the model gains more than this by it: a split stage keeps its own
+# workers, calls in flight and buffer, so a tie stays split.
+FUSE_MIN_GAIN = 0.02
+# A stage whose own CPU per item is at most this many hops is cheap: fused whenever that loses
+# nothing (a hop then costs a third or more of what the stage does).
+CHEAP_HOPS = 2.0
 
 
 @dataclass(frozen=True)
@@ -66,8 +94,10 @@ def plan(
     per_worker_bytes: float = 0.0,
     fixed_bytes: float = 0.0,
     headroom: float = HEADROOM,
+    fusion: bool = True,
 ) -> Plan | None:
-    """The worker counts that balance the stages of ``obs`` at the highest feasible rate.
+    """The worker counts (and fusion) that balance the stages of ``obs`` at the highest
+    feasible rate.
 
     Args:
         obs: one measured interval (every stage must have emitted items or be idle).
@@ -75,6 +105,8 @@ def plan(
         per_worker_bytes: memory one more worker costs (see ``intune.MemoryModel``).
         fixed_bytes: memory outside buffers and workers.
         headroom: workers per unit of measured need (>= 1).
+        fusion: choose which fusable stages run fused (module docstring); False keeps the
+            stages as they run.
 
     Returns:
         The plan, or None when the interval measured nothing to plan from.
@@ -91,12 +123,15 @@ def plan(
     io = [is_io_bound(s) for s in obs.stages]
     r = per_delivered(obs)
     g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
+    now = tuple(s.fused for s in obs.stages)
+    # A fused stage's busy time is a share of its host's workers' wall time.
+    hosts = [obs.workers[fusion_host(now, i)] for i in range(n)]
 
     def per_item(share: list[float]) -> list[float]:
         # Worker seconds per delivered item that each stage's workers spent in ``share``.
         return [
             w * share[i] / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
-            for i, (w, s) in enumerate(zip(obs.workers, obs.stages, strict=True))
+            for i, (w, s) in enumerate(zip(hosts, obs.stages, strict=True))
         ]
 
     a = per_item([s.busy for s in obs.stages])
@@ -110,48 +145,179 @@ def plan(
     floor = [charge_floor(s) for s in obs.stages]
     lo = [obs.workers[i] if idle[i] else max(1, s.min_workers) for i, s in enumerate(obs.stages)]
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
-    busy = [i for i in range(n) if not idle[i]]
-
-    def charged(t: float, w: list[int]) -> float:
-        # Each worker is charged the CPU it would use at rate t, at least its stage's floor.
-        return sum(w[i] * max(floor[i], min(1.0, t * g[i] / w[i])) for i in range(n))
-
-    # The fewest workers every stage must run are always allowed: on a machine with fewer
-    # cores than stages they alone may pass the budget.
-    cpus = max(obs.cpus, charged(0.0, lo))
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
-
-    def workers(t: float) -> list[int]:
-        return [min(hi[i], max(lo[i], math.ceil(headroom * t * u[i] - 1e-9))) for i in range(n)]
-
-    def feasible(t: float) -> bool:
-        w = workers(t)
-        return (
-            t * sum(g) <= obs.cpus
-            and charged(t, w) <= cpus + 1e-9
-            and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
-            and sum(w) * per_worker_bytes <= memory_left
-        )
-
-    top = obs.cpus / max(sum(g), 1e-12)
-    top = min(top, min(hi[i] / (headroom * u[i]) for i in busy))
-    if obs.consumer_step_s > 0:
-        top = min(top, 1.0 / obs.consumer_step_s)
-    low, high = 0.0, top
-    if feasible(high):
-        low = high
-    else:
-        for _ in range(_BISECT_STEPS):
-            mid = (low + high) / 2
-            low, high = (mid, high) if feasible(mid) else (low, mid)
-    if low <= 0.0:
+    model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
+    hop = [HOP_S_PER_ITEM * r[i] for i in range(n)]
+    shape = now
+    if fusion and any(s.fusable or s.fused for s in obs.stages):
+        model.allow_split()
+        shape = _fusion_shape(obs, model, hop, io, idle)
+    found = model.solve(shape, now, hop)
+    if found is None:
         return None
-    # The rate the chosen workers support, and no worker beyond what that rate needs (rounding
-    # at the bisection's edge can leave one stage a worker ahead of the others).
-    w = workers(low)
-    rate = min(low, min(w[i] / (headroom * u[i]) for i in busy))
-    now = min(top, min(obs.workers[i] / (headroom * u[i]) for i in busy))
-    return Plan(Allocation(tuple(workers(rate)), alloc.buffer_bytes), rate, now)
+    rate, workers = found
+    fused = shape if any(shape) or any(now) else ()
+    current = model.rate_of(now, obs.workers)
+    return Plan(Allocation(workers, alloc.buffer_bytes, fused=fused), rate, current)
+
+
+def _fusion_shape(
+    obs: Observation, model: _Model, hop: list[float], io: list[bool], idle: list[bool]
+) -> tuple[bool, ...]:
+    """Which stages to fuse (module docstring): from every stage split, in pipeline order, a
+    stage is fused when the model gains more than ``FUSE_MIN_GAIN`` by it, or when it is
+    cheap (its own CPU per item at most ``CHEAP_HOPS`` hops) and fusing loses nothing (the
+    rates tie when the consumer or a bound limits them: the hop's CPU is still saved). Stages
+    that wait on I/O or keep calls in flight, and stages after a host that waits on I/O, stay
+    split."""
+    n, now = len(obs.stages), tuple(s.fused for s in obs.stages)
+    split, _ = model.costs([False] * n, now, hop)
+    # What each stage's own function costs: its cost split, less the hop its output pays.
+    own = [max(0.0, split[i] - hop[i]) for i in range(n)]
+    shape = [False] * n
+    best = model.solve(tuple(shape), now, hop)
+    best_rate = best[0] if best is not None else 0.0
+    for j in range(1, n):
+        s = obs.stages[j]
+        if not (s.fusable or s.fused) or s.concurrency > 1 or idle[j] or idle[j - 1]:
+            continue
+        if io[j] or io[fusion_host(shape, j - 1)]:
+            continue  # a group that waits on I/O and computes: kept apart (module docstring)
+        shape[j] = True
+        host, end = fusion_host(shape, j), j
+        while end + 1 < n and shape[end + 1]:
+            end += 1
+        found = model.solve(tuple(shape), now, hop) if end - host <= MAX_FUSED else None
+        cheap = own[j] <= CHEAP_HOPS * hop[j - 1]
+        if found is not None and (
+            found[0] > (1.0 + FUSE_MIN_GAIN) * best_rate
+            or (cheap and found[0] >= best_rate * (1.0 - 1e-9))
+        ):
+            best_rate = max(best_rate, found[0])
+        else:
+            shape[j] = False
+    return tuple(shape)
+
+
+class _Model:
+    """The fluid model the plan inverts, for any fusion shape (module docstring)."""
+
+    def __init__(self, obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left):
+        self.obs, self.g, self.u, self.floor = obs, g, u, floor
+        self.lo, self.hi, self.idle, self.headroom = lo, hi, idle, headroom
+        self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
+        self.allowance = 0.0  # the least CPU budget every shape gets (see solve)
+
+    def allow_split(self) -> None:
+        """Give every shape the budget the fewest workers of every stage split are charged."""
+        n = len(self.g)
+        self.allowance = sum(max(1, self.lo[i]) * self.floor[i] for i in range(n))
+
+    def costs(self, shape, now, hop) -> tuple[list[float], list[float]]:
+        """CPU and worker seconds per delivered item per stage under ``shape``: a stage whose
+        output stops (starts) crossing a channel saves (pays) a hop."""
+        n = len(shape)
+        g, u = list(self.g), list(self.u)
+        for i in range(n):
+            crosses = i + 1 == n or not shape[i + 1]
+            crossed = i + 1 == n or not now[i + 1]
+            if crosses != crossed:
+                delta = hop[i] if crosses else -hop[i]
+                g[i] = max(0.0, g[i] + delta)
+                u[i] = max(1e-12, u[i] + delta)
+        return g, u
+
+    def groups(self, shape, now, hop):
+        """Per group (host and the stages fused into it): its host, members, CPU and worker
+        seconds per delivered item, charge floor, bounds, and whether it is idle."""
+        g, u = self.costs(shape, now, hop)
+        out = []
+        for h in (i for i in range(len(shape)) if not shape[i]):
+            members = [h]
+            while members[-1] + 1 < len(shape) and shape[members[-1] + 1]:
+                members.append(members[-1] + 1)
+            gg = sum(g[i] for i in members) if len(members) > 1 else g[h]
+            ug = sum(u[i] for i in members) if len(members) > 1 else u[h]
+            fl = max(self.floor[i] for i in members)
+            out.append((h, members, gg, ug, fl, self.lo[h], self.hi[h], self.idle[h]))
+        return out, g, u
+
+    def rate_of(self, shape, workers) -> float:
+        """The rate the model gives ``workers`` (as they run) under ``shape``."""
+        groups, _, _ = self.groups(shape, shape, [0.0] * len(shape))
+        top = self._top(groups)
+        busy = [grp for grp in groups if not grp[7]]
+        return min([top] + [workers[h] / (self.headroom * ug) for h, _, _, ug, *_ in busy])
+
+    def _top(self, groups) -> float:
+        obs = self.obs
+        top = obs.cpus / max(sum(grp[2] for grp in groups), 1e-12)
+        busy = [grp for grp in groups if not grp[7]]
+        if busy:
+            top = min(top, min(hi / (self.headroom * ug) for _, _, _, ug, _, _, hi, _ in busy))
+        if obs.consumer_step_s > 0:
+            top = min(top, 1.0 / obs.consumer_step_s)
+        return top
+
+    def solve(self, shape, now, hop) -> tuple[float, tuple[int, ...]] | None:
+        """The highest feasible rate under ``shape`` and the workers per stage for it (a
+        fused stage's entry is what it would need split), or None."""
+        obs, headroom = self.obs, self.headroom
+        groups, _, u = self.groups(shape, now, hop)
+        gs = [grp[2] for grp in groups]
+        us = [grp[3] for grp in groups]
+        fl = [grp[4] for grp in groups]
+        lo = [grp[5] for grp in groups]
+        hi = [grp[6] for grp in groups]
+        m = len(groups)
+        busy = [k for k in range(m) if not groups[k][7]]
+
+        def charged(t: float, w: list[int]) -> float:
+            # Each worker is charged the CPU it would use at rate t, at least its floor.
+            return sum(w[k] * max(fl[k], min(1.0, t * gs[k] / w[k])) for k in range(m))
+
+        # The fewest workers every stage must run are always allowed: on a machine with
+        # fewer cores than stages they alone may pass the budget. Shapes are compared under
+        # the allowance of every stage split: fewer groups run fewer workers in it, and must
+        # not be charged a tighter budget for it.
+        cpus = max(obs.cpus, charged(0.0, lo), self.allowance)
+
+        def workers(t: float) -> list[int]:
+            return [
+                min(hi[k], max(lo[k], math.ceil(headroom * t * us[k] - 1e-9))) for k in range(m)
+            ]
+
+        def feasible(t: float) -> bool:
+            w = workers(t)
+            return (
+                t * sum(gs) <= obs.cpus
+                and charged(t, w) <= cpus + 1e-9
+                and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
+                and sum(w) * self.per_worker_bytes <= self.memory_left
+            )
+
+        top = self._top(groups)
+        low, high = 0.0, top
+        if feasible(high):
+            low = high
+        else:
+            for _ in range(_BISECT_STEPS):
+                mid = (low + high) / 2
+                low, high = (mid, high) if feasible(mid) else (low, mid)
+        if low <= 0.0:
+            return None
+        # The rate the chosen workers support, and no worker beyond what that rate needs
+        # (rounding at the bisection's edge can leave one stage a worker ahead of the others).
+        w = workers(low)
+        rate = min(low, min(w[k] / (headroom * us[k]) for k in busy))
+        per_group = workers(rate)
+        out = [0] * len(shape)
+        for k, (h, members, *_) in enumerate(groups):
+            out[h] = per_group[k]
+            for j in members[1:]:  # split again, it would need what it does alone
+                need = math.ceil(headroom * rate * u[j] - 1e-9)
+                out[j] = min(self.hi[j], max(self.lo[j], need))
+        return rate, tuple(out)
 
 
 def per_delivered(obs: Observation) -> list[float]:

@@ -11,7 +11,9 @@ From one profiling interval under the starting allocation, each stage's rate per
 the total). The last stage's buffer holds ``ceil(max(N* - N, 0))`` elements by Little's law,
 ``N* = min_latency x t`` in flight and ``N`` the observed concurrency. A stage that waits on
 I/O also gets the workers its measured wall-clock rate per worker needs to reach ``t`` (in
-place of Plumber's disk-bandwidth model). Like Plumber, the plan is
+place of Plumber's disk-bandwidth model). Plumber rewrites parallelism, caching and prefetch,
+never fusion: a pipeline that runs fused stages keeps them, and its LP treats each fused group
+as one node (the host's workers run all of it). Like Plumber, the plan is
 fixed afterwards; ``PlumberTuner(adaptive=True)`` (``plumber-adaptive``) re-solves, with the
 rates of the latest interval, whenever the CPU count changes.
 """
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Allocation, MiB, Observation, is_io_bound
+from .base import Allocation, MiB, Observation, fusion_host, is_io_bound
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +108,22 @@ def workers_from_theta(theta: Sequence[float]) -> tuple[int, ...]:
 
 
 def stage_rates(obs: Observation) -> tuple[float, ...] | None:
-    """Root items/s per core for each stage, from one interval (None if unmeasured)."""
+    """Root items/s per core for each stage, from one interval (None if unmeasured).
+
+    A fused group is one node, as tf.data's fused map is one op: its host's rate covers the
+    CPU of every stage in it, and a fused stage costs nothing of its own (rate inf, theta 0).
+    """
     root = obs.stages[-1].items_per_s
     if root <= 0 or any(s.items_per_s <= 0 for s in obs.stages):
         return None
-    rates = []
-    for s in obs.stages:
-        cpu_s = s.cpu_s_per_item if s.cpu_s_per_item > 0 else s.workers * s.busy / s.items_per_s
-        per_root = cpu_s * s.items_per_s / root  # CPU seconds in this stage per root item
-        rates.append(1.0 / per_root if per_root > 0 else math.inf)
-    return tuple(rates)
+    fused = [s.fused for s in obs.stages]
+    per_root = [0.0] * len(obs.stages)
+    for i, s in enumerate(obs.stages):
+        workers = obs.stages[fusion_host(fused, i)].workers
+        cpu_s = s.cpu_s_per_item if s.cpu_s_per_item > 0 else workers * s.busy / s.items_per_s
+        # CPU seconds in this stage per root item, booked to the node that runs it.
+        per_root[fusion_host(fused, i)] += cpu_s * s.items_per_s / root
+    return tuple(1.0 / c if c > 0 else math.inf for c in per_root)
 
 
 def plan(obs: Observation, cores: float | None = None) -> PlumberPlan | None:
@@ -140,7 +148,7 @@ def plan(obs: Observation, cores: float | None = None) -> PlumberPlan | None:
         # Plumber's disk rule: a stage that waits on I/O needs the parallelism its measured
         # per-worker (wall-clock) rate calls for, not just its CPU share.
         active = 1.0 - s.blocked_in - s.blocked_out
-        if is_io_bound(s) and active > 0 and math.isfinite(t):
+        if is_io_bound(s) and active > 0 and math.isfinite(t) and not s.fused:
             wall_s_per_root = s.workers * active / root  # worker-seconds per root item
             workers[i] = max(workers[i], math.ceil(t * wall_s_per_root - _CEIL_TOL))
     return PlumberPlan(rates, theta, t, tuple(workers), max(0, prefetch))

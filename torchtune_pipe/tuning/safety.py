@@ -2,8 +2,9 @@
 the one place they are applied.
 
 Every decision reaches a pipeline through :class:`Guarded` (the tuning loop, the loader,
-:func:`~.loop.run_episode` for the simulator and pre-training): its ``apply`` runs
-:func:`safe` then :func:`fit_memory` once. Tuners only propose; the masks of the InTune agent
+:func:`~.loop.run_episode` for the simulator and pre-training): its ``apply`` drops the
+fusion requests the pipeline would refuse (:func:`fusable_only`), then runs :func:`safe` and
+:func:`fit_memory` once. Tuners only propose; the masks of the InTune agent
 query :func:`oversubscribe_factor` to avoid proposing what would be cut.
 
 CPU budget (:func:`safe`, :func:`oversubscribe_factor`): the total worker count may reach
@@ -29,6 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from multiproc.stats import MAX_FUSED
+
 from .base import (
     Allocation,
     Limits,
@@ -37,9 +40,11 @@ from .base import (
     StageStats,
     Tunable,
     clamp,
+    fusion_host,
     is_io_bound,
     limits_of,
     memory_parts,
+    running_workers,
 )
 
 LimitsFn = Callable[[Observation], Limits]
@@ -84,7 +89,8 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     """
     if obs.cpus <= 0:
         return 1.0
-    workers = (alloc or obs.allocation()).workers
+    # A fused stage runs in its host's workers: it has none of its own to charge.
+    workers = running_workers(alloc or obs.allocation())
     freed = 0.0
     for stage, w in zip(obs.stages, workers, strict=False):
         freed += w * (1.0 - charge(stage))
@@ -168,12 +174,14 @@ def fit_memory(
     workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
 
     def over() -> bool:
-        return parts.worst_case_bytes(Allocation(tuple(workers), tuple(buffers))) > limit
+        return parts.worst_case_bytes(alloc.replace(workers=workers, buffer_bytes=buffers)) > limit
 
     buffers = [min(b, c) for b, c in zip(buffers, now.buffer_bytes, strict=True)]
     # Worker growth is refused stage by stage, the costliest workers first: one stage whose
     # workers hold a lot (a cache, a shuffle buffer) does not stop the others from growing.
-    grown = [j for j in range(len(workers)) if workers[j] > now.workers[j]]
+    # A fused stage's workers are a target for when it is split again: they hold nothing.
+    fused = alloc.fused or (False,) * len(workers)
+    grown = [j for j in range(len(workers)) if workers[j] > now.workers[j] and not fused[j]]
     for j in sorted(grown, key=lambda k: -parts.per_worker_bytes[k]):
         if not over():
             break
@@ -192,7 +200,7 @@ def fit_memory(
         if floor is None:
             break
         while over():
-            costly = [j for j in range(len(workers)) if workers[j] > floors[j]]
+            costly = [j for j in range(len(workers)) if workers[j] > floors[j] and not fused[j]]
             if not costly:
                 break
             j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
@@ -208,7 +216,41 @@ def within_limits(alloc: Allocation, obs: Observation, limits: Limits | None = N
         ValueError: when ``alloc`` does not have one entry per observed stage.
     """
     limits = limits or limits_of(obs)
+    alloc = fusable_only(alloc, obs)
     return fit_memory(safe(alloc, obs, limits), obs, min_buffer_bytes=limits.min_buffer_bytes)
+
+
+def fusable_only(alloc: Allocation, obs: Observation) -> Allocation:
+    """``alloc`` without the fusion requests the pipeline would refuse.
+
+    A stage may be fused when ``obs`` says it is fused or ``fusable`` now, and the group it
+    joins stays within ``MAX_FUSED`` stages after its host, checked in pipeline order as a
+    pipeline applies them (a live ``set_fused`` raises on any other; the simulator too).
+    A refused request leaves the stage as it runs now; splitting is always allowed. An
+    allocation that leaves fusion open (``fused`` empty) is returned unchanged.
+
+    Raises:
+        ValueError: when ``alloc`` does not have one entry per observed stage.
+    """
+    if not alloc.fused:
+        return alloc
+    _check_stages(alloc, obs, "")
+    state = [s.fused for s in obs.stages]
+    for j, want in enumerate(alloc.fused):
+        if want == state[j]:
+            continue
+        if want:
+            if not obs.stages[j].fusable:
+                continue
+            state[j] = True
+            host, end = fusion_host(state, j), j
+            while end + 1 < len(state) and state[end + 1]:
+                end += 1
+            if end - host > MAX_FUSED:
+                state[j] = False
+                continue
+        state[j] = want
+    return alloc.replace(fused=tuple(state))
 
 
 class Guarded:
