@@ -107,13 +107,26 @@ def test_which_stages_may_fuse_follows_the_live_rule():
         sim.apply(_alloc((1,) * 7, fused=(False, False, True) + (False,) * 4))
 
 
-def test_a_host_runs_at_most_four_stages_after_it():
-    sim = SimPipeline(fusion_like(0), cpus=8, memory_limit_bytes=64 * GiB)
+def test_a_host_runs_at_most_max_fused_stages_after_it():
+    import dataclasses
+
+    from multiproc.stats import MAX_FUSED
+
+    base = fusion_like(0)
+    maps = [st for st in base.stages if st.kind == "map"]
+    chain = [base.stages[0]] + [
+        dataclasses.replace(maps[k % len(maps)], name=f"map{k}") for k in range(MAX_FUSED + 2)
+    ]
+    sim = SimPipeline(
+        dataclasses.replace(base, stages=tuple(chain)), cpus=8, memory_limit_bytes=64 * GiB
+    )
+    n = len(chain)
     widest = sim.widest_fusion()
-    assert widest == (False, True, True, True, True, False, True, False)
-    assert sim.fusable(widest)[5] is False  # a fifth stage in the source's workers
-    with pytest.raises(ValueError, match="at most 4 stages"):
-        sim.apply(_alloc((1,) * 8, fused=(False,) + (True,) * 5 + (False, False)))
+    assert widest == (False,) + (True,) * MAX_FUSED + (False, True)
+    too_long = (False,) + (True,) * (MAX_FUSED + 1) + (False,)
+    assert sim.fusable(widest)[MAX_FUSED + 1] is False  # one more in the source's workers
+    with pytest.raises(ValueError, match=f"at most {MAX_FUSED} stages"):
+        sim.apply(_alloc((1,) * n, fused=too_long))
 
 
 def test_fusion_raises_throughput_in_the_fusion_family_and_the_bound_holds():

@@ -182,9 +182,12 @@ def _chain_of_maps(n: int) -> Observation:
 
 
 def test_map_fusion_is_a_static_rewrite_off_by_default_as_in_tf_data():
-    obs = _chain_of_maps(7)
+    from multiproc.stats import MAX_FUSED
+
+    obs = _chain_of_maps(MAX_FUSED + 3)
     assert AutotuneTuner().reset(obs).fused == ()
     tuner = AutotuneTuner(map_fusion=True)
-    fused = (False, True, True, True, True, False, True)  # at most four in one host
+    # At most MAX_FUSED stages in one host; the next stage hosts the rest.
+    fused = (False,) + (True,) * MAX_FUSED + (False, True)
     assert tuner.reset(obs).fused == fused
     assert tuner.step(obs).fused == fused

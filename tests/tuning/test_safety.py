@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from multiproc.stats import MAX_FUSED
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, memory_parts
 from torchtune_pipe.tuning.safety import (
     MEMORY_SAFE_SHARE,
@@ -132,10 +133,12 @@ def test_the_guard_drops_fusion_the_pipeline_would_refuse():
     want = Allocation((1,) * 4, (MiB,) * 4, fused=(False, True, True, True))
     # Stage 2 may not fuse (stateful, another worker type...): it stays split, the rest fuse.
     assert fusable_only(want, obs).fused == (False, True, False, True)
-    # A host runs at most four stages after it, checked in the order a pipeline applies them.
-    long = _fusion_obs((False,) + (True,) * 6)
-    got = fusable_only(Allocation((1,) * 7, (MiB,) * 7, fused=(False,) + (True,) * 6), long)
-    assert got.fused == (False, True, True, True, True, False, True)
+    # A host runs at most MAX_FUSED stages after it, checked in the order a pipeline applies
+    # them: the next stage stays split and hosts the rest.
+    n = MAX_FUSED + 3
+    long = _fusion_obs((False,) + (True,) * (n - 1))
+    got = fusable_only(Allocation((1,) * n, (MiB,) * n, fused=(False,) + (True,) * (n - 1)), long)
+    assert got.fused == (False,) + (True,) * MAX_FUSED + (False, True)
     # Splitting is always allowed; leaving fusion open stays open.
     fused = _fusion_obs((False, True), fused=(False, True))
     assert fusable_only(Allocation((1, 1), (MiB, MiB), fused=(False, False)), fused).fused == (
