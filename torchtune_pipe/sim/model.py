@@ -52,12 +52,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from multiproc.spec import EXECUTOR_KIND, FUSABLE_INTO, FUSION_HOSTS
-from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
 from multiproc.stats import MAX_FUSED
 from torchtune_pipe.tuning.base import (
     Allocation,
-    MiB,
     Observation,
     StageStats,
     fusion_host,
@@ -66,199 +63,11 @@ from torchtune_pipe.tuning.base import (
 )
 from torchtune_pipe.tuning.concurrency import plan_concurrency
 
+from .fused import FusionRule, can_host
+from .solve import Solver, overlapped
+from .workload import STAGE_KINDS, Drift, StageModel, SteadyState, Workload
+
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
-
-_CONSUMER_CV2 = 0.01  # a training step's time varies little (cv ~0.1)
-_MIN_CV2 = 0.01
-
-
-@dataclass(frozen=True)
-class Drift:
-    """Slow periodic drift of a stage's costs: ``1 + amplitude * sin(2 pi t / period_s + phase)``."""
-
-    period_s: float
-    amplitude: float
-    phase: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.period_s <= 0:
-            raise ValueError(f"Drift: period_s must be > 0, got {self.period_s}")
-        if not 0 <= self.amplitude < 1:
-            raise ValueError(f"Drift: amplitude must be in [0, 1), got {self.amplitude}")
-
-    def factor(self, t: float) -> float:
-        """Cost multiplier at time ``t`` seconds."""
-        return 1.0 + self.amplitude * math.sin(2 * math.pi * t / self.period_s + self.phase)
-
-
-@dataclass(frozen=True)
-class StageModel:
-    """The cost model of one pipeline stage.
-
-    Attributes:
-        name: stage name (unique in a workload).
-        kind: one of ``STAGE_KINDS``.
-        cpu_s_per_item: mean CPU seconds per *input* item.
-        cpu_cv: coefficient of variation of the per-item time (heavy tails: > 1).
-        io_s_per_item: mean CPU-free wait per input item (latency per unit / items per unit,
-            plus bytes / bandwidth).
-        ratio: input items per output item (the batch size for ``"batch"``, else 1).
-        bytes_per_item: size of one output item in bytes.
-        min_workers: lower bound of the worker knob (>= 1).
-        max_workers: upper bound of the worker knob.
-        drift: optional cost drift; a ``(period_s, amplitude[, phase])`` tuple is accepted.
-        resident_bytes: memory the stage holds regardless of its knobs (a shuffle buffer): not
-            its workers' (``StageStats.memory_bytes`` leaves it out), so a tuner or the hard
-            limits see a worker cost what a worker costs.
-        worker_bytes: memory each of the stage's workers holds besides the worker RSS (a cache
-            every worker builds): it grows with the workers, as it does live.
-        max_concurrency: calls in flight per worker the stage allows (1: none). A worker with
-            ``k`` calls in flight overlaps their waits on one core: per input item it costs
-            ``max(c, (c + d) / k)`` seconds of wall time, of which ``c`` are CPU.
-        fusable: the stage's function holds nothing across calls and may run where the stage
-            before it runs; with a ``"map"`` kind after a ``"source"`` or ``"map"`` stage it
-            may then be fused into it, the live rule (``multiproc.spec.fuse_blocker``). False
-            for a map that must keep workers of its own (another worker type).
-    """
-
-    name: str
-    kind: str
-    cpu_s_per_item: float
-    cpu_cv: float = 0.0
-    io_s_per_item: float = 0.0
-    ratio: float = 1.0
-    bytes_per_item: int = 1024
-    min_workers: int = 1
-    max_workers: int = 256
-    drift: Drift | None = None
-    resident_bytes: int = 0
-    max_concurrency: int = 1
-    worker_bytes: int = 0
-    fusable: bool = True
-
-    def __post_init__(self) -> None:
-        where = f"StageModel {self.name!r}"
-        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
-            raise ValueError(f"{where}: max_concurrency must be an int >= 1")
-        if self.kind not in STAGE_KINDS:
-            raise ValueError(f"{where}: kind must be one of {STAGE_KINDS}, got {self.kind!r}")
-        if self.cpu_s_per_item < 0 or self.io_s_per_item < 0:
-            raise ValueError(f"{where}: cpu_s_per_item and io_s_per_item must be >= 0")
-        if self.cpu_s_per_item + self.io_s_per_item <= 0:
-            raise ValueError(f"{where}: a stage must cost some time per item")
-        if self.cpu_cv < 0:
-            raise ValueError(f"{where}: cpu_cv must be >= 0, got {self.cpu_cv}")
-        if self.ratio <= 0:
-            raise ValueError(f"{where}: ratio must be > 0, got {self.ratio}")
-        if self.resident_bytes < 0 or self.worker_bytes < 0:
-            raise ValueError(f"{where}: resident_bytes and worker_bytes must be >= 0")
-        if self.bytes_per_item <= 0:
-            raise ValueError(f"{where}: bytes_per_item must be > 0, got {self.bytes_per_item}")
-        if not 1 <= self.min_workers <= self.max_workers:
-            raise ValueError(
-                f"{where}: need 1 <= min_workers <= max_workers, got "
-                f"{self.min_workers}..{self.max_workers}"
-            )
-        if self.drift is not None and not isinstance(self.drift, Drift):
-            object.__setattr__(self, "drift", Drift(*self.drift))
-
-
-@dataclass(frozen=True)
-class Workload:
-    """A pipeline to simulate: its stages and the machine/consumer around them.
-
-    Attributes:
-        name: workload name.
-        stages: stage models, source first.
-        consumer_step_s: model time per item leaving the pipeline (0: infinitely fast).
-        worker_rss_bytes: memory one worker process costs.
-        worker_start_s: time before a newly added worker produces anything.
-        switch_overhead: fraction of CPU lost per unit of oversubscription.
-        dram_gbps: DRAM copy bandwidth; every output byte is copied once into a channel.
-        cpu_ghz: CPU clock, reported to tuners (costs are given for this machine).
-        initial_buffer_bytes: buffer per stage when no initial allocation is given.
-        hop_s_per_item: CPU seconds an item costs to cross a channel between two stages
-            besides the DRAM copy (framing, encoding and decoding, the router's messages),
-            charged to the producing stage; fusion removes it. 0 where the stage costs already
-            include it (the presets and generated workloads); BENCHMARKS.md measures ~2.5 us
-            per row on this project's machine.
-    """
-
-    name: str
-    stages: tuple[StageModel, ...]
-    consumer_step_s: float = 0.0
-    worker_rss_bytes: int = 150 * MiB
-    worker_start_s: float = 0.5
-    switch_overhead: float = 0.05
-    dram_gbps: float = 20.0
-    cpu_ghz: float = 2.5
-    initial_buffer_bytes: int = 4 * MiB
-    hop_s_per_item: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stages", tuple(self.stages))
-        if not self.stages:
-            raise ValueError(f"Workload {self.name!r}: needs at least one stage")
-        names = [s.name for s in self.stages]
-        if len(set(names)) != len(names):
-            raise ValueError(f"Workload {self.name!r}: stage names must be unique, got {names}")
-        if self.consumer_step_s < 0 or self.worker_rss_bytes < 0 or self.worker_start_s < 0:
-            raise ValueError(
-                f"Workload {self.name!r}: consumer_step_s, worker_rss_bytes and "
-                "worker_start_s must be >= 0"
-            )
-        if self.dram_gbps <= 0:
-            raise ValueError(f"Workload {self.name!r}: dram_gbps must be > 0")
-        if self.hop_s_per_item < 0:
-            raise ValueError(f"Workload {self.name!r}: hop_s_per_item must be >= 0")
-
-
-@dataclass(frozen=True)
-class SteadyState:
-    """The solved steady state of one allocation (see the module docstring).
-
-    ``throughput`` is in items leaving the pipeline per second; ``fill`` is each buffer's mean
-    fill fraction; ``memory_bytes`` counts filled buffers, worker RSS and resident state;
-    ``gap`` is, per buffer, the difference between the line's rate above and below it (in
-    pipeline items per second), the rate at which the buffer fills or drains after a change.
-    Per stage, in pipeline order; a fused stage's buffer is unused (fill, probabilities and
-    gap 0) and its host's entries are its group's output buffer's.
-    """
-
-    throughput: float
-    phi: float
-    busy: tuple[float, ...]
-    fill: tuple[float, ...]
-    p_empty: tuple[float, ...]
-    p_full: tuple[float, ...]
-    memory_bytes: float
-    bottleneck: int
-    gap: tuple[float, ...] = ()
-
-
-def _overlapped(c: Sequence[float], d: Sequence[float], k: Sequence[int]) -> list[float]:
-    """Waits per item once ``k`` calls are in flight per worker: they overlap on one core, so
-    a worker spends ``max(c, (c + d) / k)`` seconds of wall time per item, ``c`` of it CPU."""
-    return [
-        max(0.0, (ci + di) / ki - ci) if ki > 1 else di for ci, di, ki in zip(c, d, k, strict=True)
-    ]
-
-
-def _mm1n(rho: float, n: float) -> tuple[float, float, float, float]:
-    """M/M/1/N queue at load ``rho``: (efficiency, mean fill, P(empty), P(full))."""
-    q = rho if rho <= 1.0 else 1.0 / rho
-    if q > 1.0 - 1e-9:
-        eff, fill, p_lo, p_hi = n / (n + 1), 0.5, 1 / (n + 1), 1 / (n + 1)
-    else:
-        qn = q**n if q > 0 else 0.0
-        denom = 1.0 - qn * q
-        eff = (1.0 - qn) / denom
-        p_lo = (1.0 - q) / denom  # state 0 at load q < 1
-        p_hi = qn * p_lo
-        fill = min(1.0, (q / (1.0 - q) - (n + 1) * qn * q / denom) / n)
-    if rho > 1.0:  # producer faster: mirror image, the buffer sits near full
-        return eff, 1.0 - fill, p_hi, p_lo
-    return eff, fill, p_lo, p_hi
 
 
 def _schedule(value: float | Sequence[tuple[float, float]], what: str) -> tuple[tuple, tuple]:
@@ -289,7 +98,7 @@ class _State:
     last_obs: Observation | None = None
 
 
-class SimPipeline:
+class SimPipeline(Solver, FusionRule):
     """A simulated pipeline implementing :class:`~torchtune_pipe.tuning.base.Tunable`.
 
     Args:
@@ -345,7 +154,7 @@ class SimPipeline:
         self._chain_len = []
         for i, host in enumerate(st):
             k = 0
-            while i + k + 1 < n and k < MAX_FUSED and _can_host(host, st[i + k + 1]):
+            while i + k + 1 < n and k < MAX_FUSED and can_host(host, st[i + k + 1]):
                 k += 1
             self._chain_len.append(k)
         self._d0 = tuple(s.io_s_per_item for s in st)
@@ -401,7 +210,7 @@ class SimPipeline:
         s.prev_workers = running
         c, d = self._costs(t0 + dt / 2, fused)
         calls = self._concurrency(alloc, fused)
-        d = _overlapped(c, d, calls)
+        d = overlapped(c, d, calls)
         if self.noise > 0:
             rng = self._rng
             x_ref = max(s.last_x, 1.0)
@@ -514,7 +323,7 @@ class SimPipeline:
         fused = a.fused or self._s.fused
         at = self._when(t)
         c, d = self._costs(at, fused)
-        d = _overlapped(c, d, self._concurrency(a, fused))
+        d = overlapped(c, d, self._concurrency(a, fused))
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         w = tuple(map(float, running_workers(a.replace(fused=fused))))
         return self._solve(w, a.buffer_bytes, c, d, cpus, fused)
@@ -548,27 +357,6 @@ class SimPipeline:
             fused=fused,
             last_x=0.0,
         )
-
-    def fusable(self, fused: Sequence[bool] | None = None) -> tuple[bool, ...]:
-        """Per stage, whether it may be fused into the stage before it, given the stages fused
-        in ``fused`` (default: now); a fused stage is fusable. The live rule
-        (``multiproc.fusion``): a fusable ``"map"`` after a ``"source"`` or ``"map"``, at most
-        ``MAX_FUSED`` stages run in one host's workers."""
-        state = list(self._s.fused if fused is None else fused)
-        out = []
-        for j in range(self.n_stages):
-            want = list(state)
-            want[j] = True
-            out.append(self._fuse_error(j, want) is None)
-        return tuple(out)
-
-    def widest_fusion(self) -> tuple[bool, ...]:
-        """Every stage that may be fused fused, in pipeline order (the fewest hops)."""
-        fused = [False] * self.n_stages
-        for j in range(1, self.n_stages):
-            fused[j] = True
-            fused[j] = self._fuse_error(j, fused) is None
-        return tuple(fused)
 
     def copy(self) -> SimPipeline:
         """An independent copy, state and noise generator included."""
@@ -615,26 +403,6 @@ class SimPipeline:
         return (
             a if (w == a.workers and b == a.buffer_bytes) else a.replace(workers=w, buffer_bytes=b)
         )
-
-    def _fuse_error(self, j: int, fused: Sequence[bool]) -> str | None:
-        """Why stage ``j`` cannot run fused under ``fused`` (None: it can), as live."""
-        if j == 0:
-            return "the first stage has no stage before it"
-        st = self.workload.stages
-        if not _can_host(st[j - 1], st[j]):
-            return f"stage {st[j].name!r} cannot run in the workers of {st[j - 1].name!r}"
-        host = fusion_host(fused, j - 1)
-        if j - host > self._chain_len[host]:
-            return (
-                f"stage {st[host].name!r} can run at most {self._chain_len[host]} stages after it"
-            )
-        return None
-
-    def _last(self, i: int, fused: Sequence[bool]) -> int:
-        """The last stage of the group hosted by stage ``i`` (``i`` when none is fused)."""
-        while i + 1 < self.n_stages and fused[i + 1]:
-            i += 1
-        return i
 
     def _concurrency(self, a: Allocation, fused: Sequence[bool] = ()) -> tuple[int, ...]:
         st = self.workload.stages
@@ -686,126 +454,3 @@ class SimPipeline:
         if self.noise <= 0 or v <= 0:
             return v
         return max(0.0, v * (1.0 + self.noise * self._rng.gauss(0.0, 1.0)))
-
-    def _solve(self, w, buffers, c, d, cpus, fused) -> SteadyState:
-        n = self.n_stages
-        # The line's stations: each group (a host and the stages fused into it) is one, with
-        # the host's workers and its members' costs per pipeline item; a stage on its own
-        # keeps its per-input-item costs and R, so an unfused line is solved as it always was.
-        hosts = [i for i in range(n) if not fused[i]]
-        lasts = [self._last(i, fused) for i in hosts]
-        R, cn, dn, cv2 = [], [], [], []
-        for h, last in zip(hosts, lasts, strict=True):
-            if h == last:
-                R.append(self._R[h])
-                cn.append(c[h])
-                dn.append(d[h])
-                cv2.append(self._cv2[h])
-                continue
-            group = range(h, last + 1)
-            t = [self._R[i] * (c[i] + d[i]) for i in group]
-            R.append(1.0)
-            cn.append(sum(self._R[i] * c[i] for i in group))
-            dn.append(sum(self._R[i] * d[i] for i in group))
-            # Independent per-item times add: the group's squared cv weighs its members'.
-            cv2.append(
-                sum(ti * ti * self._cv2[i] for ti, i in zip(t, group, strict=True)) / sum(t) ** 2
-            )
-        m = len(hosts)
-        wn = [w[h] for h in hosts]
-        cost = sum(R[k] * cn[k] for k in range(m))
-        x1 = min(self._xc, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
-        x, phi = self._share(wn, R, cn, dn, cpus, cost, x1)
-        if x * cost / phi > cpus:  # more runnable workers than cores: switching overhead
-            runnable = min(x * cost / phi, sum(wn[k] * cn[k] / (cn[k] + dn[k]) for k in range(m)))
-            usable = cpus / (1.0 + self.workload.switch_overhead * max(0.0, runnable / cpus - 1))
-            x, phi = self._share(wn, R, cn, dn, usable, cost, x1)
-        caps = [wn[k] / (R[k] * (cn[k] / phi + dn[k])) for k in range(m)]
-        bottleneck = min(range(m), key=caps.__getitem__)
-        up = list(caps)
-        for k in range(1, m):
-            up[k] = min(up[k], up[k - 1])
-        down = [self._xc] * m
-        for k in range(m - 2, -1, -1):
-            down[k] = min(caps[k + 1], down[k + 1])
-        eff = 1.0
-        fill, p_empty, p_full, gap = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
-        mem = 0.0
-        for k, (h, last) in enumerate(zip(hosts, lasts, strict=True)):
-            gap[h] = abs(up[k] - down[k]) if down[k] < math.inf else up[k]
-            cap = self._capacity(buffers[h], last)
-            r = self._r_next[last]
-            v = (cv2[k] + (cv2[k + 1] if k + 1 < m else _CONSUMER_CV2) / r) / 2
-            n_eff = (cap / r + 2.0) / max(v, _MIN_CV2)
-            e, fill[h], p_empty[h], p_full[h] = _mm1n(
-                up[k] / down[k] if down[k] < math.inf else 0.0, n_eff
-            )
-            eff *= e
-            mem += fill[h] * cap * self._bytes[last]
-        x *= eff
-        host = [fusion_host(fused, i) for i in range(n)]
-        busy = tuple(min(1.0, x * self._R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
-        mem += sum(self._stage_memory(w, i, fused) for i in range(n)) + self._resident
-        return SteadyState(
-            x,
-            phi,
-            busy,
-            tuple(fill),
-            tuple(p_empty),
-            tuple(p_full),
-            mem,
-            hosts[bottleneck],
-            tuple(gap),
-        )
-
-    def _share(self, w, R, c, d, cpus, cost, x1) -> tuple[float, float]:
-        """Throughput and per-worker CPU rate under processor sharing of ``cpus`` cores."""
-        if x1 * cost <= cpus:
-            return x1, 1.0
-        x = cpus / cost
-        # The rate phi at which the slowest station just meets x; others then block part-time.
-        phi = max(
-            (c[k] / (w[k] / (R[k] * x) - d[k]) for k in range(len(w)) if c[k] > 0),
-            default=1.0,
-        )
-        return x, min(1.0, phi)
-
-    def _dead_observation(self, cpus: float, limit: int, used: int | None = None) -> Observation:
-        s, wl = self._s, self.workload
-        running = running_workers(s.alloc.replace(fused=s.fused))
-        fusable = self.fusable(s.fused)
-        stages = tuple(
-            StageStats(
-                name=sm.name,
-                workers=running[i],
-                min_workers=sm.min_workers,
-                max_workers=sm.max_workers,
-                buffer_bytes=s.alloc.buffer_bytes[i],
-                memory_bytes=self._stage_memory(running, i, s.fused),
-                fused=s.fused[i],
-                fusable=fusable[i],
-            )
-            for i, sm in enumerate(wl.stages)
-        )
-        used = int(self._memory(running, s.levels, s.fused)) if used is None else used
-        return Observation(
-            stages=stages,
-            throughput=0.0,
-            cpus=cpus,
-            memory_limit_bytes=limit,
-            memory_used_bytes=used,
-            consumer_step_s=wl.consumer_step_s,
-            dram_gbps=wl.dram_gbps,
-            cpu_ghz=wl.cpu_ghz,
-            t=s.t,
-            oom=True,
-        )
-
-
-def _can_host(host: StageModel, stage: StageModel) -> bool:
-    """Whether ``stage`` may run in the workers of ``host``, the stage before it: the live
-    rule (``multiproc.spec.fuse_blocker``) on the executor kinds the simulator's kinds map to."""
-    kind = EXECUTOR_KIND.get(host.kind)  # type: ignore[call-overload]
-    return (
-        stage.fusable and kind in FUSION_HOSTS and EXECUTOR_KIND.get(stage.kind) in FUSABLE_INTO  # type: ignore[call-overload]
-    )

@@ -1,0 +1,162 @@
+"""The simulator's closed-form steady state: processor sharing over a line of M/M/1/N buffers.
+
+:class:`Solver` is the part of :class:`~torchtune_pipe.sim.model.SimPipeline` that solves one
+interval (see the model's steps 1-4 and 7 in :mod:`torchtune_pipe.sim.model`): stage (or fused
+group) capacities under processor sharing and oversubscription, the buffers' efficiencies and
+fills, and the observation of a pipeline that ran out of memory.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from torchtune_pipe.tuning.base import Observation, StageStats, fusion_host, running_workers
+
+from .workload import SteadyState
+
+_CONSUMER_CV2 = 0.01  # a training step's time varies little (cv ~0.1)
+_MIN_CV2 = 0.01
+
+
+def overlapped(c: Sequence[float], d: Sequence[float], k: Sequence[int]) -> list[float]:
+    """Waits per item once ``k`` calls are in flight per worker: they overlap on one core, so
+    a worker spends ``max(c, (c + d) / k)`` seconds of wall time per item, ``c`` of it CPU."""
+    return [
+        max(0.0, (ci + di) / ki - ci) if ki > 1 else di for ci, di, ki in zip(c, d, k, strict=True)
+    ]
+
+
+def _mm1n(rho: float, n: float) -> tuple[float, float, float, float]:
+    """M/M/1/N queue at load ``rho``: (efficiency, mean fill, P(empty), P(full))."""
+    q = rho if rho <= 1.0 else 1.0 / rho
+    if q > 1.0 - 1e-9:
+        eff, fill, p_lo, p_hi = n / (n + 1), 0.5, 1 / (n + 1), 1 / (n + 1)
+    else:
+        qn = q**n if q > 0 else 0.0
+        denom = 1.0 - qn * q
+        eff = (1.0 - qn) / denom
+        p_lo = (1.0 - q) / denom  # state 0 at load q < 1
+        p_hi = qn * p_lo
+        fill = min(1.0, (q / (1.0 - q) - (n + 1) * qn * q / denom) / n)
+    if rho > 1.0:  # producer faster: mirror image, the buffer sits near full
+        return eff, 1.0 - fill, p_hi, p_lo
+    return eff, fill, p_lo, p_hi
+
+
+class Solver:
+    """Steady-state solver of a simulated pipeline (uses ``self.workload`` and its state)."""
+
+    def _solve(self, w, buffers, c, d, cpus, fused) -> SteadyState:
+        n = self.n_stages
+        # The line's stations: each group (a host and the stages fused into it) is one, with
+        # the host's workers and its members' costs per pipeline item; a stage on its own
+        # keeps its per-input-item costs and R, so an unfused line is solved as it always was.
+        hosts = [i for i in range(n) if not fused[i]]
+        lasts = [self._last(i, fused) for i in hosts]
+        R, cn, dn, cv2 = [], [], [], []
+        for h, last in zip(hosts, lasts, strict=True):
+            if h == last:
+                R.append(self._R[h])
+                cn.append(c[h])
+                dn.append(d[h])
+                cv2.append(self._cv2[h])
+                continue
+            group = range(h, last + 1)
+            t = [self._R[i] * (c[i] + d[i]) for i in group]
+            R.append(1.0)
+            cn.append(sum(self._R[i] * c[i] for i in group))
+            dn.append(sum(self._R[i] * d[i] for i in group))
+            # Independent per-item times add: the group's squared cv weighs its members'.
+            cv2.append(
+                sum(ti * ti * self._cv2[i] for ti, i in zip(t, group, strict=True)) / sum(t) ** 2
+            )
+        m = len(hosts)
+        wn = [w[h] for h in hosts]
+        cost = sum(R[k] * cn[k] for k in range(m))
+        x1 = min(self._xc, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
+        x, phi = self._share(wn, R, cn, dn, cpus, cost, x1)
+        if x * cost / phi > cpus:  # more runnable workers than cores: switching overhead
+            runnable = min(x * cost / phi, sum(wn[k] * cn[k] / (cn[k] + dn[k]) for k in range(m)))
+            usable = cpus / (1.0 + self.workload.switch_overhead * max(0.0, runnable / cpus - 1))
+            x, phi = self._share(wn, R, cn, dn, usable, cost, x1)
+        caps = [wn[k] / (R[k] * (cn[k] / phi + dn[k])) for k in range(m)]
+        bottleneck = min(range(m), key=caps.__getitem__)
+        up = list(caps)
+        for k in range(1, m):
+            up[k] = min(up[k], up[k - 1])
+        down = [self._xc] * m
+        for k in range(m - 2, -1, -1):
+            down[k] = min(caps[k + 1], down[k + 1])
+        eff = 1.0
+        fill, p_empty, p_full, gap = [0.0] * n, [0.0] * n, [0.0] * n, [0.0] * n
+        mem = 0.0
+        for k, (h, last) in enumerate(zip(hosts, lasts, strict=True)):
+            gap[h] = abs(up[k] - down[k]) if down[k] < math.inf else up[k]
+            cap = self._capacity(buffers[h], last)
+            r = self._r_next[last]
+            v = (cv2[k] + (cv2[k + 1] if k + 1 < m else _CONSUMER_CV2) / r) / 2
+            n_eff = (cap / r + 2.0) / max(v, _MIN_CV2)
+            e, fill[h], p_empty[h], p_full[h] = _mm1n(
+                up[k] / down[k] if down[k] < math.inf else 0.0, n_eff
+            )
+            eff *= e
+            mem += fill[h] * cap * self._bytes[last]
+        x *= eff
+        host = [fusion_host(fused, i) for i in range(n)]
+        busy = tuple(min(1.0, x * self._R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
+        mem += sum(self._stage_memory(w, i, fused) for i in range(n)) + self._resident
+        return SteadyState(
+            x,
+            phi,
+            busy,
+            tuple(fill),
+            tuple(p_empty),
+            tuple(p_full),
+            mem,
+            hosts[bottleneck],
+            tuple(gap),
+        )
+
+    def _share(self, w, R, c, d, cpus, cost, x1) -> tuple[float, float]:
+        """Throughput and per-worker CPU rate under processor sharing of ``cpus`` cores."""
+        if x1 * cost <= cpus:
+            return x1, 1.0
+        x = cpus / cost
+        # The rate phi at which the slowest station just meets x; others then block part-time.
+        phi = max(
+            (c[k] / (w[k] / (R[k] * x) - d[k]) for k in range(len(w)) if c[k] > 0),
+            default=1.0,
+        )
+        return x, min(1.0, phi)
+
+    def _dead_observation(self, cpus: float, limit: int, used: int | None = None) -> Observation:
+        s, wl = self._s, self.workload
+        running = running_workers(s.alloc.replace(fused=s.fused))
+        fusable = self.fusable(s.fused)
+        stages = tuple(
+            StageStats(
+                name=sm.name,
+                workers=running[i],
+                min_workers=sm.min_workers,
+                max_workers=sm.max_workers,
+                buffer_bytes=s.alloc.buffer_bytes[i],
+                memory_bytes=self._stage_memory(running, i, s.fused),
+                fused=s.fused[i],
+                fusable=fusable[i],
+            )
+            for i, sm in enumerate(wl.stages)
+        )
+        used = int(self._memory(running, s.levels, s.fused)) if used is None else used
+        return Observation(
+            stages=stages,
+            throughput=0.0,
+            cpus=cpus,
+            memory_limit_bytes=limit,
+            memory_used_bytes=used,
+            consumer_step_s=wl.consumer_step_s,
+            dram_gbps=wl.dram_gbps,
+            cpu_ghz=wl.cpu_ghz,
+            t=s.t,
+            oom=True,
+        )

@@ -1,0 +1,181 @@
+"""What the simulator models: stages, a workload, cost drift, and a solved steady state.
+
+:class:`StageModel` and :class:`Workload` describe a pipeline and the machine it runs on (per
+item CPU and waits, output bytes, variability, worker memory, hop costs); :class:`Drift` makes
+a cost change over time; :class:`SteadyState` is what :class:`~torchtune_pipe.sim.model.
+SimPipeline` solves for an allocation. See :mod:`torchtune_pipe.sim.model` for the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
+from torchtune_pipe.tuning.base import MiB
+
+__all__ = ["Drift", "StageModel", "Workload", "SteadyState", "STAGE_KINDS"]
+
+
+@dataclass(frozen=True)
+class Drift:
+    """Slow periodic drift of a stage's costs: ``1 + amplitude * sin(2 pi t / period_s + phase)``."""
+
+    period_s: float
+    amplitude: float
+    phase: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0:
+            raise ValueError(f"Drift: period_s must be > 0, got {self.period_s}")
+        if not 0 <= self.amplitude < 1:
+            raise ValueError(f"Drift: amplitude must be in [0, 1), got {self.amplitude}")
+
+    def factor(self, t: float) -> float:
+        """Cost multiplier at time ``t`` seconds."""
+        return 1.0 + self.amplitude * math.sin(2 * math.pi * t / self.period_s + self.phase)
+
+
+@dataclass(frozen=True)
+class StageModel:
+    """The cost model of one pipeline stage.
+
+    Attributes:
+        name: stage name (unique in a workload).
+        kind: one of ``STAGE_KINDS``.
+        cpu_s_per_item: mean CPU seconds per *input* item.
+        cpu_cv: coefficient of variation of the per-item time (heavy tails: > 1).
+        io_s_per_item: mean CPU-free wait per input item (latency per unit / items per unit,
+            plus bytes / bandwidth).
+        ratio: input items per output item (the batch size for ``"batch"``, else 1).
+        bytes_per_item: size of one output item in bytes.
+        min_workers: lower bound of the worker knob (>= 1).
+        max_workers: upper bound of the worker knob.
+        drift: optional cost drift; a ``(period_s, amplitude[, phase])`` tuple is accepted.
+        resident_bytes: memory the stage holds regardless of its knobs (a shuffle buffer): not
+            its workers' (``StageStats.memory_bytes`` leaves it out), so a tuner or the hard
+            limits see a worker cost what a worker costs.
+        worker_bytes: memory each of the stage's workers holds besides the worker RSS (a cache
+            every worker builds): it grows with the workers, as it does live.
+        max_concurrency: calls in flight per worker the stage allows (1: none). A worker with
+            ``k`` calls in flight overlaps their waits on one core: per input item it costs
+            ``max(c, (c + d) / k)`` seconds of wall time, of which ``c`` are CPU.
+        fusable: the stage's function holds nothing across calls and may run where the stage
+            before it runs; with a ``"map"`` kind after a ``"source"`` or ``"map"`` stage it
+            may then be fused into it, the live rule (``multiproc.spec.fuse_blocker``). False
+            for a map that must keep workers of its own (another worker type).
+    """
+
+    name: str
+    kind: str
+    cpu_s_per_item: float
+    cpu_cv: float = 0.0
+    io_s_per_item: float = 0.0
+    ratio: float = 1.0
+    bytes_per_item: int = 1024
+    min_workers: int = 1
+    max_workers: int = 256
+    drift: Drift | None = None
+    resident_bytes: int = 0
+    max_concurrency: int = 1
+    worker_bytes: int = 0
+    fusable: bool = True
+
+    def __post_init__(self) -> None:
+        where = f"StageModel {self.name!r}"
+        if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
+            raise ValueError(f"{where}: max_concurrency must be an int >= 1")
+        if self.kind not in STAGE_KINDS:
+            raise ValueError(f"{where}: kind must be one of {STAGE_KINDS}, got {self.kind!r}")
+        if self.cpu_s_per_item < 0 or self.io_s_per_item < 0:
+            raise ValueError(f"{where}: cpu_s_per_item and io_s_per_item must be >= 0")
+        if self.cpu_s_per_item + self.io_s_per_item <= 0:
+            raise ValueError(f"{where}: a stage must cost some time per item")
+        if self.cpu_cv < 0:
+            raise ValueError(f"{where}: cpu_cv must be >= 0, got {self.cpu_cv}")
+        if self.ratio <= 0:
+            raise ValueError(f"{where}: ratio must be > 0, got {self.ratio}")
+        if self.resident_bytes < 0 or self.worker_bytes < 0:
+            raise ValueError(f"{where}: resident_bytes and worker_bytes must be >= 0")
+        if self.bytes_per_item <= 0:
+            raise ValueError(f"{where}: bytes_per_item must be > 0, got {self.bytes_per_item}")
+        if not 1 <= self.min_workers <= self.max_workers:
+            raise ValueError(
+                f"{where}: need 1 <= min_workers <= max_workers, got "
+                f"{self.min_workers}..{self.max_workers}"
+            )
+        if self.drift is not None and not isinstance(self.drift, Drift):
+            object.__setattr__(self, "drift", Drift(*self.drift))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A pipeline to simulate: its stages and the machine/consumer around them.
+
+    Attributes:
+        name: workload name.
+        stages: stage models, source first.
+        consumer_step_s: model time per item leaving the pipeline (0: infinitely fast).
+        worker_rss_bytes: memory one worker process costs.
+        worker_start_s: time before a newly added worker produces anything.
+        switch_overhead: fraction of CPU lost per unit of oversubscription.
+        dram_gbps: DRAM copy bandwidth; every output byte is copied once into a channel.
+        cpu_ghz: CPU clock, reported to tuners (costs are given for this machine).
+        initial_buffer_bytes: buffer per stage when no initial allocation is given.
+        hop_s_per_item: CPU seconds an item costs to cross a channel between two stages
+            besides the DRAM copy (framing, encoding and decoding, the router's messages),
+            charged to the producing stage; fusion removes it. 0 where the stage costs already
+            include it (the presets and generated workloads); BENCHMARKS.md measures ~2.5 us
+            per row on this project's machine.
+    """
+
+    name: str
+    stages: tuple[StageModel, ...]
+    consumer_step_s: float = 0.0
+    worker_rss_bytes: int = 150 * MiB
+    worker_start_s: float = 0.5
+    switch_overhead: float = 0.05
+    dram_gbps: float = 20.0
+    cpu_ghz: float = 2.5
+    initial_buffer_bytes: int = 4 * MiB
+    hop_s_per_item: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stages", tuple(self.stages))
+        if not self.stages:
+            raise ValueError(f"Workload {self.name!r}: needs at least one stage")
+        names = [s.name for s in self.stages]
+        if len(set(names)) != len(names):
+            raise ValueError(f"Workload {self.name!r}: stage names must be unique, got {names}")
+        if self.consumer_step_s < 0 or self.worker_rss_bytes < 0 or self.worker_start_s < 0:
+            raise ValueError(
+                f"Workload {self.name!r}: consumer_step_s, worker_rss_bytes and "
+                "worker_start_s must be >= 0"
+            )
+        if self.dram_gbps <= 0:
+            raise ValueError(f"Workload {self.name!r}: dram_gbps must be > 0")
+        if self.hop_s_per_item < 0:
+            raise ValueError(f"Workload {self.name!r}: hop_s_per_item must be >= 0")
+
+
+@dataclass(frozen=True)
+class SteadyState:
+    """The solved steady state of one allocation (see the module docstring).
+
+    ``throughput`` is in items leaving the pipeline per second; ``fill`` is each buffer's mean
+    fill fraction; ``memory_bytes`` counts filled buffers, worker RSS and resident state;
+    ``gap`` is, per buffer, the difference between the line's rate above and below it (in
+    pipeline items per second), the rate at which the buffer fills or drains after a change.
+    Per stage, in pipeline order; a fused stage's buffer is unused (fill, probabilities and
+    gap 0) and its host's entries are its group's output buffer's.
+    """
+
+    throughput: float
+    phi: float
+    busy: tuple[float, ...]
+    fill: tuple[float, ...]
+    p_empty: tuple[float, ...]
+    p_full: tuple[float, ...]
+    memory_bytes: float
+    bottleneck: int
+    gap: tuple[float, ...] = ()
