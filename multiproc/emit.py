@@ -1,7 +1,7 @@
 """How a worker writes its outputs: into its arena, waiting for room, or inline.
 
 :class:`Emitter` is the part of the worker (``worker._Worker``) that encodes frames
-(:func:`multiproc.channel.encode`), waits for room under its budget (backpressure: see
+(:func:`multiproc.arena.encode`), waits for room under its budget (backpressure: see
 :mod:`multiproc.policy` for when the router lets a frame travel inline), splits a stateful
 stage's outputs into frames, and reports items that do not pickle, naming them.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from . import channel, policy, stats
+from . import arena, policy, stats
 from . import protocol as P
 from .errors import StageError
 from .items import serialized_size, unpicklable
@@ -31,7 +31,7 @@ class Emitter:
         travel inline (``policy``): none of this worker's frames is queued or in flight, or
         nothing else can move. So it counts against the budget as one frame in flight.
         """
-        payload, nbytes = channel.encode(obj, self.alloc, self.seg)
+        payload, nbytes = arena.encode(obj, self.alloc, self.seg)
         if payload is not None:
             return payload, nbytes
         t0 = _ns()
@@ -43,12 +43,12 @@ class Emitter:
                 msg = P.read(self.conn.recv())
                 if type(msg) is P.SpillOk:
                     self.row[stats.SPILLED] += 1
-                    return channel.encode(obj, None, None)
+                    return arena.encode(obj, None, None)
                 if not self._handle_control(msg):
                     self.deferred.append(msg)
                     continue
                 if type(msg) in (P.Free, P.Budget) and nbytes <= self.alloc.limit:
-                    payload, nbytes = channel.encode(obj, self.alloc, self.seg)
+                    payload, nbytes = arena.encode(obj, self.alloc, self.seg)
                     if payload is not None:
                         self._say(P.Unblocked(self.wid))
                         return payload, nbytes

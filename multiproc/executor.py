@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from . import channel, lifetime, policy, pool, stats
+from . import arena, handles, lifetime, policy, stats
 from . import protocol as P
 from . import spec as spec_mod
 from .errors import (
@@ -65,7 +65,7 @@ class Executor(Router, Workers, Fusion, Faults):
         self._stage_bytes = [check_picklable(s) for s in spec.stages]
         if not _swept.is_set():
             _swept.set()
-            stale = channel.sweep_stale_segments()
+            stale = arena.sweep_stale_segments()
             if stale:
                 log.info("removed %d shared-memory segments of dead processes", len(stale))
         # The modules a worker imports to unpickle its stage (the stage functions', and
@@ -85,14 +85,14 @@ class Executor(Router, Workers, Fusion, Faults):
         self._free_slots = list(range(MAX_SLOTS - 1, -1, -1))
         self._wids = itertools.count()
         self._frame_ids = itertools.count()
-        self._workers: dict[int, pool.WorkerHandle] = {}
+        self._workers: dict[int, handles.WorkerHandle] = {}
         self._by_seg: dict[str, int] = {}
         self._seg_refs: collections.Counter = collections.Counter()
         self._segments: set[str] = set()
-        self._cache = channel.MappingCache()
+        self._cache = arena.MappingCache()
         # Everything to give back, reachable by the finalizer from the first resource on: a
         # Ctrl-C anywhere below still releases what was made before it.
-        self._res = pool.Resources(os.getpid(), self._workers, self._segments, self._cache)
+        self._res = handles.Resources(os.getpid(), self._workers, self._segments, self._cache)
         self._finalizer = weakref.finalize(self, self._res.release)
         try:
             self._start()
@@ -307,7 +307,7 @@ class Executor(Router, Workers, Fusion, Faults):
                 payload = self._next_frame(run)
                 if payload is None:
                     return
-                items = channel.decode(payload, self._cache, release)
+                items = arena.decode(payload, self._cache, release)
                 self._delivered_frames += 1
                 for x in items:
                     self._delivered_items += 1
@@ -351,7 +351,7 @@ class Executor(Router, Workers, Fusion, Faults):
         me = weakref.ref(self)
         frees, res = self._sink_frees, self._res
 
-        def release(ref: channel.ShmRef) -> None:
+        def release(ref: arena.ShmRef) -> None:
             # Runs from a finalizer in whatever thread dropped the last reference.
             if me() is None or not lifetime.is_owner(res.pid):
                 return
@@ -396,7 +396,7 @@ class Executor(Router, Workers, Fusion, Faults):
         ex = ref()
         try:
             while ex is not None and not stop.is_set():
-                waitables, handles, timeout = ex._waitables()
+                waitables, live, timeout = ex._waitables()
                 if waitables is None:
                     return
                 del ex  # may run the finalizer here, in this thread: it sets ``stop``
@@ -409,7 +409,7 @@ class Executor(Router, Workers, Fusion, Faults):
                 if stop.is_set():
                     return
                 ex = ref()
-                if ex is None or not ex._on_ready(ready, handles):
+                if ex is None or not ex._on_ready(ready, live):
                     return
         except BaseException as e:  # make the consumer see it instead of hanging
             ex = ref()

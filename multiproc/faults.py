@@ -15,7 +15,7 @@ import pickle
 import time
 from dataclasses import dataclass
 
-from . import pool, stats
+from . import handles, stats
 from .errors import RemoteTraceback, StageError, StageTimeoutError, TooManyErrorsError
 from .frames import Unit
 from .items import short_repr
@@ -66,7 +66,7 @@ class Faults:
             out.append(Busy(self._names[h.stage], h.wid, h.pid, secs, self._work(h, work_id, item)))
         return sorted(out, key=lambda b: -b.seconds)
 
-    def _work(self, h: pool.WorkerHandle, work_id: int, item: int) -> str:
+    def _work(self, h: handles.WorkerHandle, work_id: int, item: int) -> str:
         if not work_id:
             return "its current work"
         held = h.inflight.get(work_id - 1)
@@ -76,7 +76,9 @@ class Faults:
         at = f"item {item - 1} of " if item else ""
         return f"{at}frame {work_id - 1}"
 
-    def _on_skipped(self, h: pool.WorkerHandle, where: str, tname: str, text: str, j: int) -> None:
+    def _on_skipped(
+        self, h: handles.WorkerHandle, where: str, tname: str, text: str, j: int
+    ) -> None:
         """Count a skip of stage ``j`` (on_error='skip', run by worker ``h`` of that stage or
         of its fusion host); log the first; past max_errors, fail the run."""
         s = self.spec.stages[j]
@@ -116,13 +118,13 @@ class Faults:
         exc.worker = h.wid
         return exc
 
-    def _next_deadline_s(self, handles: list) -> float | None:
+    def _next_deadline_s(self, live: list) -> float | None:
         """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
         if not self._timeouts or self._error is not None:
             return None
         now = time.monotonic_ns()
         soonest = None
-        for h in handles:
+        for h in live:
             limit = self._timeouts.get(h.stage)
             if limit is None or not h.inflight:
                 continue

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import channel
+from . import arena
 
 
 class WorkerState(str, enum.Enum):
@@ -89,7 +89,7 @@ def inline_size(payload: Any) -> int:
     if payload[0] != "inline":
         return 0
     size = len(payload[1]) + sum(len(b) for b in payload[2])
-    return size if size <= channel.INLINE_MAX_BYTES else 0
+    return size if size <= arena.INLINE_MAX_BYTES else 0
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pickle
 import reprlib
 
-from . import channel, serialize
+from . import arena, serialize
 
 _short = reprlib.Repr()
 _short.maxstring = _short.maxother = 120
@@ -50,7 +50,7 @@ def unpicklable(items: list) -> dict[int, tuple[str, str, BaseException]]:
 
 def _pickle_error(x) -> BaseException | None:
     try:
-        channel.encode([x], None, None)
+        arena.encode([x], None, None)
         return None
     except Exception as e:
         return e

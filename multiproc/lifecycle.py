@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import channel, policy, pool, stats
+from . import arena, handles, policy, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -37,10 +37,12 @@ class Workers:
         slot = self._free_slots.pop()
         seg_name = f"ttp_{self._tag}_w{wid}"
         size = s.max_buffer_bytes
-        channel.create_segment(seg_name, size)
+        arena.create_segment(seg_name, size)
         self._segments.add(seg_name)
         index = sum(1 for h in self._workers.values() if h.stage == stage)
-        h = pool.WorkerHandle(wid, stage, index, slot, seg_name, thread=s.worker_type == "thread")
+        h = handles.WorkerHandle(
+            wid, stage, index, slot, seg_name, thread=s.worker_type == "thread"
+        )
         self._by_seg[seg_name] = wid
         self._workers[wid] = h
         st.slots.add(slot)
@@ -58,7 +60,7 @@ class Workers:
             self._chains[stage],
         )
         h.start_ns = time.monotonic_ns()
-        pool.start_worker(h, args, self._preload)
+        handles.start_worker(h, args, self._preload)
         if self._depth(stage):
             self._send(h, P.Fuse(self._depth(stage)))
         if self._run is not None:
@@ -67,7 +69,7 @@ class Workers:
             self._send(h, P.Concurrency(st.concurrency))
         self._rebudget(stage)
 
-    def _active(self, stage: int) -> list[pool.WorkerHandle]:
+    def _active(self, stage: int) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring)."""
         return [
             h
@@ -100,7 +102,7 @@ class Workers:
                 self._send(h, P.Retire())
             self._rebudget(stage)
 
-    def _on_gone(self, h: pool.WorkerHandle, died: bool, why: str = "") -> None:
+    def _on_gone(self, h: handles.WorkerHandle, died: bool, why: str = "") -> None:
         """A worker ended: re-deliver what it held; replace it if it died."""
         s = self.spec.stages[h.stage]
         st = self._stages[h.stage]
@@ -159,7 +161,7 @@ class Workers:
             if prev != WS.RETIRING and not self._closed:
                 self._spawn(h.stage)
 
-    def _retire_slot(self, h: pool.WorkerHandle) -> None:
+    def _retire_slot(self, h: handles.WorkerHandle) -> None:
         """Fold a finished worker's counters into its stage's totals and reuse its slot."""
         st = self._stages[h.stage]
         if h.slot not in st.slots:

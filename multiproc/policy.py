@@ -29,7 +29,7 @@ from .frames import WorkerState as WS
 
 
 class WorkerView(Protocol):
-    """What the policies read of a worker (``pool.WorkerHandle`` has these fields)."""
+    """What the policies read of a worker (``handles.WorkerHandle`` has these fields)."""
 
     state: WS
     inflight: dict

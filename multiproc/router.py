@@ -18,7 +18,7 @@ import os
 import pickle
 import time
 
-from . import channel, policy, pool
+from . import arena, handles, policy
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -35,14 +35,14 @@ class Router:
     def _wake(self) -> None:
         self._res.wake()
 
-    def _send(self, h: pool.WorkerHandle, msg) -> None:
+    def _send(self, h: handles.WorkerHandle, msg) -> None:
         h.post(P.wire(msg))
 
     def _maybe_unlink(self, seg: str) -> None:
         wid = self._by_seg.get(seg)
         h = self._workers.get(wid)
         if h is not None and not h.alive() and self._seg_refs[seg] <= 0:
-            channel.remove_segment(seg)
+            arena.remove_segment(seg)
             self._segments.discard(seg)
             self._cache.drop(seg)
             # Consumers still map it; their mapping keeps its pages alive until dropped.
@@ -96,7 +96,7 @@ class Router:
         ):
             self._spill_ok(h)
 
-    def _spill_ok(self, h: pool.WorkerHandle) -> None:
+    def _spill_ok(self, h: handles.WorkerHandle) -> None:
         self._send(h, P.SpillOk())
         h.blocked = False
 
@@ -191,7 +191,7 @@ class Router:
         run.finished = True
         self._cond.notify_all()
 
-    def _on_message(self, h: pool.WorkerHandle, raw: tuple) -> None:
+    def _on_message(self, h: handles.WorkerHandle, raw: tuple) -> None:
         try:
             msg = P.read(raw)
         except ValueError as e:
@@ -240,7 +240,7 @@ class Router:
                 name = self.spec.stages[h.stage].name
                 raise ExecutorError(f"stage {name!r} worker {h.wid} sent {msg!r}")
 
-    def _on_outputs(self, h: pool.WorkerHandle, msg: P.Done | P.Flushed | P.Handoff) -> None:
+    def _on_outputs(self, h: handles.WorkerHandle, msg: P.Done | P.Flushed | P.Handoff) -> None:
         """A frame done, a reducer flushed, or a retiring reducer's items handed back."""
         run = self._run
         i = h.stage
@@ -302,7 +302,7 @@ class Router:
             if len(run.sink) != before:
                 self._cond.notify_all()
 
-    def _take_frees(self, h: pool.WorkerHandle, frees) -> None:
+    def _take_frees(self, h: handles.WorkerHandle, frees) -> None:
         for seg, off in frees or ():
             h.owes.discard((seg, off))
             self._free(seg, off)
@@ -311,16 +311,16 @@ class Router:
         with self._lock:
             if self._closed:
                 return None, [], None
-            handles = [h for h in self._workers.values() if h.alive()]
-            timeout = self._next_deadline_s(handles)
+            live = [h for h in self._workers.values() if h.alive()]
+            timeout = self._next_deadline_s(live)
         waitables = [self._res.wake_r]
-        for h in handles:
+        for h in live:
             waitables.append(h.conn)
             if h.sentinel is not None:
                 waitables.append(h.sentinel)
-        return waitables, handles, timeout
+        return waitables, live, timeout
 
-    def _on_ready(self, ready: list, handles: list) -> bool:
+    def _on_ready(self, ready: list, live: list) -> bool:
         """Handle what woke the router; False when the executor is closed."""
         wake_r = self._res.wake_r
         with self._cond:
@@ -331,8 +331,8 @@ class Router:
                     os.read(wake_r, 65536)
                 except BlockingIOError:
                     pass
-            conn_of = {id(h.conn): h for h in handles}
-            sent_of = {h.sentinel: h for h in handles if h.sentinel is not None}
+            conn_of = {id(h.conn): h for h in live}
+            sent_of = {h.sentinel: h for h in live if h.sentinel is not None}
             dead = []
             for r in ready:
                 if r == wake_r:
@@ -378,7 +378,7 @@ class Router:
                 self._cond.notify_all()
         return True
 
-    def _drain_conn(self, h: pool.WorkerHandle, dead: list) -> None:
+    def _drain_conn(self, h: handles.WorkerHandle, dead: list) -> None:
         try:
             while h.conn.poll():
                 msg = h.conn.recv()
@@ -391,15 +391,15 @@ class Router:
             if h not in dead:
                 dead.append(h)
 
-    def _finish_worker(self, h: pool.WorkerHandle, why: str | None = None) -> None:
+    def _finish_worker(self, h: handles.WorkerHandle, why: str | None = None) -> None:
         if h.state == WS.GONE:
             self._on_gone(h, died=False)
-            pool.stop_worker(h, 1.0)
+            handles.stop_worker(h, 1.0)
             return
         if not h.thread:
             h.proc.join(0.5)
         if why is None:
-            why = pool.describe_exit(h)
+            why = handles.describe_exit(h)
         if h.state == WS.RETIRING and not h.inflight and not h.held:
             self._on_gone(h, died=False)
             return

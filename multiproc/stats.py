@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .channel import Segment
+from .arena import Segment
 
 # Counter columns.
 (

@@ -22,10 +22,10 @@ import traceback
 
 import cloudpickle
 
-from . import channel, concurrency, lifetime, policy, reducers, stats
+from . import arena, concurrency, lifetime, policy, reducers, stats
 from . import protocol as P
+from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
-from .channel import Allocator, MappingCache, Segment
 from .emit import Emitter
 from .items import exc_payload, serialized_size, short_repr
 from .spec import Skipped
@@ -250,7 +250,7 @@ class _Worker(Emitter, Chain):
     def run_frame(self, frame_id, payload, skip: frozenset) -> None:
         t0, c0 = _ns(), _cpu_ns()
         self.chain_ns = self.chain_cpu_ns = 0
-        items = channel.decode(payload, self.cache, self._release)
+        items = arena.decode(payload, self.cache, self._release)
         self.row[stats.FRAMES_IN] += 1
         self.row[stats.ITEMS_IN] += len(items)
         st = self.stage

@@ -122,7 +122,7 @@ def warm_workers(pipeline: StageChain) -> None:
     training script builds its loader, then its model, then iterates."""
     import cloudpickle
 
-    from multiproc import pool
+    from multiproc import handles
     from multiproc.spec import imported_modules
 
     source = getattr(pipeline.source, "dataset", pipeline.source)
@@ -133,7 +133,7 @@ def warm_workers(pipeline: StageChain) -> None:
                 modules += imported_modules(cloudpickle.dumps(st.fn))
             except Exception:
                 pass  # reported, naming the stage, when the executor pickles it
-    pool.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))
+    handles.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))
 
 
 def start_executor(

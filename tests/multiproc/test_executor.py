@@ -20,7 +20,7 @@ from multiproc import (
     SpecError,
     StageSpec,
     WorkerDiedError,
-    channel,
+    arena,
     serialize,
 )
 
@@ -463,7 +463,7 @@ def test_unpicklable_function_names_the_stage():
 
 
 def test_allocator_reuses_and_coalesces():
-    a = channel.Allocator(1 << 16, 1 << 16)
+    a = arena.Allocator(1 << 16, 1 << 16)
     offs = [a.alloc(1000) for _ in range(10)]
     assert None not in offs and len(set(offs)) == 10
     for o in offs[::2]:
@@ -498,17 +498,17 @@ def test_segments_of_dead_processes_are_swept(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     stale = f"ttp_{proc.pid}_0_dead_w0"
-    with open(os.path.join(channel.SHM_DIR, stale), "wb") as f:
+    with open(os.path.join(arena.SHM_DIR, stale), "wb") as f:
         f.write(b"x")
     mine = f"ttp_{os.getpid()}_sweeptest_w0"
-    with open(os.path.join(channel.SHM_DIR, mine), "wb") as f:
+    with open(os.path.join(arena.SHM_DIR, mine), "wb") as f:
         f.write(b"x")
     try:
-        removed = channel.sweep_stale_segments()
+        removed = arena.sweep_stale_segments()
         assert stale in removed and mine not in removed
-        assert not os.path.exists(os.path.join(channel.SHM_DIR, stale))
+        assert not os.path.exists(os.path.join(arena.SHM_DIR, stale))
     finally:
-        os.unlink(os.path.join(channel.SHM_DIR, mine))
+        os.unlink(os.path.join(arena.SHM_DIR, mine))
 
 
 @pytest.mark.skipif(

@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from multiproc import Executor, ExecutorSpec, StageSpec, channel, serialize
+from multiproc import Executor, ExecutorSpec, StageSpec, arena, serialize
 
 from . import _fns, _views
 from ._views import array_views, assert_equal, build, payloads
@@ -62,17 +62,17 @@ def test_a_row_of_a_large_table_sends_the_row_not_the_table():
     assert _sent_bytes(arr[::-1, 3]) < 40_000 * 4 + 1024
 
 
-def _arena_roundtrip(obj, seg: channel.Segment):
-    alloc = channel.Allocator(seg.size, seg.size)
-    payload, _ = channel.encode(obj, alloc, seg)
+def _arena_roundtrip(obj, seg: arena.Segment):
+    alloc = arena.Allocator(seg.size, seg.size)
+    payload, _ = arena.encode(obj, alloc, seg)
     released = []
-    out = channel.decode(payload, channel.MappingCache(), released.append)
+    out = arena.decode(payload, arena.MappingCache(), released.append)
     return out
 
 
 @pytest.fixture
 def segment():
-    seg = channel.Segment(f"ttp_{os.getpid()}_views_test", 64 << 20, create=True)
+    seg = arena.Segment(f"ttp_{os.getpid()}_views_test", 64 << 20, create=True)
     try:
         yield seg
     finally:
@@ -104,8 +104,8 @@ def test_nested_views_roundtrip_inline_and_in_an_arena(segment):
     def check(recipe):
         want = build(recipe)
         # Inline frames (in the control message) and arena frames (in shared memory).
-        inline, _ = channel.encode(want, None, None)
-        assert_equal(channel.decode(inline, channel.MappingCache(), None), want)
+        inline, _ = arena.encode(want, None, None)
+        assert_equal(arena.decode(inline, arena.MappingCache(), None), want)
         assert_equal(_arena_roundtrip(want, segment), want)
 
     check()

@@ -1,4 +1,4 @@
-"""Starting and stopping stage workers.
+"""The router's handle of each worker, and starting and stopping workers.
 
 Worker processes come from a fork server: a clean, single-threaded process started once,
 which forks a child per worker. Forking the (multi-threaded) training process itself is
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
-from . import channel, lifetime
+from . import arena, lifetime
 from . import protocol as P
 from . import worker as _worker
 from .frames import WorkerState
@@ -277,7 +277,7 @@ class Resources:
                 except OSError:
                     pass
         for name in list(self.segments):
-            channel.remove_segment(name)
+            arena.remove_segment(name)
         self.segments.clear()
         self.cache.clear()
         if self.counters is not None:
