@@ -425,9 +425,12 @@ class Loader:
         close the workers."""
         log.info("Loader: reading in the calling thread from now on: %s", why)
         if self.tuning_log:
-            write_event(
-                self.tuning_log, "inline", f"the loader reads in the calling process: {why}"
-            )
+            try:
+                write_event(
+                    self.tuning_log, "inline", f"the loader reads in the calling process: {why}"
+                )
+            except OSError as e:  # the tuning loop has reported the path already
+                log.warning("Loader: cannot write to tuning_log %r: %s", self.tuning_log, e)
         loop, self._tuning = self._tuning, None
         if loop is not None:
             loop.stop(raise_error=False)
