@@ -100,8 +100,11 @@ def test_fuse_and_split_storm_with_killed_workers_delivers_each_item_once():
                     if w.pid
                 ]
                 if pids:
-                    os.kill(rng.choice(pids), signal.SIGKILL)
-                    kills += 1
+                    try:
+                        os.kill(rng.choice(pids), signal.SIGKILL)
+                        kills += 1
+                    except ProcessLookupError:
+                        pass  # a worker of a fused stage that has just retired
     assert kills > 0
     assert sorted(got) == expected()
 
