@@ -21,7 +21,7 @@ from . import protocol as P
 from . import stats
 from .errors import SpecError
 from .frames import WorkerState as WS
-from .spec import FUSABLE_INTO, fuse_blocker
+from .spec import FUSABLE_INTO, fuse_blocker, fusion_host
 
 
 class Fusion:
@@ -85,12 +85,6 @@ class Fusion:
         self._command(("fusion",))
 
     # ---------------------------------------------------------------- router side
-    def _host(self, j: int, fused: list[bool]) -> int:
-        """The stage whose workers run stage ``j`` under ``fused``."""
-        while j > 0 and fused[j]:
-            j -= 1
-        return j
-
     def _fuse_error(self, j: int, fused: list[bool]) -> str | None:
         if j == 0:
             return "the first stage has no stage before it"
@@ -98,7 +92,7 @@ class Fusion:
         why = fuse_blocker(stages[j - 1], stages[j])
         if why is not None:
             return why
-        host = self._host(j - 1, fused)
+        host = fusion_host(fused, j - 1)
         if j - host > self._chain_len[host]:
             return (
                 f"stage {self._names[host]!r} can run at most {self._chain_len[host]} stages "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pickle
 import pickletools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol, get_args
 
@@ -296,6 +296,14 @@ def fuse_blocker(host: StageSpec, stage: StageSpec) -> str | None:
     if host.timeout_s != stage.timeout_s:
         return f"stages {host.name!r} and {stage.name!r} have different timeout_s"
     return None
+
+
+def fusion_host(fused: Sequence[bool], j: int) -> int:
+    """The stage whose workers run stage ``j`` when the stages marked in ``fused`` run in the
+    stage before them (``j`` itself unless it is fused)."""
+    while j > 0 and j < len(fused) and fused[j]:
+        j -= 1
+    return j
 
 
 def check_picklable(stage: StageSpec) -> bytes:

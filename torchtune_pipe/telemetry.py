@@ -25,7 +25,7 @@ import psutil
 from multiproc import Snapshot
 
 from . import memory as _memory
-from .tuning.base import Observation, StageStats, waits_on_io
+from .tuning.base import Observation, StageStats, fusion_host, waits_on_io
 
 log = logging.getLogger(__name__)
 
@@ -203,16 +203,15 @@ def observe(
     dt = dt_ns / 1e9
     before = {s.name: s for s in prev.stages}
     stages = []
+    fused = tuple(s.fused for s in cur.stages)
     for i, s in enumerate(cur.stages):
         p = before.get(s.name)
 
         def d(attr: str, s=s, p=p) -> int:
             return getattr(s, attr) - (getattr(p, attr) if p is not None else 0)
 
-        host = i
-        while host > 0 and cur.stages[host].fused:
-            host -= 1  # a fused stage's time is a share of the workers that run it
-        capacity = dt_ns * max(1, cur.stages[host].workers)
+        # A fused stage's time is a share of the workers that run it.
+        capacity = dt_ns * max(1, cur.stages[fusion_host(fused, i)].workers)
         out = d("items_out")
         ran_ns = max(0, d("busy_ns"))
         # Workers time their whole stage call, which includes waiting for output space: count

@@ -7,9 +7,11 @@ trained and tested on the simulator and deployed unchanged on a live pipeline.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+# One rule for which stage's workers run a fused stage, live and in the simulator.
+from multiproc.spec import fusion_host as fusion_host
 
 MiB = 1 << 20
 
@@ -242,14 +244,6 @@ class Allocation:
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
-
-
-def fusion_host(fused: Sequence[bool], j: int) -> int:
-    """The stage whose workers run stage ``j`` when the stages marked in ``fused`` run in the
-    stage before them (``j`` itself unless it is fused)."""
-    while j > 0 and j < len(fused) and fused[j]:
-        j -= 1
-    return j
 
 
 def running_workers(alloc: Allocation) -> tuple[int, ...]:
