@@ -61,7 +61,7 @@ class Emitter:
     def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list | None:
         """Encode outputs of a stateful stage; None when an error was reported instead."""
         outs = []
-        if frame_items > 1 and items:
+        if frame_items > 1 and len(items) > 1:
             frame_items = policy.frame_items(serialized_size(items[0]), frame_items)
         for i in range(0, len(items), frame_items):
             encoded = self._encode_items(None, items[i : i + frame_items], lambda: "output")

@@ -188,13 +188,15 @@ class _Worker(Emitter, Chain):
                         return
                     continue
                 buf.append(item)
-                if k == 0 and fi > 1 and len(buf) == 1:
-                    fi = policy.frame_items(serialized_size(item), fi)
-                if len(buf) == fi:
-                    if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
+                if k == 0 and fi > 1 and len(buf) == 2:
+                    # Sized from the unit's first item, measured only when a second one comes
+                    # (a unit of one item, e.g. a DataLoader batch, is one frame anyway).
+                    fi = policy.frame_items(serialized_size(buf[0]), fi)
+                while len(buf) >= fi:
+                    frame, buf = buf[:fi], buf[fi:]
+                    if k >= skip_frames and not self._send_unit_frame(unit_id, k, frame, unit):
                         return
                     k += 1
-                    buf = []
                     cell[stats.WORK_ITEM] = k * fi + 1
             if buf:
                 if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
