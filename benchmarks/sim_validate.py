@@ -135,7 +135,8 @@ def fit_stages(
                 "bytes_per_item": int(nbytes),
             }
         )
-    delivered = max(1, cur.delivered_items - prev.delivered_items)
+    # The last stage's items, not the executor's deliveries (those count the end marks too).
+    delivered = max(1, cur.stages[-1].items_out - prev.stages[-1].items_out)
     main_s = main_cpu_s / delivered
     models.append(StageModel("main", "prefetch", max(main_s, 1e-7), max_workers=1))
     fitted.append({"stage": "main", "items_in": delivered, "cpu_ms": main_s * 1e3})

@@ -51,7 +51,7 @@ def _at(i: int | None) -> str:
 
 class Chain:
     """Fused stages run by a worker (see the module docstring). The worker provides
-    ``chain_bytes``, ``chain``, ``index``, ``row``, ``chain_ns``, ``chain_cpu_ns`` and
+    ``chain_bytes``, ``chain``, ``index``, ``row``, ``calls``, ``chain_ns``, ``chain_cpu_ns`` and
     ``_error(work_id, exc, where, depth)``."""
 
     def _chained(self, d: int):
@@ -67,6 +67,7 @@ class Chain:
         """Run the next ``depth`` stages' functions over ``items`` (one call at a time), each
         stage's time, items and errors in its own columns; None when an error stops the run."""
         row = self.row
+        self.calls.take_not_items()  # the host's are counted already
         for d in range(1, depth + 1):
             st = self._chained(d)
             t0, c0 = _ns(), _cpu_ns()
@@ -87,6 +88,8 @@ class Chain:
                 row[stats.fused_col(d, stats.F_CPU_NS)] += cpu
                 self.chain_ns += ns
                 self.chain_cpu_ns += cpu
-            row[stats.fused_col(d, stats.F_ITEMS_OUT)] += len(out)
+            marks = self.calls.take_not_items()  # concurrency.not_an_item: not items
+            row[stats.fused_col(d, stats.F_ITEMS_IN)] -= marks
+            row[stats.fused_col(d, stats.F_ITEMS_OUT)] += len(out) - marks
             items = out
         return items

@@ -49,6 +49,7 @@ class CallPool:
         self.width = 1
         self.set_width(width)
         self.cpu_ns = 0
+        self.not_items = 0  # see not_an_item
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
 
@@ -65,7 +66,10 @@ class CallPool:
         if self.width <= 1 or len(xs) <= 1:
             return [_call(fn, x) for x in xs]
         if self._threads is None:
-            self._threads = ThreadPoolExecutor(self.max_width, thread_name_prefix="multiproc-call")
+            self._threads = ThreadPoolExecutor(
+                self.max_width, thread_name_prefix="multiproc-call", initializer=_install,
+                initargs=(self,),
+            )  # fmt: skip
         # At most ``width`` calls are submitted at once: the executor's own queue would run
         # up to max_width of them.
         out: list[Outcome] = []
@@ -88,6 +92,18 @@ class CallPool:
         stage whose function forwards its work); the worker adds it to its ``cpu_ns``."""
         with self._lock:
             self.cpu_ns += ns
+
+    def add_not_items(self, n: int) -> None:
+        with self._lock:
+            self.not_items += n
+
+    def take_not_items(self) -> int:
+        """Outputs marked by :func:`not_an_item` since the last call (and reset the count)."""
+        if not self.not_items:  # the common case, without the lock
+            return 0
+        with self._lock:
+            n, self.not_items = self.not_items, 0
+        return n
 
     def take_cpu_ns(self) -> int:
         """CPU time of the pool's threads since the last call (and reset it)."""
@@ -117,9 +133,19 @@ def current() -> CallPool:
     return getattr(_local, "pool", _SERIAL)
 
 
+def not_an_item(n: int = 1) -> None:
+    """Say, from a stage function, that ``n`` of the outputs it returns or yields now are
+    bookkeeping travelling with the items (a work unit's end mark, say), not items: the
+    stage's ``items_in``/``items_out`` counters leave them out, so that a stage's items per
+    second count only what it makes. Outside a worker, nothing is counted."""
+    pool = current()
+    if pool is not _SERIAL:
+        pool.add_not_items(n)
+
+
 def _install(pool: CallPool | None) -> None:
     """Make ``pool`` this thread's :func:`current` (done by the worker loop at its start)."""
     _local.pool = pool if pool is not None else _SERIAL
 
 
-__all__ = ["CallPool", "Outcome", "current", "DEFAULT_MAX_CONCURRENCY"]
+__all__ = ["CallPool", "Outcome", "current", "not_an_item", "DEFAULT_MAX_CONCURRENCY"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from . import arena, policy, stats
 from . import protocol as P
 from .errors import StageError
-from .items import serialized_size, unpicklable
+from .items import estimated_size, unpicklable
 
 _ns = time.perf_counter_ns
 
@@ -62,7 +62,7 @@ class Emitter:
         """Encode outputs of a stateful stage; None when an error was reported instead."""
         outs = []
         if frame_items > 1 and len(items) > 1:
-            frame_items = policy.frame_items(serialized_size(items[0]), frame_items)
+            frame_items = policy.frame_items(estimated_size(items[0]), frame_items)
         for i in range(0, len(items), frame_items):
             encoded = self._encode_items(None, items[i : i + frame_items], lambda: "output")
             if encoded is None:

@@ -3,6 +3,7 @@ that does not pickle, named for the error message."""
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import reprlib
 
@@ -15,6 +16,40 @@ _short.maxstring = _short.maxother = 120
 def short_repr(x) -> str:
     """A bounded repr for error messages (a unit may hold a million ids)."""
     return _short.repr(x)
+
+
+# Sizing a frame walks its first item instead of pickling it: pickling a batch of 128 samples
+# (tensor views) only to measure it cost 1.5 ms, twenty times collating them. A long container
+# is measured by its first elements, the rest taken to be alike; an object that is neither a
+# container nor an array is pickled.
+_SAMPLED = 16
+_MAX_DEPTH = 6
+_SCALAR_BYTES = 16
+
+
+def estimated_size(item, depth: int = 0) -> int:
+    """About the serialized size of one item, in bytes, without serializing it: arrays and
+    tensors by their ``nbytes`` (a view's own bytes: that is what travels), strings and bytes
+    by their length, containers by their elements (a long one by its first
+    :data:`_SAMPLED`), anything else by pickling it (:func:`serialized_size`). The same item
+    always gets the same estimate."""
+    t = type(item)
+    if t is int or t is float or t is bool or item is None:
+        return _SCALAR_BYTES
+    if t is str or t is bytes or t is bytearray:
+        return len(item) + _SCALAR_BYTES
+    nbytes = getattr(item, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
+    if type(nbytes) is int:
+        return nbytes + 4 * _SCALAR_BYTES
+    if depth < _MAX_DEPTH and isinstance(item, (list, tuple, dict)):
+        values = item.values() if isinstance(item, dict) else item
+        n = len(values)
+        head = list(itertools.islice(values, _SAMPLED))
+        size = sum(estimated_size(x, depth + 1) for x in head)
+        if isinstance(item, dict):
+            size += sum(estimated_size(k, depth + 1) for k in itertools.islice(item, _SAMPLED))
+        return _SCALAR_BYTES + (size * n // len(head) if head else 0)
+    return serialized_size(item)
 
 
 def serialized_size(item) -> int:

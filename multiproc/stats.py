@@ -133,7 +133,11 @@ class StageSnapshot:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Everything the executor counts, at one instant (``t_ns`` from ``time.monotonic_ns``)."""
+    """Everything the executor counts, at one instant (``t_ns`` from ``time.monotonic_ns``).
+
+    ``delivered_items`` counts every output handed to the consumer, bookkeeping outputs
+    included (``concurrency.not_an_item``); the stages' ``items_out`` leave those out.
+    """
 
     t_ns: int
     stages: tuple[StageSnapshot, ...]

@@ -27,7 +27,7 @@ from . import protocol as P
 from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
 from .emit import Emitter
-from .items import exc_payload, serialized_size, short_repr
+from .items import estimated_size, exc_payload, short_repr
 from .spec import Skipped
 
 log = logging.getLogger(__name__)
@@ -179,6 +179,7 @@ class _Worker(Emitter, Chain):
         cell[stats.WORK_ID] = unit_id + 1
         cell[stats.WORK_ITEM] = 1  # per frame, not per item: a store per item costs ~30 ns
         cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        self.calls.take_not_items()  # none is this unit's
         try:
             for item in self.stage.fn(unit):
                 if type(item) is Skipped:  # the source recovered from a failing item
@@ -191,7 +192,7 @@ class _Worker(Emitter, Chain):
                 if k == 0 and fi > 1 and len(buf) == 2:
                     # Sized from the unit's first item, measured only when a second one comes
                     # (a unit of one item, e.g. a DataLoader batch, is one frame anyway).
-                    fi = policy.frame_items(serialized_size(buf[0]), fi)
+                    fi = policy.frame_items(estimated_size(buf[0]), fi)
                 while len(buf) >= fi:
                     frame, buf = buf[:fi], buf[fi:]
                     if k >= skip_frames and not self._send_unit_frame(unit_id, k, frame, unit):
@@ -230,6 +231,7 @@ class _Worker(Emitter, Chain):
     def _send_unit_frame(self, unit_id, k: int, items: list, unit) -> bool:
         """Commit frame ``k`` of a unit; False when an error was reported instead."""
         made = len(items)
+        marks = self.calls.take_not_items()  # the unit's end mark is not an item
         depth = self.depth
         if depth:
             where = f"work unit {short_repr(unit)}, frame {k}"
@@ -242,8 +244,8 @@ class _Worker(Emitter, Chain):
         if out is None:
             return False
         payload, nbytes, items = out
-        self.row[stats.ITEMS_IN] += made
-        self.row[stats.ITEMS_OUT] += made if depth else len(items)
+        self.row[stats.ITEMS_IN] += made - marks
+        self.row[stats.ITEMS_OUT] += (made if depth else len(items)) - marks
         self.row[stats.BYTES_OUT] += nbytes
         self.row[stats.FRAMES_OUT] += 1
         self._say(P.Emit(self.wid, unit_id, k, payload, len(items), depth))
@@ -291,6 +293,8 @@ class _Worker(Emitter, Chain):
                     return
             del items
             made = len(out)
+            marks = self.calls.take_not_items()
+            self.row[stats.ITEMS_IN] -= marks
             depth = self.depth
             if depth:
                 out = self._run_chain(frame_id, out, depth, f"frame {frame_id}")
@@ -302,7 +306,7 @@ class _Worker(Emitter, Chain):
             payload_out, nbytes, out = encoded
             # Counted once sent (a frame waiting for room is not out yet); what the stage
             # made, or, unfused, what pickled of it.
-            self.row[stats.ITEMS_OUT] += made if depth else len(out)
+            self.row[stats.ITEMS_OUT] += (made if depth else len(out)) - marks
             self.row[stats.BYTES_OUT] += nbytes
             self.row[stats.FRAMES_OUT] += 1
             outs = [(payload_out, len(out))]
@@ -328,6 +332,9 @@ class _Worker(Emitter, Chain):
                     return
                 consumed.setdefault(frame_id, []).append(i)
         del items
+        marks = self.calls.take_not_items()  # passed through at once: in and out now
+        self.row[stats.ITEMS_IN] -= marks
+        self.row[stats.ITEMS_OUT] -= marks
         self._commit_stateful(P.Done, frame_id, ready, consumed)
 
     def _commit_stateful(self, kind: type, frame_id, ready: list, consumed: dict) -> None:

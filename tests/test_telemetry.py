@@ -150,3 +150,47 @@ def test_live_table_renders_and_watch_stops_on_its_event():
     assert (
         watch(observe_twice, interval_s=0.01, stop=stop, console=Console(file=io.StringIO())) >= 1
     )
+
+
+class _Ints:
+    def __len__(self) -> int:
+        return 1000
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def _plus_one(x: int) -> int:
+    return x + 1
+
+
+def test_stage_counters_count_the_users_items_not_the_units_end_marks():
+    # A unit's end travels through every stage like an item; the counters (and the items per
+    # second the tuners read) leave it out: 1000 samples in units of 64, batches of 100.
+    from torchtune_pipe import DataLoader, Pipeline
+
+    loader = (
+        Pipeline.from_source(_Ints(), workers=2)
+        .map(_plus_one, name="fused", fused=True)
+        .map(_plus_one, name="own")
+        .batch(100)
+        .loader(tuner=None)
+    )
+    with loader:
+        assert sum(len(b) for b in loader) == 1000
+        snap = loader.tunable.executor.snapshot()
+    counts = {s.name: (s.items_in, s.items_out) for s in snap.stages}
+    assert counts == {
+        "source": (1000, 1000), "fused": (1000, 1000), "own": (1000, 1000), "batch": (1000, 10)
+    }  # fmt: skip
+    # The drop-in reads a batch per unit: its fetch stage makes one item per batch, not two.
+    # (A worker_init_fn keeps every batch on the workers: no inline fast start.)
+    dl = DataLoader(_Ints(), batch_size=100, num_workers=2, worker_init_fn=_no_init)
+    with dl:
+        assert len(list(dl)) == 10
+        fetch = dl.loader.tunable.executor.snapshot().stages[0]
+    assert (fetch.items_in, fetch.items_out) == (10, 10)
+
+
+def _no_init(worker_id: int) -> None:
+    pass

@@ -1,7 +1,9 @@
 """Tagged items: the stage functions that carry every item's ``(unit, k)`` tag.
 
 An item is ``(unit, k, x)``; a unit's end is ``(unit, -1 - count, None)``; a batch is
-``(-1, ids, x)`` with the tags of its items. The executor runs these wrappers around the
+``(-1, ids, x)`` with the tags of its items. An end travels through every stage like an item
+but is not one: the wrappers mark it (``multiproc.concurrency.not_an_item``), so the stages'
+item counters, and the tuners' items per second, count the user's items only. The executor runs these wrappers around the
 stages' own functions; the :class:`~torchtune_pipe.loader.Loader` strips the tags at the
 consumer and records which items were delivered.
 """
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiproc import Batcher, Shuffler, Skipped
+from multiproc.concurrency import not_an_item
 
 from .errors import PipelineError, StateError
 from .sources import SkippingSource, read_indexed
@@ -72,6 +75,7 @@ class ReadTagged:
                 repeat = (type(e), str(e))
                 yield Skipped(e, f"item {failed}")
                 skip.update(range(failed + 1))  # delivered before it, and itself
+        not_an_item()  # the end mark: the stage's counters leave it out
         yield (work.pos, -1 - count, None)
 
 
@@ -84,6 +88,7 @@ class MapTagged:
     def __call__(self, t: tuple) -> tuple:
         u, k, x = t
         if u >= 0 and k < 0:
+            not_an_item()
             return t
         return (u, k, self.fn(x))
 
@@ -122,6 +127,7 @@ class _PassEnds:
 
     def push(self, tag: Any, t: tuple) -> list:
         if t[0] >= 0 and t[1] < 0:
+            not_an_item()
             return [([tag], t)]
         return self.inner.push(tag, t)
 

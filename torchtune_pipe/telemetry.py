@@ -192,7 +192,7 @@ def observe(
         memory_limit_bytes: memory the pipeline may use (default: what it uses plus what the
             machine and its cgroup leave available, ``machine.memory_available_bytes``).
         consumer_items: items the consumer took at ``prev`` and at ``cur``; throughput is
-            measured from them (default: items the executor delivered).
+            measured from them (default: items the last stage emitted).
         consumer_step_s: the consumer's mean time between ``next()`` calls.
         t: seconds since the pipeline started.
         memory, memory_before: the pipeline's memory read at (about) ``cur`` and at ``prev``
@@ -248,7 +248,7 @@ def observe(
     if consumer_items is not None:
         delivered = consumer_items[1] - consumer_items[0]
     else:
-        delivered = cur.delivered_items - prev.delivered_items
+        delivered = cur.stages[-1].items_out - prev.stages[-1].items_out
     used = sum(s.buffer_used_bytes for s in cur.stages)
     if memory is not None:
         used = memory.used_bytes

@@ -7,10 +7,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from multiproc import Batcher, Executor, ExecutorSpec, StageSpec, policy
 from multiproc.frames import WorkerState as WS
+from multiproc.items import estimated_size, serialized_size
 
 from . import _fns
 
@@ -107,6 +110,19 @@ def test_ordered_delivery_behind_out_of_order_workers_does_not_deadlock(budget):
 )
 def test_frames_of_large_items_hold_few_of_them(item_bytes, most, want):
     assert policy.frame_items(item_bytes, most) == want
+
+
+def test_an_item_is_sized_without_pickling_it_and_always_the_same_way():
+    rows = torch.randn(1000, 32)
+    batch = [(rows[i], torch.tensor(i)) for i in range(128)]  # views of a 128 KB tensor
+    size = estimated_size(batch)
+    # A view travels as its own bytes (32 floats), not its base's.
+    assert 128 * 32 * 4 <= size <= 2 * serialized_size(batch)
+    assert estimated_size(batch) == size
+    big = np.zeros(1 << 20, dtype=np.uint8)
+    assert estimated_size({"x": big, "y": [b"ab"] * 1000}) >= big.nbytes + 2000
+    # An object that is neither a container nor an array is pickled to be measured.
+    assert estimated_size(_fns.Blob(1 << 16)) == serialized_size(_fns.Blob(1 << 16))
 
 
 def test_a_source_of_large_items_frames_them_small_and_a_dead_worker_loses_nothing(tmp_path):
