@@ -265,6 +265,7 @@ class Executor(Router, Workers, Fusion, Faults):
                         queued_frames=queued,
                         per_worker=tuple(rows) if per_worker else (),
                         runq_ns=sum(r.runq_ns for r in rows),
+                        hop_ns=sum(r.hop_ns for r in rows),
                         concurrency=st.concurrency,
                         fused=self._fused[st.index],
                         fusable=fusable[st.index],

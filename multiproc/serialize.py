@@ -89,6 +89,27 @@ def _reduce_tensor(t: torch.Tensor):
     )
 
 
+def _rebuild_small(data: bytearray, dtype: torch.dtype, shape: tuple) -> torch.Tensor:
+    """Inverse of `_reduce_small`: a tensor over the unpickled (writable) bytes, no copy."""
+    flat = torch.frombuffer(data, dtype=dtype)
+    if len(shape) == 1:
+        return flat
+    return flat[0] if not shape else flat.reshape(shape)  # indexing is the cheapest 0-d
+
+
+def _reduce_small(t: torch.Tensor):
+    """A small contiguous tensor (fewer than ``INBAND_MAX_BYTES``, so in-band anyway) as its
+    bytes, dtype and shape: the general path's storage handling costs ~6 us a tensor, which
+    dominates a row of a few small tensors. None where it does not apply."""
+    if t.requires_grad or t.is_conj() or t.is_neg() or not t.is_contiguous():
+        return None
+    try:
+        a = t.numpy()
+    except TypeError:  # a dtype numpy lacks (bfloat16, ...)
+        return None
+    return _rebuild_small, (bytearray(a.data), t.dtype, tuple(t.shape))
+
+
 def _reduce_ndarray(a: np.ndarray):
     """A non-contiguous array (a strided or reversed slice) is compacted once so that its bytes
     travel out of band; numpy itself would pickle it through an in-band ``tobytes()`` copy."""
@@ -109,6 +130,10 @@ class _Pickler(pickle.Pickler):
 
     def reducer_override(self, obj: Any):
         if isinstance(obj, torch.Tensor) and _tensor_is_plain(obj):
+            if 0 < obj.nbytes < INBAND_MAX_BYTES:
+                small = _reduce_small(obj)
+                if small is not None:
+                    return small
             return _reduce_tensor(obj)
         if (
             type(obj) is np.ndarray

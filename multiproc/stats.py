@@ -34,12 +34,13 @@ from .arena import Segment
     IN_FN_SINCE_NS,  # monotonic ns since which the worker runs its function; 0: it does not
     WORK_ID,  # the frame or unit it works on, plus one (0: none)
     WORK_ITEM,  # the item of that frame or unit it is at, plus one
-) = range(17)
+    HOP_NS,  # time decoding input frames and encoding output frames (moving items)
+) = range(18)
 # A worker that also runs the next stages' functions (fusion) counts their work apart, so each
 # stage's totals stay its own: for the stage d after the worker's own (d = 1..MAX_FUSED),
 # columns FUSED + FUSED_WIDTH * (d - 1) + one of these.
 MAX_FUSED = 8
-FUSED = 17
+FUSED = 18
 F_ITEMS_IN, F_ITEMS_OUT, F_BUSY_NS, F_CPU_NS, F_ERRORS = range(5)
 FUSED_WIDTH = 5
 N_COUNTERS = FUSED + MAX_FUSED * FUSED_WIDTH + 3
@@ -92,6 +93,7 @@ class WorkerStats:
     alive_ns: int
     cpu_ns: int = 0
     runq_ns: int = 0
+    hop_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,10 @@ class StageSnapshot:
     ``runq_ns`` is the time its workers were runnable but waiting for a CPU (the kernel's
     run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it).
     ``cpu_ns`` counts the CPU of every thread that ran the stage's calls, so with
-    ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function). A stage
+    ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function).
+    ``hop_ns`` is the time its workers spent decoding their input frames and encoding their
+    output frames: what crossing its channels costs it (0 for a fused stage, whose items do
+    not cross one; its host encodes the group's output). A stage
     whose ``placement`` is not ``"local"`` forwards its work elsewhere (one remote worker per
     local worker); ``cpu_ns`` then includes the remote workers' CPU, as they report it.
     """
@@ -129,6 +134,7 @@ class StageSnapshot:
     fused: bool = False  # runs in the previous stage's workers (multiproc.fusion)
     fusable: bool = False  # set_fused(stage, True) would be accepted now
     placement: str = "local"  # where the function does its work (StageSpec.placement)
+    hop_ns: int = 0  # time decoding inputs and encoding outputs (see the docstring)
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,7 @@ def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats
         alive_ns=max(0, now_ns - int(r[STARTED_NS])) if r[STARTED_NS] else 0,
         cpu_ns=int(r[CPU_NS]),
         runq_ns=int(r[RUNQ_NS]),
+        hop_ns=int(r[HOP_NS]),
     )
 
 

@@ -192,7 +192,8 @@ def observe(
         memory_limit_bytes: memory the pipeline may use (default: what it uses plus what the
             machine and its cgroup leave available, ``machine.memory_available_bytes``).
         consumer_items: items the consumer took at ``prev`` and at ``cur``; throughput is
-            measured from them (default: items the last stage emitted).
+            measured from them (default: outputs the executor delivered, which count a
+            pipeline's bookkeeping outputs too: the loader always passes its own count).
         consumer_step_s: the consumer's mean time between ``next()`` calls.
         t: seconds since the pipeline started.
         memory, memory_before: the pipeline's memory read at (about) ``cur`` and at ``prev``
@@ -234,6 +235,7 @@ def observe(
                 buffer_bytes=s.buffer_budget_bytes,
                 buffer_fill=min(1.0, s.buffer_used_bytes / max(1, s.buffer_budget_bytes)),
                 cpu_s_per_item=cpu_ns / 1e9 / out if out > 0 else 0.0,
+                hop_s_per_item=max(0, d("hop_ns")) / 1e9 / out if out > 0 else 0.0,
                 io_bound=waits_on_io(cpu_ns, busy_ns),
                 idle=out <= 0 and ran_ns == 0 and s.items_out > 0,
                 items_in_per_s=max(0, d("items_in")) / dt,
@@ -248,7 +250,7 @@ def observe(
     if consumer_items is not None:
         delivered = consumer_items[1] - consumer_items[0]
     else:
-        delivered = cur.stages[-1].items_out - prev.stages[-1].items_out
+        delivered = cur.delivered_items - prev.delivered_items
     used = sum(s.buffer_used_bytes for s in cur.stages)
     if memory is not None:
         used = memory.used_bytes

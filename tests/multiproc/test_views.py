@@ -177,3 +177,25 @@ def test_bool_bf16_complex_views_and_empty_tensors():
     ]
     for want in cases:
         assert_equal(serialize.loads(*serialize.dumps(want)), want)
+
+
+def test_small_tensors_arrive_as_writable_copies_with_their_dtype_and_shape():
+    # Tensors under INBAND_MAX_BYTES travel as their bytes (a row of a few small tensors is
+    # the common item); anything that path does not cover takes the general one.
+    table = torch.arange(64, dtype=torch.float64).reshape(8, 8)
+    cases = [
+        table[3],  # a row view at a storage offset
+        torch.tensor(7),  # 0-d
+        torch.arange(12, dtype=torch.int8).reshape(3, 4),
+        torch.tensor([True, False, True]),
+        table[:3, :3].t(),  # small but not contiguous
+        torch.arange(6).bfloat16(),  # a dtype numpy lacks
+        torch.ones(3, requires_grad=True),
+    ]
+    for want in cases:
+        got = serialize.loads(*serialize.dumps(want))
+        assert_equal(got, want)
+        assert got.requires_grad == want.requires_grad
+        if not got.requires_grad:
+            got.zero_()  # writable, and not the sender's memory
+    assert table[3, 0].item() == 24.0

@@ -296,3 +296,27 @@ def test_fit_memory_keeps_some_buffer_before_it_removes_workers():
     tiny = dataclasses.replace(obs, memory_limit_bytes=300 * MiB)
     got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), tiny)
     assert got.workers == (1, 1) and max(got.buffer_bytes) < KEEP_BUFFER_BYTES
+
+
+def test_a_change_of_fusion_is_judged_on_the_interval_after_the_switch():
+    # Six cheap stages whose hops cost more than their functions: the plan fuses them. The
+    # interval of the switch (workers retiring, queued frames finishing) is not judged: the
+    # tuner holds the new shape for it, and the next interval may keep or undo it.
+    def obs_of(alloc: Allocation | None, throughput: float) -> Observation:
+        fused = alloc.fused if alloc is not None and alloc.fused else (False,) * 3
+        stages = tuple(
+            StageStats(f"s{i}", 0 if fused[i] else 1, items_per_s=throughput, busy=0.9,
+                       cpu_s_per_item=30e-6, hop_s_per_item=24e-6, fusable=i > 0,
+                       fused=fused[i])
+            for i in range(3)
+        )  # fmt: skip
+        return Observation(stages, throughput, 2.0, 8 * GiB, GiB)
+
+    tuner = InTuneTuner()
+    first = tuner.reset(obs_of(None, 2e4))
+    fusing = tuner.step(obs_of(first, 2e4))
+    assert any(fusing.fused)
+    # The switch's interval measured low: held, not undone.
+    assert tuner.step(obs_of(fusing, 5e3)) == fusing
+    # The interval after measured what the shape gives: it stays.
+    assert any(tuner.step(obs_of(fusing, 4e4)).fused)

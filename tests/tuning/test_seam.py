@@ -74,6 +74,9 @@ def _check_stage(st: StageStats, side: str) -> None:
     assert st.buffer_bytes >= MiB, where
     assert st.cpu_s_per_item >= 0.0 and math.isfinite(st.cpu_s_per_item), where
     assert st.cpu_s_per_item < 1.0, where  # seconds per item, not nanoseconds
+    assert 0.0 <= st.hop_s_per_item < 1.0, where  # seconds per item
+    if st.fused and side == "sim":  # live, also once its own workers finished their queue
+        assert st.hop_s_per_item == 0.0, where  # its items cross no channel
     assert isinstance(st.io_bound, bool) and isinstance(st.idle, bool), where
     assert st.memory_bytes >= 0, where
 
@@ -101,6 +104,7 @@ def _check(obs: Observation, side: str, flowing: bool) -> None:
     if flowing:
         assert obs.throughput > 0.0, side
         assert all(st.items_per_s > 0.0 and st.cpu_s_per_item > 0.0 for st in obs.stages), side
+        assert all(st.hop_s_per_item > 0.0 for st in obs.stages if not st.fused), side
 
 
 def _defaults(obs: Observation) -> dict[str, set[object]]:

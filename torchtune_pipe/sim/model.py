@@ -270,6 +270,7 @@ class SimPipeline(Solver, FusionRule):
                     buffer_bytes=alloc.buffer_bytes[i],
                     buffer_fill=fills[i],
                     cpu_s_per_item=noisy(c[i] * sm.ratio),
+                    hop_s_per_item=0.0 if fused[i] else self._hop_out(i, fused),
                     io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
@@ -403,6 +404,13 @@ class SimPipeline(Solver, FusionRule):
         return (
             a if (w == a.workers and b == a.buffer_bytes) else a.replace(workers=w, buffer_bytes=b)
         )
+
+    def _hop_out(self, i: int, fused: Sequence[bool]) -> float:
+        """Seconds per item stage ``i`` emits that its group's output pays to cross its
+        channel (the host reports it, as live: its workers encode the group's output)."""
+        last = self._last(i, fused)
+        st = self.workload.stages[last]
+        return self._c_out[last] * st.ratio * self._S[last] / self._S[i]
 
     def _concurrency(self, a: Allocation, fused: Sequence[bool] = ()) -> tuple[int, ...]:
         st = self.workload.stages

@@ -204,6 +204,7 @@ class InTuneTuner:
         self._cpus = 0.0
         self._before: tuple[Allocation, float] | None = None
         self._tabu: dict[int, int] = {}
+        self._settling = False  # the last action changed the fusion shape (see step)
         self._last: Action | None = None
         self._prev: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.steps = 0
@@ -236,6 +237,7 @@ class InTuneTuner:
         self.memory.update(obs)
         self._last, self._prev, self._taken = None, None, None
         self._before, self._tabu = None, {}
+        self._settling = False
         self._seen: dict[tuple[tuple[int, ...], tuple[bool, ...]], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
@@ -248,6 +250,12 @@ class InTuneTuner:
         """Observe, learn from the last transition (fine-tuning), pick and apply one action."""
         if self.agent is None or self._alloc is None:
             return self.reset(obs)
+        if self._settling:
+            # The last action changed which stages run fused: the interval since saw workers
+            # retire and start and queued frames finish where they were, not the new shape's
+            # rate. The next interval judges it (and may undo it).
+            self._settling = False
+            return self._alloc
         state, mask = self.prepare(obs)
         if self.agent.training_enabled and self._prev is not None:
             ref = self.encoder.best
@@ -334,6 +342,8 @@ class InTuneTuner:
         self._alloc = self.actions.apply(p.current, index, p.obs, p.planned)
         if changes_workers(p.current, self._alloc):
             self._before = (p.current, p.obs.throughput)
+        ran = tuple(s.fused for s in p.obs.stages)
+        self._settling = (self._alloc.fused or ran) != ran
         return self._alloc
 
     def _ran(self, obs: Observation) -> Allocation:

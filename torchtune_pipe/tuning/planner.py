@@ -35,10 +35,11 @@ than the consumer takes items.
 
 Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host
 and the stages fused into it) is planned as one stage with the host's workers, costing the sum
-of its members' ``g_i`` and ``u_i``, charged the highest floor among them. The observation does
-not measure hops, so the plan takes ``HOP_S_PER_ITEM`` of CPU (and worker time) per item per
-channel crossed: a stage whose output stops crossing one (its next stage fused) saves it, and
-one that starts crossing pays it. From every stage split, in pipeline order, a stage that may
+of its members' ``g_i`` and ``u_i``, charged the highest floor among them. The plan takes a hop of CPU (and worker time) per item
+per channel crossed (:func:`channel_hops`, from the time the stages' workers spend decoding and
+encoding frames, ``StageStats.hop_s_per_item``; ``HOP_S_PER_ITEM`` where nothing measures
+it): a stage whose output stops crossing one (its next stage fused) saves it, and one that
+starts crossing pays it. From every stage split, in pipeline order, a stage that may
 be fused (``StageStats.fusable``, or fused now) is fused when the model gains more than
 ``FUSE_MIN_GAIN`` by it, or when it is cheap (its own CPU per item at most ``CHEAP_HOPS``
 hops) and loses nothing; else it runs split. So cheap stages are fused (the hop is a third or
@@ -66,8 +67,8 @@ HEADROOM = 1.2
 # Share of the memory limit the planned workers and buffers may fill in the worst case.
 MEMORY_SHARE = 0.9
 _BISECT_STEPS = 40
-# CPU seconds an item costs to cross a channel between two stages, the planner's prior (the
-# observation does not measure hops): BENCHMARKS.md measures ~2.5 us per row here.
+# CPU seconds an item costs to cross a channel between two stages, the planner's prior where no
+# stage measures it (StageStats.hop_s_per_item): ~2.5 us per row in the UDF-heavy peers scenario.
 HOP_S_PER_ITEM = 2.5e-6
 # A stage is fused only when the model gains more than this by it: a split stage keeps its own
 # workers, calls in flight and buffer, so a tie stays split.
@@ -147,7 +148,7 @@ def plan(
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
     model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
-    hop = [HOP_S_PER_ITEM * r[i] for i in range(n)]
+    hop = channel_hops(obs, r)
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
         model.allow_split()
@@ -318,6 +319,29 @@ class _Model:
                 need = math.ceil(headroom * rate * u[j] - 1e-9)
                 out[j] = min(self.hi[j], max(self.lo[j], need))
         return rate, tuple(out)
+
+
+def channel_hops(obs: Observation, r: list[float]) -> list[float]:
+    """CPU seconds per delivered item for stage ``i``'s output to cross the channel to stage
+    ``i + 1`` (``hop[i]``), from the measured ``StageStats.hop_s_per_item`` of the two stages
+    it joins (the producer encodes, the consumer decodes: the mean of the two sides' per-item
+    hop time, each side's being about one crossing). A channel that no split stage measures (a
+    stage fused now) takes the median hop per item of the stages that are measured (a chain's
+    items are alike), else the prior ``HOP_S_PER_ITEM``."""
+    stages = obs.stages
+    n = len(stages)
+    own = [s.hop_s_per_item if not s.fused and s.hop_s_per_item > 0 else 0.0 for s in stages]
+    measured = sorted(h for h in own if h > 0)
+    typical = measured[len(measured) // 2] if measured else HOP_S_PER_ITEM
+    hop = []
+    for i in range(n):
+        ends = []
+        if own[i] > 0 and (i + 1 == n or not stages[i + 1].fused):  # encodes its own output
+            ends.append(own[i] * r[i])
+        if i + 1 < n and own[i + 1] > 0:
+            ends.append(own[i + 1] * r[i + 1])
+        hop.append(sum(ends) / len(ends) if ends else typical * r[i])
+    return hop
 
 
 def per_delivered(obs: Observation) -> list[float]:
