@@ -189,27 +189,15 @@ def build(spec: dict) -> tuple[Callable[[int], Iterator[Any]], Callable[[], None
 def warm_imports(tool: str) -> None:
     """Imports TorchRec (about 8 s on 2 cores) once, before the clock starts, for every tool.
 
-    Forked workers (DataLoader, torchdata.nodes, SPDL) inherit it; torchtune_pipe's executor
-    starts workers from a fork server, which is started here with TorchRec preloaded.
+    Forked workers (DataLoader, torchdata.nodes, SPDL) inherit it, and so do torchtune_pipe's:
+    its fork server is forked from this process when the loader is built, as in a user's
+    script (``multiproc.handles``).
     """
-    import multiprocessing as mp
-    import multiprocessing.forkserver
-
     import torch  # noqa: F401
     from torchrec.datasets.utils import Batch  # noqa: F401
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor  # noqa: F401
 
-    if tool == "torchtune_pipe":
-        preload = [
-            "multiproc.worker",
-            "torch",
-            "numpy",
-            "cloudpickle",
-            "torchrec",
-            "examples.dlrm.pipeline",
-        ]
-        mp.get_context("forkserver").set_forkserver_preload(preload)
-        multiprocessing.forkserver.ensure_running()
+    import examples.dlrm.pipeline  # noqa: F401
 
 
 def consume(spec: dict, clock: Callable[[], float] = time.perf_counter) -> dict:

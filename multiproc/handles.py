@@ -1,9 +1,20 @@
 """The router's handle of each worker, and starting and stopping workers.
 
-Worker processes come from a fork server: a clean, single-threaded process started once,
-which forks a child per worker. Forking the (multi-threaded) training process itself is
-unsafe, and spawning a fresh interpreter per worker costs hundreds of milliseconds of
-imports; forking a server that has already imported torch and this package costs a few.
+Worker processes come from a fork server (multiprocessing's), a single-threaded process
+started once, which forks a child per worker: spawning a fresh interpreter per worker costs
+hundreds of milliseconds of imports, forking a server that has them costs a few.
+
+The server itself is forked from this process the first time it is needed (a loader's
+construction, before the executor starts any thread), not spawned as a new interpreter as
+multiprocessing does: a spawned one imports torch again (a second or more before the first
+worker can start) and holds its own copy of everything it imports (~75 MiB of torch), where a
+forked one shares this process's pages until either writes them, and the workers it forks share
+them too. Only the forking thread lives on in the server; it closes every inherited file
+descriptor but its own, runs nothing of this process but the server loop, and imports what the
+stages need that this process has not imported. ``MULTIPROC_FORKSERVER=spawn`` (read when the
+server starts) keeps multiprocessing's spawned server instead: for a process whose state must
+not be copied at all (e.g. one that holds a CUDA context it cannot have forked; torch refuses
+CUDA in a forked child anyway, as it does in DataLoader workers).
 """
 
 from __future__ import annotations
@@ -13,10 +24,20 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from multiprocessing import forkserver, popen_forkserver, reduction, spawn, util
+from multiprocessing import (
+    connection,
+    forkserver,
+    popen_forkserver,
+    reduction,
+    resource_tracker,
+    spawn,
+    util,
+)
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
 from . import arena, lifetime
@@ -48,13 +69,73 @@ def context(preload: tuple[str, ...] = ()):
 
 
 def warm(preload: tuple[str, ...] = ()) -> None:
-    """Start the fork server now, with ``preload`` (see :func:`context`): it imports torch and
-    those modules in its own process while the caller goes on, so the first workers start
-    without waiting for them. Does nothing once the server runs."""
-    from multiprocessing import forkserver
+    """Start the fork server now, with ``preload`` (see :func:`context`), so the first workers
+    start without waiting for it. Does nothing once the server runs."""
+    ensure_server(preload)
 
-    context(preload)
-    forkserver.ensure_running()
+
+SPAWN_ENV = "MULTIPROC_FORKSERVER"
+
+
+def ensure_server(preload: tuple[str, ...] = ()) -> None:
+    """Make sure the fork server runs: forked from this process (module docstring), or
+    multiprocessing's spawned one under ``MULTIPROC_FORKSERVER=spawn``."""
+    ctx = context(preload)
+    if os.environ.get(SPAWN_ENV, "").lower() == "spawn":
+        forkserver.ensure_running()
+        return
+    fs = forkserver._forkserver
+    with fs._lock:
+        resource_tracker.ensure_running()  # one tracker, shared with the workers
+        if fs._forkserver_pid is not None:
+            pid, _ = os.waitpid(fs._forkserver_pid, os.WNOHANG)
+            if not pid:
+                return  # still running
+            os.close(fs._forkserver_alive_fd)  # it died: start another
+            fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+        modules = [m for m in fs._preload_modules if m not in sys.modules]
+        del ctx
+        with socket.socket(socket.AF_UNIX) as listener:
+            address = connection.arbitrary_address("AF_UNIX")
+            listener.bind(address)
+            if not util.is_abstract_socket_namespace(address):
+                os.chmod(address, 0o600)
+            listener.listen()
+            # Every client owns the write end of "alive"; the server ends when all are gone.
+            alive_r, alive_w = os.pipe()
+            try:
+                pid = os.fork()
+                if pid == 0:  # the server
+                    code = 1
+                    try:
+                        _close_fds_but((0, 1, 2, listener.fileno(), alive_r))
+                        forkserver.main(listener.fileno(), alive_r, modules)
+                        code = 0
+                    finally:
+                        os._exit(code)
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
+        fs._forkserver_address = address
+        fs._forkserver_alive_fd = alive_w
+        fs._forkserver_pid = pid
+
+
+def _close_fds_but(keep: tuple[int, ...]) -> None:
+    """Close every file descriptor of this process but ``keep`` (a forked server must not
+    hold the parent's pipes and sockets open: their readers would never see them close)."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        fds = list(range(3, os.sysconf("SC_OPEN_MAX")))
+    for fd in fds:
+        if fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
 
 class _NoMainPopen(popen_forkserver.Popen):
@@ -172,6 +253,7 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
         h.pid = os.getpid()
         return
     ctx = context(preload)
+    ensure_server(preload)
     parent, child = ctx.Pipe(duplex=True)
     p = _WorkerProcess(
         target=_worker.worker_main,
@@ -267,15 +349,26 @@ class Resources:
                 h.post(P.wire(P.Exit()))
             h.post(None)  # the sender thread ends after delivering "exit"
         deadline = time.monotonic() + timeout_s
-        for h in list(self.workers.values()):
-            stop_worker(h, max(0.0, deadline - time.monotonic()))
-            if h.sender is not None:
-                h.sender.join(max(0.0, deadline - time.monotonic()))
-            if h.conn is not None:
-                try:
-                    h.conn.close()
-                except OSError:
-                    pass
+        try:
+            for h in list(self.workers.values()):
+                stop_worker(h, max(0.0, deadline - time.monotonic()))
+                if h.sender is not None:
+                    h.sender.join(max(0.0, deadline - time.monotonic()))
+                if h.conn is not None:
+                    try:
+                        h.conn.close()
+                    except OSError:
+                        pass
+        except BaseException:
+            # Interrupted while waiting (Ctrl-C): kill the workers left, then go on below.
+            for h in self.workers.values():
+                if not h.thread and h.proc is not None and h.proc.is_alive():
+                    h.proc.kill()
+            raise
+        finally:
+            self._remove_shared()
+
+    def _remove_shared(self) -> None:
         for name in list(self.segments):
             arena.remove_segment(name)
         self.segments.clear()

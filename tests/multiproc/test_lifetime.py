@@ -125,3 +125,39 @@ def test_an_unreferenced_executor_stops_its_workers():
         assert not alive, f"workers of a dropped executor still run: {alive}"
     finally:
         gc.enable()
+
+
+_SERVER = """
+import os, sys
+import xml.dom.minidom  # imported by this process only, after startup
+from multiproc import Executor, ExecutorSpec, StageSpec
+from multiproc import handles
+
+def read(unit):
+    yield from range(*unit)
+
+def imported(x):
+    return "xml.dom.minidom" in sys.modules
+
+r, w = os.pipe()  # a pipe of this process's: the server must not keep its write end open
+handles.warm()
+os.close(w)
+os.set_blocking(r, False)
+try:
+    eof = os.read(r, 1) == b""
+except BlockingIOError:
+    eof = False  # someone still holds the write end
+with Executor(ExecutorSpec((StageSpec("read", "source", read, workers=1),
+                            StageSpec("check", "map", imported, workers=1)))) as ex:
+    print(set(ex.run([(0, 3)])), eof, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode, inherits", [("", True), ("spawn", False)])
+def test_the_fork_server_is_forked_from_its_owner_and_holds_none_of_its_files(mode, inherits):
+    # Forked (the default), the server and its workers have what this process imported
+    # (nothing to import again, pages shared); MULTIPROC_FORKSERVER=spawn starts a clean one.
+    env = f"import os; os.environ['MULTIPROC_FORKSERVER'] = {mode!r}\n"
+    result = _subproc.run(env + _SERVER)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [f"{{{inherits}}}", "True"], result.stdout
