@@ -13,7 +13,9 @@ The messages, both ways, are the classes of :mod:`multiproc.protocol`.
 from __future__ import annotations
 
 import collections
+import ctypes
 import logging
+import multiprocessing as mp
 import os
 import signal
 import sys
@@ -422,6 +424,14 @@ class _Worker(Emitter, Chain):
         self.counters.close(unlink=False)
 
 
+def _trim_heap() -> None:
+    """Return freed heap memory to the system (glibc's ``malloc_trim``; nothing elsewhere)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> None:
     """Entry point of a worker (process target or thread target); a process worker ends
     when the executor's process ``owner_pid`` does, however that one ends."""
@@ -432,8 +442,16 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
         if owner_pid:
             lifetime.die_with_owner(owner_pid)
     w = None
+    wid = args[1] if len(args) > 1 else -1
     try:
         w = _Worker(conn, *args)
+        if not is_thread:
+            # The stage's pickle (a map-style dataset's tensors, say) is garbage once unpickled,
+            # but the process object keeps its arguments for the worker's whole life; and glibc
+            # keeps the freed blocks (up to 32 MiB each) for reuse a worker never makes.
+            args = ()
+            mp.current_process()._args = ()
+            _trim_heap()
         w.thread_worker = is_thread
         w.loop()
     except (_Exit, EOFError, BrokenPipeError, ConnectionResetError):
@@ -442,7 +460,6 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
         tb = "".join(traceback.format_exception(type(e), e, e.__traceback__))
         try:
             where = "worker start" if w is None or not w.started else "the worker's loop"
-            wid = args[1] if len(args) > 1 else -1
             msg = P.Error(wid, None, exc_payload(e), type(e).__name__, str(e), tb, where)
             conn.send(P.wire(msg))
         except Exception:
