@@ -163,8 +163,11 @@ BUFFER_GROW_MIN_FILL = 0.5
 
 
 def changes_workers(old: Allocation, new: Allocation) -> bool:
-    """Whether ``new`` runs other workers than ``old``: other counts, or other stages fused."""
+    """Whether ``new`` runs other workers than ``old``: other counts, other stages fused, or
+    other workers remote (``remote`` empty: as now)."""
     n = len(old.workers)
+    if new.remote and (old.remote or (0,) * n) != new.remote:
+        return True
     return old.workers != new.workers or (old.fused or (False,) * n) != (new.fused or (False,) * n)
 
 
