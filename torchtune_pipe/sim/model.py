@@ -228,8 +228,8 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         fused = s.fused
         running = running_workers(alloc.replace(fused=fused))
         cluster = _at(self._cluster, t0)
+        local = self._local(alloc.remote, running)
         remote = self._running_remote(alloc.remote, running, cluster)
-        local = tuple(r - m for r, m in zip(running, remote, strict=True))
         # A worker added since the last interval only works once it has started.
         warm = min(1.0, wl.worker_start_s / dt)
         w_local, w_remote = (
@@ -388,8 +388,8 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         cluster = _at(self._cluster, at) if cluster_cpus is None else float(cluster_cpus)
         running = running_workers(a.replace(fused=fused))
+        local = self._local(asked, running)
         remote = self._running_remote(asked, running, cluster)
-        local = [r - m for r, m in zip(running, remote, strict=True)]
         return self._placed_solve(local, remote, a.buffer_bytes, c, d, cpus, fused)[0]
 
     def upper_bound(self, cpus: float | None = None, t: float | None = None) -> float:

@@ -31,6 +31,7 @@ from .workload import StageModel
 
 # Bisection steps for the CPU rate local and remote workers share (``_placed_solve``).
 _PHI_STEPS = 14
+_NO_WORKERS = 1e-9
 
 
 def can_run_remote(stage: StageModel) -> bool:
@@ -58,6 +59,13 @@ class RemoteModel:
             if r > 0 and not ok[i]:
                 return f"stage {self.workload.stages[i].name!r} cannot run remote workers"
         return None
+
+    def _local(self, remote: Sequence[int], workers: Sequence[int]) -> tuple[int, ...]:
+        """Local workers per stage: its workers less the remote ones it asks for (running or
+        pending: a pending one waits for a cluster CPU, not for a local core)."""
+        if not remote:
+            return tuple(workers)
+        return tuple(w - min(r, w) for r, w in zip(remote, workers, strict=True))
 
     def _running_remote(
         self, remote: Sequence[int], workers: Sequence[int], cluster_cpus: float
@@ -92,7 +100,8 @@ class RemoteModel:
         """Per stage: workers, blended CPU and wait per input item, the remote share of its
         items, and the link's cap on throughput (module docstring)."""
         if not any(remote):
-            return [float(w) for w in local], list(c), list(d), [0.0] * len(c), math.inf
+            w = [max(float(n), _NO_WORKERS) for n in local]
+            return w, list(c), list(d), [0.0] * len(c), math.inf
         h, far, net, wire = self._hop(c, fused)
         w, c2, d2, share = [], [], [], []
         for i in range(self.n_stages):
@@ -103,7 +112,8 @@ class RemoteModel:
             rate_l = wl / a if a > 0 else (math.inf if wl > 0 else 0.0)
             rate_r = wr / b if b > 0 else 0.0
             f = rate_r / (rate_l + rate_r) if wr > 0 else 0.0
-            w.append(float(wl + wr))
+            # A stage whose workers all wait for cluster CPUs makes (next to) nothing.
+            w.append(max(float(wl + wr), _NO_WORKERS))
             c2.append((1 - f) * c[i] + f * h[i])
             d2.append((1 - f) * d[i] + f * wait)
             share.append(f)

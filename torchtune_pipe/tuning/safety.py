@@ -214,7 +214,8 @@ def fit_memory(
     # Only local workers hold memory on the host: their growth is refused, they are shed.
     fused = alloc.fused or (False,) * len(workers)
     remote = alloc.remote or (0,) * len(workers)
-    was = local_workers(now)
+    # (now.workers of a fused stage is its target for when it is split again, not 0.)
+    was = [w - r for w, r in zip(now.workers, now.remote or (0,) * len(workers), strict=True)]
     grown = [j for j in range(len(workers)) if workers[j] - remote[j] > was[j] and not fused[j]]
     for j in sorted(grown, key=lambda k: -parts.per_worker_bytes[k]):
         if not over():
