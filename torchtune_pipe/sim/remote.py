@@ -44,9 +44,10 @@ class RemoteModel:
 
     def remotable(self, fused: Sequence[bool] | None = None) -> tuple[bool, ...]:
         """Per stage, whether its workers may run on the cluster given the stages fused in
-        ``fused`` (default: now): a remotable map neither fused nor hosting a fused stage."""
-        fused = self._s.fused if fused is None else fused
+        ``fused`` (default: now; empty: none): a remotable map neither fused nor hosting a
+        fused stage."""
         n = self.n_stages
+        fused = self._s.fused if fused is None else (fused or (False,) * n)
         return tuple(
             can_run_remote(sm) and not fused[i] and not (i + 1 < n and fused[i + 1])
             for i, sm in enumerate(self.workload.stages)

@@ -105,3 +105,9 @@ def _kept(stage: StageStats, workers: int) -> int:
     if stage.workers > 0 and stage.remote_workers >= stage.workers:
         return workers
     return stage.remote_workers
+
+
+def local_total(alloc: Allocation, obs: Observation) -> int:
+    """Workers ``alloc`` runs on the host in total (its remote ones, as
+    :func:`remote_of` reads them, left out)."""
+    return sum(alloc.workers) - sum(remote_of(alloc, obs))

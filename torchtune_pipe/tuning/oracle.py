@@ -163,6 +163,7 @@ def best_static(
     fusion: Sequence[Sequence[bool]] = ((),),
     cluster_cpus: float = 0.0,
     remotable: Sequence[bool] = (),
+    split_starts: Sequence[Allocation] = (),
 ) -> tuple[Allocation, float]:
     """The best static allocation on ``cpus`` CPUs among worker totals up to each of
     ``cpus * factors``.
@@ -174,7 +175,8 @@ def best_static(
     ``fusion`` (shapes, e.g. :func:`fusion_shapes`), one search per shape and total, counting
     only the workers that run. With ``cluster_cpus`` (at least 1) and ``remotable`` stages,
     also the best split of workers between host and cluster
-    (:func:`~.split_search.split_search`, every stage split, local totals as above).
+    (:func:`~.split_search.split_search`, every stage split, local totals as above, from
+    its own starts and ``split_starts``).
 
     Returns:
         (best allocation, its value).
@@ -195,8 +197,14 @@ def best_static(
         must = n_stages - sum(map(bool, remotable))
         found += [
             split_search(
-                evaluate, n_stages, max(must, int(cpus * f)), int(cluster_cpus), hi, remotable
-            )
+                evaluate,
+                n_stages,
+                max(must, int(cpus * f)),
+                int(cluster_cpus),
+                hi,
+                remotable,
+                extra_starts=split_starts,
+            )  # fmt: skip
             for f in factors
         ]
     return max(found, key=lambda item: item[1])

@@ -7,9 +7,10 @@ also take workers there. Per delivered item, stage ``i`` costs on the host ``g_i
 of a remote worker's time (its CPU on the cluster plus the network's wait) and ``b_i`` bytes on
 the link when made remotely (:func:`~.cluster.remote_cost`). For a target rate ``T``, a share
 ``f_i`` of its items goes remote: ``ceil(headroom * T * f_i * v_i)`` remote workers (one
-cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones. A remote worker's
-headroom is smaller, ``1 + (headroom - 1) / sqrt(items_per_call)``: its call carries a frame of
-items, whose summed time varies that much less, on a CPU it shares with nobody.
+cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones: remote workers get
+the same headroom (a smaller one, for a frame's items varying less per call than one item,
+lost 4-10% of the best static split's throughput in the study, ``benchmarks/cluster_sim.py``:
+the items of a stage still vary as much one by one).
 
 :func:`place` finds the highest ``T`` (bisection) for which some split fits every budget: the
 host's cores (CPU and the charged floors, as the plan charges them), the cluster's CPUs, the
@@ -51,7 +52,6 @@ class Station:
         idle: it had no work (its workers are kept).
         h: host CPU seconds when made remotely (the hop); v: remote worker seconds; b: bytes
             on the link. ``v`` is 0 for a station that cannot run remote.
-        rh: the headroom of its remote workers (module docstring).
     """
 
     stage: int
@@ -64,7 +64,6 @@ class Station:
     h: float = 0.0
     v: float = 0.0
     b: float = 0.0
-    rh: float = 1.0
 
     @property
     def movable(self) -> bool:
@@ -80,23 +79,19 @@ class Placed:
     remote: tuple[int, ...]
 
 
-def remote_terms(
-    obs: Observation, i: int, r: float, headroom: float
-) -> tuple[float, float, float, float]:
-    """``(h, v, b, rh)`` of stage ``i`` per delivered item (``r`` of its items per delivered
-    item): host CPU, remote worker seconds and link bytes when a remote worker makes it, and
-    the headroom its remote workers are planned with (module docstring)."""
+def remote_terms(obs: Observation, i: int, r: float) -> tuple[float, float, float]:
+    """``(h, v, b)`` of stage ``i`` per delivered item (``r`` of its items per delivered
+    item): host CPU, remote worker seconds and link bytes when a remote worker makes it."""
     st = obs.stages[i]
     cost = remote_cost(obs, i)
     cpu = max(0.0, st.cpu_s_per_item)
-    rh = 1.0 + (headroom - 1.0) / math.sqrt(max(1.0, st.items_per_call))
-    return cost.hop_cpu_s * r, (cpu + cost.net_s + cost.hop_cpu_s) * r, cost.net_bytes * r, rh
+    return cost.hop_cpu_s * r, (cpu + cost.net_s + cost.hop_cpu_s) * r, cost.net_bytes * r
 
 
 def capacity(s: Station, local: int, remote: int, headroom: float) -> float:
     """Delivered items per second ``local`` and ``remote`` workers of ``s`` plan for."""
     rate = local / (headroom * s.u) if s.u > 0 else math.inf
-    return rate + (remote / (s.rh * s.v) if remote and s.v > 0 else 0.0)
+    return rate + (remote / (headroom * s.v) if remote and s.v > 0 else 0.0)
 
 
 def rate_of(
@@ -151,7 +146,7 @@ class _Budget:
                 local.append(s.lo)
                 remote.append(0)
                 continue
-            nr = math.ceil(s.rh * t * fi * s.v - 1e-9) if fi > 0 else 0
+            nr = math.ceil(self.headroom * t * fi * s.v - 1e-9) if fi > 0 else 0
             nl = math.ceil(self.headroom * t * (1.0 - fi) * s.u - 1e-9) if fi < 1 else 0
             nl = min(s.hi, max(max(0, s.lo - nr), nl))
             local.append(nl)

@@ -185,9 +185,9 @@ def _stations(obs: Observation, model: _Model, shape, now, hop, r) -> list[Stati
     n = len(shape)
     out = []
     for h, members, gg, ug, fl, lo, hi, idle in groups:
-        terms = (0.0, 0.0, 0.0, 1.0)
+        terms = (0.0, 0.0, 0.0)
         if len(members) == 1 and obs.stages[h].remotable and not (h + 1 < n and shape[h + 1]):
-            terms = remote_terms(obs, h, r[h], model.headroom)
+            terms = remote_terms(obs, h, r[h])
         out.append(Station(h, gg, ug, fl, lo, hi, idle, *terms))
     return out
 
@@ -201,7 +201,7 @@ def _split(obs: Observation, model: _Model, shape, now, hop, r, found):
     stations = _stations(obs, model, shape, now, hop, r)
     busy = [s for s in stations if not s.idle]
     top = min([model.consumer_rate()] + [s.hi / (model.headroom * s.u) for s in busy])
-    top = max(top, max((s.hi / (s.rh * s.v) for s in busy if s.movable), default=0))
+    top = max(top, max((s.hi / (model.headroom * s.v) for s in busy if s.movable), default=0))
     host = sum(min(s.g, s.h) if s.movable else s.g for s in stations)
     top = min(top, obs.cpus / max(host, 1e-12), model.consumer_rate())
     placed = place(

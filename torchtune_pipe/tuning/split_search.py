@@ -28,6 +28,8 @@ def split_search(
     max_workers: Sequence[int],
     remotable: Sequence[bool],
     buffer_bytes: int = 64 * MiB,
+    all_remote: bool = False,
+    extra_starts: Sequence[Allocation] = (),
 ) -> tuple[Allocation, float]:
     """The static split with the highest ``evaluate`` value (module docstring).
 
@@ -39,6 +41,10 @@ def split_search(
         max_workers: per-stage bound on its workers, local plus remote.
         remotable: per stage, whether it may run remote workers.
         buffer_bytes: buffer bytes per stage.
+        all_remote: every ``remotable`` stage runs all its workers remote (the
+            "everything remote" yardstick); only the other stages keep local workers.
+        extra_starts: more allocations to climb from (e.g. workers in proportion to what each
+            stage costs, which a simulator knows); one that does not fit is skipped.
 
     Returns:
         (best allocation, with ``remote`` explicit, and its value).
@@ -76,18 +82,31 @@ def split_search(
     def valid(x: Sequence[int]) -> bool:
         if sum(x[:n_stages]) > cpus or sum(x[n_stages:]) > cluster_cpus or min(x) < 0:
             return False
+        if all_remote and any(x[i] for i in far):
+            return False
         remote = dict(zip(far, x[n_stages:], strict=True))
         return all(1 <= x[i] + remote.get(i, 0) <= hi[i] for i in range(n_stages))
 
     local = [min(h, w) for h, w in zip(hi, even_split(cpus, n_stages), strict=True)]
+    if all_remote:
+        stay = [i for i in range(n_stages) if i not in far]
+        local = [0] * n_stages
+        for i, w in zip(stay, even_split(cpus, len(stay)) if stay else (), strict=True):
+            local[i] = min(hi[i], w)
+    room = [hi[i] - local[i] for i in far]  # a start's remote workers fit the stage's bound
     starts = []
     if far and cluster_cpus > 0:
-        starts.append(tuple(local) + tuple(even_split(cluster_cpus, len(far))))
+        spread = even_split(cluster_cpus, len(far))
+        starts.append(tuple(local) + tuple(min(r, n) for r, n in zip(room, spread, strict=True)))
         for j in range(len(far)):
-            whole = tuple(cluster_cpus if k == j else 0 for k in range(len(far)))
+            whole = tuple(min(room[k], cluster_cpus) if k == j else 0 for k in range(len(far)))
             starts.append(tuple(local) + whole)
     else:
         starts.append(tuple(local) + (0,) * len(far))
+    for a in extra_starts:
+        remote = a.remote or (0,) * n_stages
+        x = tuple(w - r for w, r in zip(a.workers, remote, strict=True))
+        starts.append(x + tuple(remote[i] for i in far))
     best: tuple[int, ...] | None = None
     for x in starts:
         if not valid(x):
