@@ -6,6 +6,8 @@ remote workers (``SimPipeline(cluster_cpus=C)``, ``Allocation.remote``), C in 0,
 
 * ``intune``: the InTune agent; it splits stages between host and cluster through its plan
   action (``planner.plan``, ``tuning/placement.py``), its network moves workers as before;
+* ``planner``: the same tuner with the planner alone (``InTuneTuner(plan_only=True)``: the
+  network's place taken by a no-op), the split as the planner makes it;
 * ``plumber``: Plumber's LP with cluster CPUs as a second resource (``tuning/plumber.py``);
 * ``autotune``: tf.data's AUTOTUNE, local only (tf.data has no cluster; faithful);
 * ``oracle``: the best static split (``oracle.best_static`` with ``cluster_cpus``: coordinate
@@ -22,7 +24,9 @@ static split's) and **cost efficiency**: rows/s per CPU paid, where the CPUs pai
 cores the pipeline keeps busy (its local workers' CPU plus the remote workers' hops, CPU
 seconds per second, from the steady state's stage stats) plus the cluster CPUs its remote
 workers hold (one each, busy or waiting: Ray reserves it). ``eff/all-remote`` is a run's cost
-efficiency over the everything-remote yardstick's on the same seed. Targets (issue 19):
+efficiency over the everything-remote yardstick's on the same seed. Both yardsticks are charged
+only the remote workers they need: the fewest, stage by stage, that keep 99.9% of their
+throughput (a static search keeps workers that neither help nor hurt). Targets (issue 19):
 throughput >= 0.95 of the best static split, cost efficiency >= 1.15x everything remote.
 ``split`` names, for seed 0, each movable stage's local+remote workers.
 
@@ -67,6 +71,8 @@ from torchtune_pipe.tuning.plumber import PlumberTuner  # noqa: E402
 from torchtune_pipe.tuning.split_search import split_search  # noqa: E402
 
 MEMORY_BYTES = 64 << 30
+# A yardstick keeps this share of its throughput with the fewest remote workers.
+TRIM_KEEP = 0.999
 CLUSTERS = (0, 8, 16, 32, 64, 128, 256)
 FAMILIES: dict[str, Callable[[int], Workload]] = {
     "criteo_like (DLRM)": lambda seed: with_frames(criteo_like(seed), 256),
@@ -75,6 +81,7 @@ FAMILIES: dict[str, Callable[[int], Workload]] = {
 }
 TUNERS: dict[str, Callable[[], Tuner]] = {
     "intune": InTuneTuner,
+    "planner": lambda: InTuneTuner(plan_only=True),
     "plumber": PlumberTuner,
     "autotune": AutotuneTuner,
 }
@@ -116,7 +123,7 @@ def _paid(family: str, seed: int, cpus: int, cluster: int, alloc: Allocation, t:
 
 def _split(sim: SimPipeline, alloc: Allocation) -> str:
     remote = alloc.remote or (0,) * len(alloc.workers)
-    movable = [i for i, ok in enumerate(sim.remotable(())) if ok]
+    movable = [i for i, ok in enumerate(sim.remotable()) if ok]
     return " ".join(
         f"{sim.workload.stages[i].name}:{alloc.workers[i] - remote[i]}+{remote[i]}" for i in movable
     )
@@ -136,7 +143,7 @@ def _proportional(sim: SimPipeline, cpus: int, cluster: int) -> list[Allocation]
     net = [wl.rpc_s / s.items_per_call + 2 * s.bytes_per_item / wl.network_bytes_per_s
            for s in wl.stages]  # fmt: skip
     far = [wall[i] + per_item[i] * net[i] for i in range(n)]
-    movable = [i for i, ok in enumerate(sim.remotable(())) if ok]
+    movable = [i for i, ok in enumerate(sim.remotable()) if ok]
     hi = [s.max_workers for s in wl.stages]
     out = []
     for moved in [movable] + [[i] for i in movable]:
@@ -156,7 +163,7 @@ def _proportional(sim: SimPipeline, cpus: int, cluster: int) -> list[Allocation]
 def _static(family, seed, cpus, cluster, all_remote: bool) -> tuple[Allocation, float]:
     sim = _sim(family, seed, cpus, cluster, noise=0.0)
     hi = [s.max_workers for s in sim.workload.stages]
-    remotable = sim.remotable(())
+    remotable = sim.remotable()
     if not all_remote:
         shapes = ((), sim.widest_fusion()) if any(sim.widest_fusion()) else ((),)
         return best_static(
@@ -172,6 +179,26 @@ def _static(family, seed, cpus, cluster, all_remote: bool) -> tuple[Allocation, 
     return max(found, key=lambda item: item[1])
 
 
+def _fewest_remote(sim: SimPipeline, alloc: Allocation, x: float) -> Allocation:
+    """``alloc`` with, stage by stage, the fewest remote workers that keep ``TRIM_KEEP`` of its
+    throughput ``x``: a static search keeps workers that neither help nor hurt, and a
+    yardstick must not be charged for cluster CPUs it does not need."""
+    remote = list(alloc.remote or (0,) * len(alloc.workers))
+    workers = list(alloc.workers)
+    for i in range(len(remote)):
+        lo, hi = 0, remote[i]
+        while lo < hi:  # the fewest remote workers of stage i that keep the throughput
+            mid = (lo + hi) // 2
+            w, r = list(workers), list(remote)
+            w[i], r[i] = workers[i] - remote[i] + mid, mid
+            trial = alloc.replace(workers=tuple(w), remote=tuple(r))
+            ok = w[i] >= 1 and sim.evaluate(trial) >= TRIM_KEEP * x
+            lo, hi = (lo, mid) if ok else (mid + 1, hi)
+        workers[i] -= remote[i] - lo
+        remote[i] = lo
+    return alloc.replace(workers=tuple(workers), remote=tuple(remote))
+
+
 def run(seeds: Sequence[int], cpus: int, clusters: Sequence[int], steps: int) -> dict:
     """Every contender on every (family, cluster, seed); medians and spreads over seeds."""
     rows, runs = [], []
@@ -182,12 +209,13 @@ def run(seeds: Sequence[int], cpus: int, clusters: Sequence[int], steps: int) ->
                 sim0 = _sim(family, seed, cpus, cluster, noise=0.0)
                 rows_per = _rows_per_item(sim0.workload)
                 oracle, x_oracle = _static(family, seed, cpus, cluster, all_remote=False)
+                oracle = _fewest_remote(sim0, oracle, x_oracle)
                 found: dict[str, tuple[Allocation, float, float]] = {
                     "oracle": (oracle, x_oracle, 0.0)
                 }
                 if cluster > 0:
                     far, x_far = _static(family, seed, cpus, cluster, all_remote=True)
-                    found["all-remote"] = (far, x_far, 0.0)
+                    found["all-remote"] = (_fewest_remote(sim0, far, x_far), x_far, 0.0)
                 for name, make in TUNERS.items():
                     sim = _sim(family, seed, cpus, cluster)
                     trace = run_episode(sim, make(), steps)
@@ -253,7 +281,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "memory_bytes": MEMORY_BYTES // MiB,
         "steps": args.steps,
         "seeds": args.seeds,
-        "targets": {t: targets(result["rows"], t) for t in ("intune", "plumber")},
+        "targets": {t: targets(result["rows"], t) for t in ("intune", "planner", "plumber")},
         "seconds": time.monotonic() - t0,
     }
     print_table(

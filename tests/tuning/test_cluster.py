@@ -11,6 +11,7 @@ from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
 from torchtune_pipe.tuning import make_tuner, run_episode
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
 from torchtune_pipe.tuning.cluster import remote_cost, remote_of
+from torchtune_pipe.tuning.intune import InTuneTuner
 from torchtune_pipe.tuning.oracle import best_static
 from torchtune_pipe.tuning.planner import plan
 from torchtune_pipe.tuning.plumber import plan as plumber_plan
@@ -105,6 +106,17 @@ def test_remote_hops_take_local_cores_and_no_memory():
     assert fit_memory(grown, obs) == grown
 
 
+def test_fused_stages_run_on_the_host():
+    sim = _sim()
+    obs = _measured(sim, Allocation((1, 3, 1), BUF))
+    assert obs.stages[2].fusable and obs.stages[1].remotable
+    # Fusing "big" into "udf" keeps udf's workers on the host: the guard drops its remote ones.
+    got = placed(Allocation((1, 8, 1), BUF, fused=(False, False, True), remote=(0, 6, 0)), obs)
+    assert got.remote == ()
+    with pytest.raises(ValueError, match="'udf' runs fused"):
+        sim.apply(Allocation((1, 8, 1), BUF, fused=(False, False, True), remote=(0, 6, 0)))
+
+
 # -- each tuner's split ------------------------------------------------------------------
 
 
@@ -124,15 +136,22 @@ def test_the_planner_moves_the_heavy_stage_and_keeps_big_items_local():
     assert not any(_remote(plan(alone, alone.allocation(), fusion=False).allocation))
 
 
-@pytest.mark.parametrize("name", ["intune", "plumber"])
+TUNERS = {
+    "intune": lambda: make_tuner("intune"),
+    "planner": lambda: InTuneTuner(plan_only=True),
+    "plumber": lambda: make_tuner("plumber"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TUNERS))
 def test_tuners_split_the_stages_on_the_simulator(name):
     sim = _sim()
-    trace = run_episode(sim, make_tuner(name), 25)
+    trace = run_episode(sim, TUNERS[name](), 25)
     last = trace[-1]
     assert last.stages[1].remote_workers > 0 and last.stages[2].remote_workers == 0
     assert sum(last.remote_workers) <= 32
     local = _sim(cluster=0)
-    assert last.throughput > 2 * run_episode(local, make_tuner(name), 25)[-1].throughput
+    assert last.throughput > 2 * run_episode(local, TUNERS[name](), 25)[-1].throughput
 
 
 def test_plumbers_lp_moves_only_what_frees_cores():

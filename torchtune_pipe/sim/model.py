@@ -281,7 +281,7 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         s.last_x = x
         noisy = self._noisy
         fusable = self.fusable(fused)
-        remotable = self.remotable(fused)
+        remotable = self.remotable()
         stages = []
         for i, sm in enumerate(wl.stages):
             # Live, a fused stage's time is its own share of its host's workers' wall time

@@ -42,23 +42,23 @@ def can_run_remote(stage: StageModel) -> bool:
 class RemoteModel:
     """Remote workers of a simulated pipeline (uses ``self.workload`` and its costs)."""
 
-    def remotable(self, fused: Sequence[bool] | None = None) -> tuple[bool, ...]:
-        """Per stage, whether its workers may run on the cluster given the stages fused in
-        ``fused`` (default: now; empty: none): a remotable map neither fused nor hosting a
-        fused stage."""
-        n = self.n_stages
-        fused = self._s.fused if fused is None else (fused or (False,) * n)
-        return tuple(
-            can_run_remote(sm) and not fused[i] and not (i + 1 < n and fused[i + 1])
-            for i, sm in enumerate(self.workload.stages)
-        )
+    def remotable(self) -> tuple[bool, ...]:
+        """Per stage, whether its workers may run on the cluster (``StageStats.remotable``): a
+        remotable map; only while it is neither fused nor hosting a fused stage
+        (:meth:`_remote_error`)."""
+        return tuple(can_run_remote(sm) for sm in self.workload.stages)
 
     def _remote_error(self, remote: Sequence[int], fused: Sequence[bool]) -> str | None:
         """Why ``remote`` cannot run under ``fused`` (None: it can)."""
-        ok = self.remotable(fused)
+        ok, n = self.remotable(), self.n_stages
         for i, r in enumerate(remote):
             if r > 0 and not ok[i]:
                 return f"stage {self.workload.stages[i].name!r} cannot run remote workers"
+            if r > 0 and (fused[i] or (i + 1 < n and fused[i + 1])):
+                return (
+                    f"stage {self.workload.stages[i].name!r} runs fused: its workers run "
+                    "where the group's host runs"
+                )
         return None
 
     def _local(self, remote: Sequence[int], workers: Sequence[int]) -> tuple[int, ...]:

@@ -139,7 +139,7 @@ class Solver:
         remote = s.alloc.remote or (0,) * len(running)
         local = [w - min(r, w) for w, r in zip(running, remote, strict=True)]
         fusable = self.fusable(s.fused)
-        remotable = self.remotable(s.fused)
+        remotable = self.remotable()
         stages = tuple(
             StageStats(
                 name=sm.name,

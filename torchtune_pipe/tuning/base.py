@@ -86,9 +86,11 @@ class StageStats:
             receives (no share of the host's cores beyond ``hop_cpu_s_per_item``, no worker
             memory: ``memory_bytes`` is the local workers'). The rest run on the host.
         remotable: the tuner may move the stage's workers between host and cluster (a
-            stateless map stage; never a source, shuffle, batch or fused stage). Live False
-            (the executor cannot move a worker between placements: a ``placement="ray"``
-            stage keeps every worker remote, a local stage every worker local).
+            stateless map stage; never a source, shuffle or batch). Fusion and remote workers
+            exclude each other: a fused stage, or one hosting a fused stage, runs none (the
+            guard drops them). Live False (the executor cannot move a worker between
+            placements: a ``placement="ray"`` stage keeps every worker remote, a local stage
+            every worker local).
         remote_items_per_s: items the stage's remote workers emitted per second (items/s,
             part of ``items_per_s``; 0 without remote workers).
         bytes_per_item: bytes of one item the stage emits, as it crosses a channel or the

@@ -7,10 +7,11 @@ also take workers there. Per delivered item, stage ``i`` costs on the host ``g_i
 of a remote worker's time (its CPU on the cluster plus the network's wait) and ``b_i`` bytes on
 the link when made remotely (:func:`~.cluster.remote_cost`). For a target rate ``T``, a share
 ``f_i`` of its items goes remote: ``ceil(headroom * T * f_i * v_i)`` remote workers (one
-cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones: remote workers get
-the same headroom (a smaller one, for a frame's items varying less per call than one item,
-lost 4-10% of the best static split's throughput in the study, ``benchmarks/cluster_sim.py``:
-the items of a stage still vary as much one by one).
+cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones. Remote workers get
+the same headroom: in ``benchmarks/cluster_sim.py`` a smaller one (for a frame's items varying
+less per call than one item) lost up to 7% of the best static split's throughput on large
+clusters, and dropping it where a small cluster could not hold it lost more on 8-16 CPUs
+(a stage's items still vary one by one).
 
 :func:`place` finds the highest ``T`` (bisection) for which some split fits every budget: the
 host's cores (CPU and the charged floors, as the plan charges them), the cluster's CPUs, the

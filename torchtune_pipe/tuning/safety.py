@@ -263,7 +263,8 @@ def placed(alloc: Allocation, obs: Observation) -> Allocation:
     """``alloc`` with its remote workers where the pipeline can run them (module docstring).
 
     A stage that is not ``remotable`` keeps its placement (all remote if all its workers run
-    remote now, else its remote count), at most its workers; the remote workers in total
+    remote now, else its remote count), at most its workers; a remotable stage that runs fused
+    or hosts a fused stage (in ``alloc``'s fusion) runs none; the remote workers in total
     stay within ``floor(obs.cluster_cpus)``, the largest remote counts shrinking first (a
     shrunk remote worker is dropped, not made local: the local budget did not plan for it).
     ``remote`` is left empty when no stage runs remote workers.
@@ -275,9 +276,12 @@ def placed(alloc: Allocation, obs: Observation) -> Allocation:
     want = list(remote_of(alloc, obs))
     workers = list(alloc.workers)
     kept = remote_of(alloc.replace(remote=()), obs)
+    fused = alloc.fused or tuple(s.fused for s in obs.stages)
     for j, st in enumerate(obs.stages):
         if not st.remotable:
             want[j] = kept[j]
+        elif fused[j] or (j + 1 < len(fused) and fused[j + 1]):
+            want[j] = 0  # a fused group runs where its host runs: on the host
     # What runs where it is pinned (a placement="ray" stage) is the executor's and Ray's to
     # place; the cluster CPUs it leaves are the movable stages' budget.
     movable = [j for j, st in enumerate(obs.stages) if st.remotable]
