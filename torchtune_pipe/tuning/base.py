@@ -28,7 +28,8 @@ class StageStats:
     the simulator (:mod:`torchtune_pipe.sim.model`), in the units given here. Fractions of wall
     time are per worker, averaged over the stage's workers. Three fields are measured live
     only and keep their default in the simulator: ``items_in_per_s`` (0), ``runqueue``
-    (None) and ``idle`` (False); a tuner must read those defaults as "not measured", never as
+    (None) and ``idle`` (False); ``hop_cpu_s_per_item`` is simulator-only (0 live), and
+    ``remotable`` is False live; a tuner must read those defaults as "not measured", never as
     "zero" (``tests/tuning/test_seam.py`` checks both sides).
 
     Attributes:
@@ -149,9 +150,10 @@ def waits_on_io(cpu_s: float, busy_s: float) -> bool:
 class Observation:
     """A snapshot of a pipeline and the machine it runs on, as a tuner sees it.
 
-    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s`` is
-    simulator-only (0 live: the loader does not time items end to end); a tuner must read 0
-    as "not measured".
+    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s``,
+    ``network_bytes_per_s`` and ``rpc_s`` are simulator-only (0 live: the loader does not time
+    items end to end, nor the network apart from a remote stage's wait per item); a tuner must
+    read 0 as "not measured".
 
     Attributes:
         stages: per-stage stats in pipeline order (source first).
