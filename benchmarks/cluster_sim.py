@@ -162,6 +162,15 @@ def _proportional(sim: SimPipeline, cpus: int, cluster: int) -> list[Allocation]
     return out
 
 
+def _placement(alloc: Allocation) -> str:
+    """Every stage's local+remote workers (``f`` for a fused stage), in pipeline order."""
+    remote = alloc.remote or (0,) * len(alloc.workers)
+    fused = alloc.fused or (False,) * len(alloc.workers)
+    return " ".join(
+        "f" if f else f"{w - r}+{r}" for w, r, f in zip(alloc.workers, remote, fused, strict=True)
+    )
+
+
 def _static(family, seed, cpus, cluster, all_remote: bool) -> tuple[Allocation, float]:
     sim = _sim(family, seed, cpus, cluster, noise=0.0)
     hi = [s.max_workers for s in sim.workload.stages]
@@ -230,8 +239,8 @@ def run(seeds: Sequence[int], cpus: int, clusters: Sequence[int], steps: int) ->
                         {"seed": seed, "rows_s": x * rows_per, "oracle_rows_s": x_oracle * rows_per,
                          "paid": paid, "eff": x * rows_per / paid if paid > 0 else 0.0,
                          "eff_host_whole": x * rows_per / (cpus + held),
-                         "split": _split(sim0, alloc), "workers": alloc.workers,
-                         "remote": alloc.remote}
+                         "split": _split(sim0, alloc), "remote": held,
+                         "placement": _placement(alloc)}
                     )  # fmt: skip
             far = {r["seed"]: r for r in per.get("all-remote", [])}
             for name, results in per.items():

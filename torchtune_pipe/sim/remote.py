@@ -81,7 +81,7 @@ class RemoteModel:
             run[max(range(len(run)), key=run.__getitem__)] -= 1
         return run
 
-    def _hop(self, c: Sequence[float], fused: Sequence[bool]) -> tuple[list, list, list]:
+    def _hop(self, c: Sequence[float], fused: Sequence[bool]) -> tuple[list, list, list, list]:
         """Per input item of each stage made remotely: host CPU ``h``, the function's CPU on
         the cluster, and the network wait ``net`` (module docstring); bytes per item too."""
         wl, n = self.workload, self.n_stages
