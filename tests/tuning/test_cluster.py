@@ -173,3 +173,7 @@ def test_the_oracle_searches_the_split():
     assert both.remote[1] > 0 and both.remote[2] == 0
     with pytest.raises(ValueError, match="remotable need 3"):
         split_search(sim.evaluate, 3, 4, 32, hi, (True,))
+    with pytest.raises(ValueError, match="cluster_cpus must be >= 0"):
+        best_static(sim.evaluate, 3, 4, hi, cluster_cpus=-1)
+    with pytest.raises(ValueError, match="remotable needs 3 entries"):
+        best_static(sim.evaluate, 3, 4, hi, cluster_cpus=8, remotable=(True,))

@@ -180,7 +180,15 @@ def best_static(
 
     Returns:
         (best allocation, its value).
+
+    Raises:
+        ValueError: on a negative ``cluster_cpus``, or ``remotable`` without one entry per
+            stage.
     """
+    if cluster_cpus < 0:
+        raise ValueError(f"best_static(): cluster_cpus must be >= 0, got {cluster_cpus}")
+    if remotable and len(remotable) != n_stages:
+        raise ValueError(f"best_static(): remotable needs {n_stages} entries, got {len(remotable)}")
     found = [
         oracle_search(
             evaluate,
