@@ -20,6 +20,8 @@ import pytest
 from torchtune_pipe import Pipeline, PipelineError, RemoteStageError
 from torchtune_pipe import remote as remote_mod
 from torchtune_pipe.map_dataset import MapDatasetSource
+from torchtune_pipe.tuning.base import Allocation
+from torchtune_pipe.tuning.safety import Guarded
 
 from .conftest import is_ray_process
 
@@ -180,6 +182,33 @@ def test_exactly_once_over_two_epochs_while_actors_die_and_the_pool_resizes(ray_
         # The actors' CPU is the stage's: about 1 ms per item, where the local threads only
         # wait in ray.get (at least half of it, as other work shares these two cores).
         assert snap.cpu_ns >= 0.5 * 2 * n * 1_000_000
+
+
+def test_a_remote_stage_reports_its_workers_remote_and_keeps_its_placement(ray_cluster):
+    pipe = Pipeline.from_source(_source(640)).map(spin, name="feat", placement="ray")
+    with pipe.loader() as loader:
+        it = iter(loader)
+        next(it)  # the executor is up once the first item arrives
+        live = Guarded(loader.tunable)
+        live.observe()
+        for _ in range(63):
+            next(it)
+        obs = live.observe()
+        source, feat = obs.stages
+        assert obs.cluster_cpus == 2 * CPUS_PER_NODE  # Ray's count, while a remote stage runs
+        assert (feat.workers, feat.remote_workers, feat.remotable) == (1, 1, False)
+        assert feat.remote_items_per_s == feat.items_per_s > 0
+        assert feat.net_s_per_item > 0  # the round trip is wall time without the actor's CPU
+        assert feat.items_per_call > 1  # frames of a unit's items, one call each
+        assert source.remote_workers == 0 and not source.remotable
+        # The guard keeps the placement it was built with: more workers stay remote...
+        live.apply(Allocation((1, 2), obs.buffer_bytes, remote=(0, 0)))
+        assert live.applied is not None and live.applied.remote == (0, 2)
+        _poll("a second actor", lambda: len(_actors("feat")) == 2)
+        # ...and the live pipeline refuses another placement, naming the stage.
+        with pytest.raises(ValueError, match="'feat' runs with placement='ray'"):
+            loader.tunable.apply(Allocation((1, 2), obs.buffer_bytes, remote=(0, 1)))
+        assert sum(1 for _ in it) == 640 - 64
 
 
 def test_resume_mid_epoch_with_a_remote_stage(ray_cluster):

@@ -57,6 +57,20 @@ def ray_installed() -> bool:
     return importlib.util.find_spec("ray") is not None
 
 
+def cluster_cpus() -> float:
+    """CPUs the Ray cluster this process is connected to has in total (Ray's
+    ``cluster_resources()["CPU"]``, the host's own included); 0 when it is not connected or
+    Ray is not installed: what ``Observation.cluster_cpus`` reports while a remote stage
+    runs."""
+    if not ray_installed():
+        return 0.0
+    import ray
+
+    if not ray.is_initialized():
+        return 0.0
+    return float(ray.cluster_resources().get("CPU", 0.0))
+
+
 def _ray() -> Any:
     try:
         import ray

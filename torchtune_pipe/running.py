@@ -14,6 +14,7 @@ from typing import Any
 
 from multiproc import Executor
 
+from . import remote as _remote
 from . import telemetry
 from .memory import MemoryProbe
 from .stages import StageChain
@@ -43,12 +44,31 @@ class RunningPipeline:
         """Resize stages and buffers to ``allocation`` (budgets within each stage's
         ``max_buffer_bytes``); calls in flight per worker where the allocation leaves them open
         follow the measured rule (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
+
+        ``allocation.remote`` is honoured as far as the executor places workers: a stage's
+        placement is fixed when it is built, so a ``placement="ray"`` stage runs all its
+        workers remote (``allocation.workers`` of it are Ray actors) and a local stage none.
+        Splitting one stage's workers between host and cluster is not supported live (every
+        live stage reports ``remotable`` False, so :class:`~torchtune_pipe.tuning.safety.
+        Guarded` keeps each stage's placement).
+
+        Raises:
+            ValueError: when ``allocation.remote`` asks a stage for another placement than
+                the one it was built with.
         """
         from .tuning.concurrency import plan_concurrency
 
         obs = self._last or self.observe()
         a = plan_concurrency(obs, allocation)
         ex = self.executor
+        for i, st in enumerate(ex.spec.stages):
+            want = a.workers[i] if st.placement != "local" else 0
+            if a.remote and min(a.remote[i], a.workers[i]) != want:
+                raise ValueError(
+                    f"RunningPipeline.apply: stage {st.name!r} runs with placement="
+                    f"{st.placement!r}: {want} of its {a.workers[i]} workers remote, not "
+                    f"{a.remote[i]} (a live stage keeps the placement it was built with)"
+                )
         if a.fused:
             now = ex.fused()
             for j, f in enumerate(a.fused):
@@ -159,9 +179,11 @@ def start_executor(
     ]
     # Through a list, not a bound method: the probe must not keep the loader alive.
     probe = MemoryProbe(functools.partial(_prefetched_bytes, prefetch_slot))
+    remote = any(s.placement != "local" for s in spec.stages)
     meter = telemetry.Meter(
-        lambda: ex.snapshot(per_worker=True), machine, bounds, clock, memory_limit_bytes, probe
-    )
+        lambda: ex.snapshot(per_worker=True), machine, bounds, clock, memory_limit_bytes, probe,
+        cluster=_remote.cluster_cpus if remote else None,
+    )  # fmt: skip
     return ex, RunningPipeline(ex, meter)
 
 
@@ -187,7 +209,13 @@ def start_watch(
 
     meter = tunable.meter
     own = telemetry.Meter(
-        meter._snapshot, machine, meter.bounds, clock, memory_limit_bytes, meter.memory
+        meter._snapshot,
+        machine,
+        meter.bounds,
+        clock,
+        memory_limit_bytes,
+        meter.memory,
+        cluster=meter.cluster,
     )
     return Watcher(own.observe).start()
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from multiproc import Snapshot
+from multiproc import Snapshot, StageSnapshot
 
 from . import memory as _memory
 from .tuning.base import Observation, StageStats, fusion_host, waits_on_io
@@ -178,6 +178,7 @@ def observe(
     t: float = 0.0,
     memory: _memory.MemoryReading | None = None,
     memory_before: _memory.MemoryReading | None = None,
+    cluster_cpus: float = 0.0,
 ) -> Observation:
     """Turn two snapshots into an :class:`Observation` of the interval between them.
 
@@ -199,6 +200,13 @@ def observe(
         memory, memory_before: the pipeline's memory read at (about) ``cur`` and at ``prev``
             (:class:`~torchtune_pipe.memory.MemoryProbe`); a worker death between them while
             the cgroup's OOM-kill count grew is an OOM.
+        cluster_cpus: CPUs the cluster of the pipeline's remote stages offers (0: none).
+
+    A stage whose ``placement`` is not ``"local"`` (``placement="ray"``) runs every worker
+    remote: ``remote_workers`` is its workers, ``remote_items_per_s`` its items, and
+    ``net_s_per_item`` its workers' wall time per item less their CPU per item (the actor's
+    included): the call's round trip and the bytes' time. ``bytes_per_item`` is what the
+    stage's outputs measured (0 where they were not), ``items_per_call`` its items per frame.
     """
     dt_ns = max(1, cur.t_ns - prev.t_ns)
     dt = dt_ns / 1e9
@@ -245,6 +253,7 @@ def observe(
                 memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
                 fused=s.fused,
                 fusable=s.fusable,
+                **_placement_stats(s, p, out, busy_ns, cpu_ns, dt),
             )
         )
     if consumer_items is not None:
@@ -267,7 +276,29 @@ def observe(
         cpu_ghz=machine.cpu_ghz,
         t=t,
         oom=used > memory_limit_bytes or _killed_for_memory(prev, cur, memory_before, memory),
+        cluster_cpus=cluster_cpus,
     )
+
+
+def _placement_stats(
+    s: StageSnapshot, p: StageSnapshot | None, out: int, busy_ns: int, cpu_ns: int, dt: float
+) -> dict:
+    """A stage's remote and network fields (:func:`observe`)."""
+    bytes_out = s.bytes_out - (p.bytes_out if p is not None else 0)
+    frames = sum(w.frames_in for w in s.per_worker)
+    items = sum(w.items_in for w in s.per_worker)
+    fields = {
+        "bytes_per_item": bytes_out / out if out > 0 and bytes_out > 0 else 0.0,
+        "items_per_call": items / frames if frames > 0 and items >= frames else 1.0,
+    }
+    if s.placement == "local":
+        return fields
+    return {
+        **fields,
+        "remote_workers": s.workers,
+        "remote_items_per_s": max(0, out) / dt,
+        "net_s_per_item": max(0.0, (busy_ns - cpu_ns) / 1e9 / out) if out > 0 else 0.0,
+    }
 
 
 def _killed_for_memory(
@@ -332,6 +363,8 @@ class Meter:
         memory_limit_bytes: memory the pipeline may use (None: see :func:`observe`).
         memory: reads the pipeline's memory (the snapshots must then list the workers:
             ``Executor.snapshot(per_worker=True)``); None: only the buffers are counted.
+        cluster: returns the CPUs the cluster of the pipeline's remote stages offers (None:
+            no remote stage, 0).
     """
 
     def __init__(
@@ -342,8 +375,10 @@ class Meter:
         clock: ConsumerClock | None = None,
         memory_limit_bytes: int | None = None,
         memory: _memory.MemoryProbe | None = None,
+        cluster: Callable[[], float] | None = None,
     ):
         self._snapshot = snapshot
+        self.cluster = cluster
         self._machine = machine
         self.bounds = tuple(bounds)
         self.clock = clock
@@ -374,6 +409,7 @@ class Meter:
                 t=time.perf_counter() - self._start,
                 memory=reading,
                 memory_before=self._prev_memory,
+                cluster_cpus=self.cluster() if self.cluster is not None else 0.0,
             )
             self._prev, self._prev_items, self._prev_memory = cur, items or 0, reading
             self.last, self.last_snapshot = obs, cur

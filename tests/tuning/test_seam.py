@@ -27,7 +27,8 @@ from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 STEPS = 3
 # Fields measured on one side only, with the default the other side reports (base.py).
 LIVE_ONLY = {"items_in_per_s": 0.0, "runqueue": None, "idle": False}
-SIM_ONLY = {"latency_s": 0.0}
+SIM_ONLY = {"latency_s": 0.0, "network_bytes_per_s": 0.0, "rpc_s": 0.0}
+SIM_ONLY_STAGE = {"hop_cpu_s_per_item": 0.0}
 
 
 class Ids:
@@ -79,6 +80,13 @@ def _check_stage(st: StageStats, side: str) -> None:
         assert st.hop_s_per_item == 0.0, where  # its items cross no channel
     assert isinstance(st.io_bound, bool) and isinstance(st.idle, bool), where
     assert st.memory_bytes >= 0, where
+    # Two budgets: remote workers are some of the workers, with their items and costs.
+    assert 0 <= st.remote_workers <= st.workers and isinstance(st.remotable, bool), where
+    assert 0.0 <= st.remote_items_per_s <= st.items_per_s * 1.5 + 1e-9, where
+    if st.remote_workers == 0:
+        assert st.remote_items_per_s == st.net_s_per_item == st.hop_cpu_s_per_item == 0.0
+    assert 0.0 <= st.net_s_per_item < 1.0 and 0.0 <= st.hop_cpu_s_per_item < 1.0, where
+    assert st.bytes_per_item >= 0.0 and st.items_per_call >= 1.0, where
 
 
 def _check(obs: Observation, side: str, flowing: bool) -> None:
@@ -87,7 +95,11 @@ def _check(obs: Observation, side: str, flowing: bool) -> None:
     assert obs.memory_used_bytes > 0 if side == "sim" else obs.memory_used_bytes >= 0, side
     assert obs.throughput >= 0.0 and obs.t > 0.0, side
     assert obs.consumer_step_s >= 0.0 and obs.dram_gbps >= 0.0 and obs.cpu_ghz >= 0.0, side
-    assert sum(obs.workers) <= max(len(obs.stages), MAX_OVERSUBSCRIBE * obs.cpus + 1), side
+    local = sum(obs.workers) - sum(obs.remote_workers)
+    assert local <= max(len(obs.stages), MAX_OVERSUBSCRIBE * obs.cpus + 1), side
+    assert obs.cluster_cpus >= 0.0 and obs.network_bytes_per_s >= 0.0 and obs.rpc_s >= 0.0
+    remote = sum(s.remote_workers for s in obs.stages if s.remotable)
+    assert remote <= obs.cluster_cpus, side
     for st in obs.stages:
         _check_stage(st, side)
     assert not obs.stages[0].fused and not obs.stages[0].fusable, side
@@ -115,18 +127,42 @@ def _defaults(obs: Observation) -> dict[str, set[object]]:
     return seen
 
 
+@pytest.mark.parametrize("cluster", [0, 16])
 @pytest.mark.parametrize("name", TUNERS)
-def test_every_tuner_runs_on_the_simulator(name):
-    sim = SimPipeline(generate(3, 7), cpus=8, memory_limit_bytes=16 << 30, seed=1)
+def test_every_tuner_runs_on_the_simulator(name, cluster):
+    sim = SimPipeline(
+        generate(3, 7), cpus=8, memory_limit_bytes=16 << 30, seed=1, cluster_cpus=cluster
+    )
     trace = run_episode(sim, _tuner(name), STEPS)
     assert len(trace) == STEPS
     for obs in trace:
         _check(obs, "sim", flowing=True)
-        assert obs.latency_s > 0.0  # simulator-only
+        assert obs.latency_s > 0.0 and obs.rpc_s > 0.0 and obs.network_bytes_per_s > 0.0
+        assert obs.cluster_cpus == cluster
+        assert all(s.bytes_per_item > 0 for s in obs.stages)  # known to the simulator
         for k, default in LIVE_ONLY.items():
             assert _defaults(obs)[k] == {default}, k
     # The simulator reports exactly what the guard applied.
     assert trace[-1].workers == running_workers(sim.allocation)
+    assert trace[-1].remote_workers == (sim.allocation.remote or (0,) * 3)
+
+
+def test_remote_fields_are_set_on_the_simulator():
+    wl = Workload(
+        "remote",
+        (StageModel("source", "source", 20e-6), StageModel("_work", "map", 400e-6)),
+    )
+    start = Allocation((1, 6), (MiB,) * 2, remote=(0, 4))
+    sim = SimPipeline(
+        wl, cpus=2, memory_limit_bytes=16 << 30, initial=start, seed=1, cluster_cpus=8
+    )
+    for obs in run_episode(sim, make_tuner("static", workers=(1, 6)), STEPS)[1:]:
+        _check(obs, "sim", flowing=True)
+        st = obs.stages[1]
+        assert st.remotable and not obs.stages[0].remotable
+        assert st.remote_workers == 4 and 0 < st.remote_items_per_s < st.items_per_s
+        assert st.net_s_per_item > 0 and st.hop_cpu_s_per_item > 0
+        assert obs.allocation().remote == (0, 4)
 
 
 def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
@@ -151,6 +187,12 @@ def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
                 _check(obs, f"live/{name}", flowing=False)
                 for k, default in SIM_ONLY.items():
                     assert getattr(obs, k) == default, k
+                for st in obs.stages:
+                    for k, default in SIM_ONLY_STAGE.items():
+                        assert getattr(st, k) == default, k
+                    # Local stages: no remote workers, none movable; no cluster.
+                    assert st.remote_workers == 0 and not st.remotable
+                assert obs.cluster_cpus == 0.0
         deadline = time.monotonic() + 10
         while (obs := live.observe()).memory_used_bytes <= 0:  # the probe reads every 0.5 s
             assert time.monotonic() < deadline, "the pipeline's memory was never measured"
@@ -164,6 +206,9 @@ def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
         assert any(o.stages[i].items_in_per_s > 0.0 for o in seen), i
     for i in range(3):
         assert any(o.stages[i].busy > 0.0 and o.stages[i].cpu_s_per_item > 0.0 for o in seen)
+    # The batch stage's outputs are measured (several items per output); its frames too.
+    assert any(o.stages[2].bytes_per_item > 0.0 for o in seen)
+    assert any(o.stages[1].items_per_call > 1.0 for o in seen)
     fields = {f.name for f in dataclasses.fields(StageStats)}
     assert set(LIVE_ONLY) <= fields
 

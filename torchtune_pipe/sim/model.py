@@ -41,6 +41,10 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    ``worker_bytes`` are held by each host worker), and its buffer is unused: the group's
    output goes to the host's buffer (the host worker's arena), in items of the group's last
    stage. Which stages may fuse follows the live rule (:meth:`SimPipeline.fusable`).
+8. **Remote workers.** ``Allocation.remote`` of a stage's workers run on a cluster of
+   ``cluster_cpus`` CPUs (:mod:`torchtune_pipe.sim.remote`): the function's CPU on a cluster
+   CPU of their own, a round trip per call and bytes over a shared link as waits, the hop's
+   CPU on the host, no worker memory on the host.
 """
 
 from __future__ import annotations
@@ -64,21 +68,24 @@ from torchtune_pipe.tuning.base import (
 from torchtune_pipe.tuning.concurrency import plan_concurrency
 
 from .fused import FusionRule, can_host
+from .remote import RemoteModel
 from .solve import Solver, overlapped
 from .workload import STAGE_KINDS, Drift, StageModel, SteadyState, Workload
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
 
 
-def _schedule(value: float | Sequence[tuple[float, float]], what: str) -> tuple[tuple, tuple]:
+def _schedule(
+    value: float | Sequence[tuple[float, float]], what: str, zero: bool = False
+) -> tuple[tuple, tuple]:
     if isinstance(value, int | float):
         steps = [(0.0, float(value))]
     else:
         steps = sorted((float(t), float(v)) for t, v in value)
         if not steps:
             raise ValueError(f"SimPipeline: {what} schedule is empty")
-    if any(v <= 0 for _, v in steps):
-        raise ValueError(f"SimPipeline: {what} must be > 0, got {steps}")
+    if any(v < 0 or (v == 0 and not zero) for _, v in steps):
+        raise ValueError(f"SimPipeline: {what} must be {'>=' if zero else '>'} 0, got {steps}")
     return tuple(t for t, _ in steps), tuple(v for _, v in steps)
 
 
@@ -91,6 +98,7 @@ class _State:
     t: float = 0.0
     alloc: Allocation | None = None
     prev_workers: tuple[int, ...] = ()
+    prev_remote: tuple[int, ...] = ()
     levels: list[float] = field(default_factory=list)
     fused: tuple[bool, ...] = ()
     oom: bool = False
@@ -98,7 +106,7 @@ class _State:
     last_obs: Observation | None = None
 
 
-class SimPipeline(Solver, FusionRule):
+class SimPipeline(Solver, FusionRule, RemoteModel):
     """A simulated pipeline implementing :class:`~torchtune_pipe.tuning.base.Tunable`.
 
     Args:
@@ -109,6 +117,8 @@ class SimPipeline(Solver, FusionRule):
         interval_s: simulated seconds each :meth:`observe` advances.
         initial: allocation at reset (default: one worker per stage, the workload's buffer).
         noise: relative measurement noise on reported rates; 0 also disables cost resampling.
+        cluster_cpus: CPUs a cluster offers remote workers (0: none), a number or a schedule
+            like ``cpus``.
 
     Example:
         >>> sim = SimPipeline(netflix_like(0), cpus=[(0, 32), (60, 64)], memory_limit_bytes=64 << 30)
@@ -125,6 +135,7 @@ class SimPipeline(Solver, FusionRule):
         interval_s: float = 1.0,
         initial: Allocation | None = None,
         noise: float = 0.02,
+        cluster_cpus: float | Sequence[tuple[float, float]] = 0.0,
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"SimPipeline: interval_s must be > 0, got {interval_s}")
@@ -136,6 +147,7 @@ class SimPipeline(Solver, FusionRule):
         self.seed = seed
         self._cpus = _schedule(cpus, "cpus")
         self._mem = _schedule(memory_limit_bytes, "memory_limit_bytes")
+        self._cluster = _schedule(cluster_cpus, "cluster_cpus", zero=True)
         st = workload.stages
         n = len(st)
         self.n_stages = n
@@ -166,6 +178,10 @@ class SimPipeline(Solver, FusionRule):
         buf = workload.initial_buffer_bytes
         default = Allocation(tuple(s.min_workers for s in st), (buf,) * n)
         self._initial = self._checked(initial) if initial is not None else default
+        self._s = _State(fused=self._initial.fused or (False,) * n)
+        why = self._remote_error(self._initial.remote, self._s.fused)
+        if why is not None:
+            raise ValueError(f"SimPipeline: initial: {why}")
         self.reset(seed)
 
     # -- Tunable -----------------------------------------------------------------------------
@@ -174,12 +190,17 @@ class SimPipeline(Solver, FusionRule):
         """Set workers and buffer bytes per stage; workers are clamped to each stage's bounds.
         Calls in flight per worker follow the allocation, or where it leaves them open the
         rule a live pipeline follows (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
-        Stages run fused as ``allocation.fused`` says (empty: as they run now).
+        Stages run fused as ``allocation.fused`` says (empty: as they run now), and
+        ``allocation.remote`` of their workers on the cluster (empty: each stage keeps its
+        placement); remote workers past ``cluster_cpus`` wait (pending) and do nothing.
 
         Raises:
-            ValueError: when the allocation has the wrong number of stages, or fuses a stage
+            ValueError: when the allocation has the wrong number of stages, fuses a stage
                 that cannot be fused (as a live ``set_fused`` refuses it; the hard limits'
-                :func:`~torchtune_pipe.tuning.safety.fusable_only` drops such requests).
+                :func:`~torchtune_pipe.tuning.safety.fusable_only` drops such requests), or
+                runs remote workers of a stage that cannot have them (a source, shuffle or
+                batch, a fused stage or its host; :func:`~torchtune_pipe.tuning.safety.placed`
+                keeps such a stage's placement).
         """
         a = self._checked(allocation)
         if self._s.last_obs is not None:
@@ -187,8 +208,13 @@ class SimPipeline(Solver, FusionRule):
         elif not a.concurrency and self._s.alloc is not None:
             a = a.replace(concurrency=self._concurrency(self._s.alloc))
         fused = a.fused or self._s.fused
+        remote = self._remote_asked(a, fused)
+        if (why := self._remote_error(remote, fused)) is not None:
+            raise ValueError(f"SimPipeline.apply: {why}")
         self._s.fused = fused
-        self._s.alloc = a.replace(fused=fused if any(fused) else ())
+        self._s.alloc = a.replace(
+            fused=fused if any(fused) else (), remote=remote if any(remote) else ()
+        )
 
     def observe(self) -> Observation:
         """Advance simulated time by ``interval_s`` and return that interval's statistics."""
@@ -201,13 +227,18 @@ class SimPipeline(Solver, FusionRule):
             return self._dead_observation(cpus, limit)
         fused = s.fused
         running = running_workers(alloc.replace(fused=fused))
+        cluster = _at(self._cluster, t0)
+        local = self._local(alloc.remote, running)
+        remote = self._running_remote(alloc.remote, running, cluster)
         # A worker added since the last interval only works once it has started.
         warm = min(1.0, wl.worker_start_s / dt)
-        w = tuple(
-            a - (a - p) * warm if a > p else float(a)
-            for a, p in zip(running, s.prev_workers, strict=True)
+        w_local, w_remote = (
+            tuple(
+                a - (a - p) * warm if a > p else float(a) for a, p in zip(now, before, strict=True)
+            )
+            for now, before in ((local, s.prev_workers), (remote, s.prev_remote))
         )
-        s.prev_workers = running
+        s.prev_workers, s.prev_remote = local, tuple(remote)
         c, d = self._costs(t0 + dt / 2, fused)
         calls = self._concurrency(alloc, fused)
         d = overlapped(c, d, calls)
@@ -220,7 +251,10 @@ class SimPipeline(Solver, FusionRule):
                 f = math.exp(sig * rng.gauss(0.0, 1.0) - sig * sig / 2)
                 c[i] *= f
                 d[i] *= f
-        ss = self._solve(w, alloc.buffer_bytes, c, d, cpus, fused)
+        ss, cb, db, share = self._placed_solve(
+            w_local, w_remote, alloc.buffer_bytes, c, d, cpus, fused
+        )
+        hop, _, net, _ = self._hop(c, fused)
         x = ss.throughput
         # Buffers move toward their steady fill at the rate imbalance across them. A group's
         # stages run in lockstep: the host's buffer holds the group's last stage's items.
@@ -240,13 +274,14 @@ class SimPipeline(Solver, FusionRule):
             for m in range(i, last + 1):
                 rates[m] = max(0.0, flow + (new - old) / dt) * self._S[m] / self._S[last]
             fills[i] = new / k
-        used = self._memory(running, s.levels, fused)
+        used = self._memory(local, s.levels, fused)
         if used > limit:
             s.oom = True
             return self._dead_observation(cpus, limit, used=int(used))
         s.last_x = x
         noisy = self._noisy
         fusable = self.fusable(fused)
+        remotable = self.remotable()
         stages = []
         for i, sm in enumerate(wl.stages):
             # Live, a fused stage's time is its own share of its host's workers' wall time
@@ -274,9 +309,16 @@ class SimPipeline(Solver, FusionRule):
                     io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
-                    memory_bytes=self._stage_memory(running, i, fused),
+                    memory_bytes=self._stage_memory(local, i, fused),
                     fused=fused[i],
                     fusable=fusable[i],
+                    remote_workers=remote[i],
+                    remotable=remotable[i],
+                    remote_items_per_s=noisy(rates[i] * share[i]),
+                    bytes_per_item=float(sm.bytes_per_item),
+                    net_s_per_item=net[i] * sm.ratio if remote[i] else 0.0,
+                    hop_cpu_s_per_item=noisy(hop[i] * sm.ratio) if remote[i] else 0.0,
+                    items_per_call=float(sm.items_per_call),
                 )
             )
         latency = 0.0
@@ -284,7 +326,7 @@ class SimPipeline(Solver, FusionRule):
             latency = sum(
                 s.levels[i] / (x * self._S[self._last(i, fused)]) for i in range(n) if not fused[i]
             )
-            latency += sum(self._R[i] * (c[i] / ss.phi + d[i]) for i in range(n))
+            latency += sum(self._R[i] * (cb[i] / ss.phi + db[i]) for i in range(n))
         obs = Observation(
             stages=tuple(stages),
             throughput=noisy(x),
@@ -296,6 +338,9 @@ class SimPipeline(Solver, FusionRule):
             dram_gbps=wl.dram_gbps,
             cpu_ghz=wl.cpu_ghz,
             t=s.t,
+            cluster_cpus=cluster,
+            network_bytes_per_s=wl.network_bytes_per_s,
+            rpc_s=wl.rpc_s,
         )
         s.last_obs = obs
         return obs
@@ -303,7 +348,11 @@ class SimPipeline(Solver, FusionRule):
     # -- simulator extras --------------------------------------------------------------------
 
     def evaluate(
-        self, allocation: Allocation, cpus: float | None = None, t: float | None = None
+        self,
+        allocation: Allocation,
+        cpus: float | None = None,
+        t: float | None = None,
+        cluster_cpus: float | None = None,
     ) -> float:
         """Steady-state throughput of a static allocation, without noise.
 
@@ -313,21 +362,36 @@ class SimPipeline(Solver, FusionRule):
         simulator's state.
         """
         at = self._when(t)
-        ss = self.steady_state(allocation, cpus, at)
+        ss = self.steady_state(allocation, cpus, at, cluster_cpus)
         return ss.throughput if ss.memory_bytes <= _at(self._mem, at) else 0.0
 
     def steady_state(
-        self, allocation: Allocation, cpus: float | None = None, t: float | None = None
+        self,
+        allocation: Allocation,
+        cpus: float | None = None,
+        t: float | None = None,
+        cluster_cpus: float | None = None,
     ) -> SteadyState:
-        """The noiseless steady state of ``allocation`` now (or at time ``t``) on ``cpus``."""
+        """The noiseless steady state of ``allocation`` now (or at time ``t``) on ``cpus``
+        and ``cluster_cpus`` (default: the schedules' at that time).
+
+        Raises:
+            ValueError: as :meth:`apply` for an allocation it would refuse.
+        """
         a = self._checked(allocation)
         fused = a.fused or self._s.fused
+        asked = self._remote_asked(a, fused)
+        if (why := self._remote_error(asked, fused)) is not None:
+            raise ValueError(f"SimPipeline.steady_state: {why}")
         at = self._when(t)
         c, d = self._costs(at, fused)
         d = overlapped(c, d, self._concurrency(a, fused))
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
-        w = tuple(map(float, running_workers(a.replace(fused=fused))))
-        return self._solve(w, a.buffer_bytes, c, d, cpus, fused)
+        cluster = _at(self._cluster, at) if cluster_cpus is None else float(cluster_cpus)
+        running = running_workers(a.replace(fused=fused))
+        local = self._local(asked, running)
+        remote = self._running_remote(asked, running, cluster)
+        return self._placed_solve(local, remote, a.buffer_bytes, c, d, cpus, fused)[0]
 
     def upper_bound(self, cpus: float | None = None, t: float | None = None) -> float:
         """Throughput no allocation can beat now (or at ``t``): all CPU work on ``cpus`` cores,
@@ -351,9 +415,14 @@ class SimPipeline(Solver, FusionRule):
         self._rng = random.Random(self.seed)
         init = self._initial
         fused = init.fused or (False,) * self.n_stages
+        running = running_workers(init.replace(fused=fused))
+        remote = tuple(
+            min(r, w) for r, w in zip(init.remote or (0,) * len(running), running, strict=True)
+        )
         self._s = _State(
             alloc=init,
-            prev_workers=running_workers(init.replace(fused=fused)),
+            prev_workers=tuple(w - r for w, r in zip(running, remote, strict=True)),
+            prev_remote=remote,
             levels=[0.0] * self.n_stages,
             fused=fused,
             last_x=0.0,
@@ -381,6 +450,10 @@ class SimPipeline(Solver, FusionRule):
     def cpus_at(self, t: float) -> float:
         """CPUs the schedule gives at time ``t``."""
         return _at(self._cpus, t)
+
+    def cluster_cpus_at(self, t: float) -> float:
+        """Cluster CPUs the schedule gives at time ``t``."""
+        return _at(self._cluster, t)
 
     def memory_limit_at(self, t: float) -> int:
         """Memory limit the schedule gives at time ``t``."""

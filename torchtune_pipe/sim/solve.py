@@ -47,8 +47,11 @@ def _mm1n(rho: float, n: float) -> tuple[float, float, float, float]:
 class Solver:
     """Steady-state solver of a simulated pipeline (uses ``self.workload`` and its state)."""
 
-    def _solve(self, w, buffers, c, d, cpus, fused) -> SteadyState:
+    def _solve(self, w, buffers, c, d, cpus, fused, link=math.inf, held=None) -> SteadyState:
+        """The steady state of ``w`` workers per stage (``held``: those that hold memory on
+        the host, default all) at costs ``c``/``d``, throughput at most ``link``."""
         n = self.n_stages
+        held = w if held is None else held
         # The line's stations: each group (a host and the stages fused into it) is one, with
         # the host's workers and its members' costs per pipeline item; a stage on its own
         # keeps its per-input-item costs and R, so an unfused line is solved as it always was.
@@ -74,7 +77,7 @@ class Solver:
         m = len(hosts)
         wn = [w[h] for h in hosts]
         cost = sum(R[k] * cn[k] for k in range(m))
-        x1 = min(self._xc, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
+        x1 = min(self._xc, link, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
         x, phi = self._share(wn, R, cn, dn, cpus, cost, x1)
         if x * cost / phi > cpus:  # more runnable workers than cores: switching overhead
             runnable = min(x * cost / phi, sum(wn[k] * cn[k] / (cn[k] + dn[k]) for k in range(m)))
@@ -105,7 +108,7 @@ class Solver:
         x *= eff
         host = [fusion_host(fused, i) for i in range(n)]
         busy = tuple(min(1.0, x * self._R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
-        mem += sum(self._stage_memory(w, i, fused) for i in range(n)) + self._resident
+        mem += sum(self._stage_memory(held, i, fused) for i in range(n)) + self._resident
         return SteadyState(
             x,
             phi,
@@ -133,7 +136,10 @@ class Solver:
     def _dead_observation(self, cpus: float, limit: int, used: int | None = None) -> Observation:
         s, wl = self._s, self.workload
         running = running_workers(s.alloc.replace(fused=s.fused))
+        remote = s.alloc.remote or (0,) * len(running)
+        local = [w - min(r, w) for w, r in zip(running, remote, strict=True)]
         fusable = self.fusable(s.fused)
+        remotable = self.remotable()
         stages = tuple(
             StageStats(
                 name=sm.name,
@@ -141,13 +147,17 @@ class Solver:
                 min_workers=sm.min_workers,
                 max_workers=sm.max_workers,
                 buffer_bytes=s.alloc.buffer_bytes[i],
-                memory_bytes=self._stage_memory(running, i, s.fused),
+                memory_bytes=self._stage_memory(local, i, s.fused),
                 fused=s.fused[i],
                 fusable=fusable[i],
+                remote_workers=min(remote[i], running[i]),
+                remotable=remotable[i],
+                bytes_per_item=float(sm.bytes_per_item),
+                items_per_call=float(sm.items_per_call),
             )
             for i, sm in enumerate(wl.stages)
         )
-        used = int(self._memory(running, s.levels, s.fused)) if used is None else used
+        used = int(self._memory(local, s.levels, s.fused)) if used is None else used
         return Observation(
             stages=stages,
             throughput=0.0,
@@ -159,4 +169,7 @@ class Solver:
             cpu_ghz=wl.cpu_ghz,
             t=s.t,
             oom=True,
+            cluster_cpus=self.cluster_cpus_at(s.t),
+            network_bytes_per_s=wl.network_bytes_per_s,
+            rpc_s=wl.rpc_s,
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
 from torchtune_pipe.tuning.base import MiB
+from torchtune_pipe.tuning.cluster import HOP_COPIES, NETWORK_BYTES_PER_S, RPC_CPU_S, RPC_S
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "STAGE_KINDS"]
 
@@ -64,6 +65,11 @@ class StageModel:
             before it runs; with a ``"map"`` kind after a ``"source"`` or ``"map"`` stage it
             may then be fused into it, the live rule (``multiproc.spec.fuse_blocker``). False
             for a map that must keep workers of its own (another worker type).
+        remotable: the stage's workers may run on the cluster (``Allocation.remote``): only a
+            ``"map"`` stage, and not while it is fused or hosts a fused stage (live: a
+            ``placement="ray"`` stage; a source, shuffle or batch keeps its state local).
+        items_per_call: items one remote call carries (the stage's frame): the call's round
+            trip and host CPU are shared by them.
     """
 
     name: str
@@ -80,9 +86,15 @@ class StageModel:
     max_concurrency: int = 1
     worker_bytes: int = 0
     fusable: bool = True
+    remotable: bool = True
+    items_per_call: int = 1
 
     def __post_init__(self) -> None:
         where = f"StageModel {self.name!r}"
+        if not isinstance(self.items_per_call, int) or self.items_per_call < 1:
+            raise ValueError(
+                f"{where}: items_per_call must be an int >= 1, got {self.items_per_call!r}"
+            )
         if not isinstance(self.max_concurrency, int) or self.max_concurrency < 1:
             raise ValueError(f"{where}: max_concurrency must be an int >= 1")
         if self.kind not in STAGE_KINDS:
@@ -127,6 +139,14 @@ class Workload:
             charged to the producing stage; fusion removes it. 0 where the stage costs already
             include it (the presets and generated workloads); BENCHMARKS.md measures ~2.5 us
             per row on this project's machine.
+        rpc_s: seconds a remote call's round trip costs a remote worker, shared by the items
+            of the call (``StageModel.items_per_call``); ``benchmarks/remote.py`` measures
+            1.3-1.5 ms (:mod:`torchtune_pipe.tuning.cluster`).
+        network_bytes_per_s: bandwidth between host and cluster, shared by every remote worker
+            (bytes/s); every byte a remote worker takes in and sends back crosses it.
+        rpc_cpu_s: host CPU seconds per remote call (the calling thread's part of it).
+        hop_copies: host copies of every byte that crosses to or from a remote worker (at
+            ``dram_gbps``).
     """
 
     name: str
@@ -139,6 +159,10 @@ class Workload:
     cpu_ghz: float = 2.5
     initial_buffer_bytes: int = 4 * MiB
     hop_s_per_item: float = 0.0
+    rpc_s: float = RPC_S
+    network_bytes_per_s: float = NETWORK_BYTES_PER_S
+    rpc_cpu_s: float = RPC_CPU_S
+    hop_copies: float = HOP_COPIES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -156,6 +180,11 @@ class Workload:
             raise ValueError(f"Workload {self.name!r}: dram_gbps must be > 0")
         if self.hop_s_per_item < 0:
             raise ValueError(f"Workload {self.name!r}: hop_s_per_item must be >= 0")
+        for what in ("rpc_s", "rpc_cpu_s", "hop_copies"):
+            if getattr(self, what) < 0:
+                raise ValueError(f"Workload {self.name!r}: {what} must be >= 0")
+        if self.network_bytes_per_s <= 0:
+            raise ValueError(f"Workload {self.name!r}: network_bytes_per_s must be > 0")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ __all__ = [
     "fusion_like",
     "generate",
     "with_batch_size",
+    "with_frames",
+    "images_like",
     "cpu_s_per_output",
     "PRESETS",
 ]
@@ -270,6 +272,60 @@ def with_batch_size(workload: Workload, batch_size: int) -> Workload:
         stages=tuple(stages),
         consumer_step_s=workload.consumer_step_s * scale,
     )
+
+
+def with_frames(workload: Workload, items_per_call: int) -> Workload:
+    """The same workload with every map stage's remote calls carrying ``items_per_call``
+    items (a frame; ``StageModel.items_per_call``): what a remote stage sends per call when its
+    source frames that many items, or when it runs after a batch.
+
+    Raises:
+        ValueError: when ``items_per_call`` is not an int >= 1.
+    """
+    if not isinstance(items_per_call, int) or items_per_call < 1:
+        raise ValueError(
+            f"with_frames(): items_per_call must be an int >= 1, got {items_per_call!r}"
+        )
+    stages = tuple(
+        dataclasses.replace(s, items_per_call=items_per_call) if s.kind == "map" else s
+        for s in workload.stages
+    )
+    name = f"{workload.name}_f{items_per_call}"
+    return dataclasses.replace(workload, name=name, stages=stages)
+
+
+def images_like(seed: int = 0) -> Workload:
+    """Read -> decode -> augment -> batch -> prefetch: images, whose items grow on the way.
+
+    JPEG files of ~40 KB are read from remote storage, decoded (3 ms of CPU) into ~150 KB
+    arrays, augmented (0.6 ms of CPU per image: a crop and a flip, memory-bound), collated into
+    batches of 64 and pinned. With a cluster, decoding is worth moving (3 ms freed for 190 KB
+    on the wire); augmenting much less (0.6 ms for 300 KB), and the link runs out first.
+    """
+    rng = random.Random(seed)
+    jpeg, image, batch = 40_000, 150_000, 64
+    stages = (
+        StageModel(
+            "read", "source", 30 * US * _jitter(rng), cpu_cv=0.5,
+            io_s_per_item=2e-3 * _jitter(rng), bytes_per_item=jpeg, max_workers=256,
+        ),
+        StageModel(
+            "decode", "map", 3e-3 * _jitter(rng), cpu_cv=0.4, bytes_per_item=image,
+            items_per_call=16,
+        ),
+        StageModel(
+            "augment", "map", 0.6e-3 * _jitter(rng), cpu_cv=0.3, bytes_per_item=image,
+            items_per_call=16,
+        ),
+        StageModel(
+            "batch", "batch", 20 * US * _jitter(rng), ratio=batch, bytes_per_item=batch * image,
+        ),
+        StageModel(
+            "prefetch", "prefetch", 2e-3 * _jitter(rng), bytes_per_item=batch * image,
+            max_workers=4,
+        ),
+    )  # fmt: skip
+    return Workload("images_like", stages, consumer_step_s=20e-3)
 
 
 def cpu_s_per_output(workload: Workload) -> float:

@@ -15,6 +15,9 @@ What it keeps from tf.data, weaknesses included (they are what the baseline is f
   buffer bytes only; a result is applied only when it fits what the prefetch left over;
 * the legacy prefetch autotuner: the last stage's buffer starts at one element, doubles (then
   grows by 2048) each time it drains empty after having been full, and never shrinks;
+* no cluster: tf.data's AUTOTUNE sizes one host's thread pools, so its allocations leave
+  ``Allocation.remote`` empty (each stage keeps its placement; ``Observation.cluster_cpus`` is
+  not read);
 * map fusion as a static graph rewrite: tf.data's ``map_fusion`` option (off by default in
   every tf.data release's ``OptimizationOptions``) fuses adjacent stateless maps once, before
   the model runs; ``AutotuneConfig(map_fusion=True)`` fuses every stage that may be fused at

@@ -28,7 +28,8 @@ class StageStats:
     the simulator (:mod:`torchtune_pipe.sim.model`), in the units given here. Fractions of wall
     time are per worker, averaged over the stage's workers. Three fields are measured live
     only and keep their default in the simulator: ``items_in_per_s`` (0), ``runqueue``
-    (None) and ``idle`` (False); a tuner must read those defaults as "not measured", never as
+    (None) and ``idle`` (False); ``hop_cpu_s_per_item`` is simulator-only (0 live), and
+    ``remotable`` is False live; a tuner must read those defaults as "not measured", never as
     "zero" (``tests/tuning/test_seam.py`` checks both sides).
 
     Attributes:
@@ -87,6 +88,34 @@ class StageStats:
             finished the frames queued for them), and when nothing was emitted.
         fusable: the stage may be fused into the previous stage now (stateless, runs where
             that one runs, and the group it would join is not at its longest).
+        remote_workers: of ``workers``, how many run on the cluster (count, 0..workers): each
+            a worker whose stage function runs on one cluster CPU (live: a Ray actor of a
+            ``placement="ray"`` stage, all its workers) and whose local side only sends and
+            receives (no share of the host's cores beyond ``hop_cpu_s_per_item``, no worker
+            memory: ``memory_bytes`` is the local workers'). The rest run on the host.
+        remotable: the tuner may move the stage's workers between host and cluster (a
+            stateless map stage; never a source, shuffle or batch). Fusion and remote workers
+            exclude each other: a fused stage, or one hosting a fused stage, runs none (the
+            guard drops them). Live False (the executor cannot move a worker between
+            placements: a ``placement="ray"`` stage keeps every worker remote, a local stage
+            every worker local).
+        remote_items_per_s: items the stage's remote workers emitted per second (items/s,
+            part of ``items_per_s``; 0 without remote workers).
+        bytes_per_item: bytes of one item the stage emits, as it crosses a channel or the
+            network (B/item; 0: not measured). An item sent to a remote worker of stage ``i``
+            costs stage ``i - 1``'s ``bytes_per_item`` in, its own out.
+        net_s_per_item: wall seconds a remote worker waited on the network per item it
+            emitted (the call's round trip shared over its items, plus bytes over bandwidth
+            both ways; s/item). Live: its wall time per item less its CPU per item. 0 without
+            remote workers (a tuner predicts it from ``Observation.rpc_s`` and
+            ``Observation.network_bytes_per_s``).
+        hop_cpu_s_per_item: host CPU seconds a remote worker spent per item it emitted on the
+            hop to the cluster (packing, unpacking, the call), charged to local cores (s/item;
+            the network hop, not the channel hop of ``hop_s_per_item``). Simulator
+            only (0 live and without remote workers: live the hop's CPU is in
+            ``cpu_s_per_item``, with the actor's).
+        items_per_call: items one remote call carries (the stage's frame, count >= 1; 1 when
+            not known).
     """
 
     name: str
@@ -110,6 +139,13 @@ class StageStats:
     fused: bool = False
     fusable: bool = False
     hop_s_per_item: float = 0.0
+    remote_workers: int = 0
+    remotable: bool = False
+    remote_items_per_s: float = 0.0
+    bytes_per_item: float = 0.0
+    net_s_per_item: float = 0.0
+    hop_cpu_s_per_item: float = 0.0
+    items_per_call: float = 1.0
 
 
 def waits_on_io(cpu_s: float, busy_s: float) -> bool:
@@ -123,9 +159,10 @@ def waits_on_io(cpu_s: float, busy_s: float) -> bool:
 class Observation:
     """A snapshot of a pipeline and the machine it runs on, as a tuner sees it.
 
-    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s`` is
-    simulator-only (0 live: the loader does not time items end to end); a tuner must read 0
-    as "not measured".
+    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s``,
+    ``network_bytes_per_s`` and ``rpc_s`` are simulator-only (0 live: the loader does not time
+    items end to end, nor the network apart from a remote stage's wait per item); a tuner must
+    read 0 as "not measured".
 
     Attributes:
         stages: per-stage stats in pipeline order (source first).
@@ -155,6 +192,14 @@ class Observation:
         oom: the pipeline ran out of memory in this interval: ``memory_used_bytes`` passed
             ``memory_limit_bytes``, or the kernel killed a worker for memory (live: a worker
             died while the cgroup's OOM-kill count grew). Simulator: the episode ended.
+        cluster_cpus: CPUs a cluster offers the pipeline's remote workers besides ``cpus``
+            (0: no cluster). Live: Ray's ``cluster_resources()["CPU"]`` while a remote stage
+            runs (the host's own share of it included, as Ray counts it), else 0. Simulator:
+            the schedule's count. Each remote worker takes one (``Allocation.remote``).
+        network_bytes_per_s: bandwidth between the host and the cluster, in bytes/s, shared
+            by every remote worker (0: not measured; live it is not, a tuner takes its prior).
+        rpc_s: seconds one remote call costs besides its bytes (its round trip), shared by the
+            items of the call (0: not measured; a tuner takes its prior).
     """
 
     stages: tuple[StageStats, ...]
@@ -168,6 +213,9 @@ class Observation:
     cpu_ghz: float = 0.0
     t: float = 0.0
     oom: bool = False
+    cluster_cpus: float = 0.0
+    network_bytes_per_s: float = 0.0
+    rpc_s: float = 0.0
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -181,10 +229,20 @@ class Observation:
     def concurrency(self) -> tuple[int, ...]:
         return tuple(s.concurrency for s in self.stages)
 
+    @property
+    def remote_workers(self) -> tuple[int, ...]:
+        return tuple(s.remote_workers for s in self.stages)
+
     def allocation(self) -> Allocation:
         """The allocation the pipeline runs with now (concurrency left to the pipeline)."""
         fused = tuple(s.fused for s in self.stages)
-        return Allocation(self.workers, self.buffer_bytes, fused=fused if any(fused) else ())
+        remote = self.remote_workers
+        return Allocation(
+            self.workers,
+            self.buffer_bytes,
+            fused=fused if any(fused) else (),
+            remote=remote if any(remote) else (),
+        )
 
 
 # A stage counts as I/O-bound by its busy share alone (CPU not measured) when it computes less
@@ -218,13 +276,19 @@ class Allocation:
     simulator alike. ``fused`` empty means "as it is now"; ``fused[j]`` True runs stage ``j``
     in stage ``j - 1``'s workers (see :attr:`StageStats.fused`), and ``workers[j]`` is then
     the stage's target for when it is split again, not processes that run (the CPU budget
-    counts the stages that run their own workers).
+    counts the stages that run their own workers). ``remote`` empty means "each stage keeps
+    its placement": a stage whose workers all run on the cluster keeps all of them there,
+    another keeps its remote count (at most its workers); ``remote[j]`` is how many of
+    ``workers[j]`` run on the cluster (:attr:`StageStats.remote_workers`; more than
+    ``workers[j]`` reads as all of them). Local workers count against ``cpus``, remote ones
+    against ``Observation.cluster_cpus`` (:func:`~.safety.placed`).
     """
 
     workers: tuple[int, ...]
     buffer_bytes: tuple[int, ...]
     concurrency: tuple[int, ...] = ()
     fused: tuple[bool, ...] = ()
+    remote: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
@@ -249,6 +313,13 @@ class Allocation:
             )
         if self.fused and self.fused[0]:
             raise ValueError("Allocation: the first stage cannot be fused (nothing before it)")
+        object.__setattr__(self, "remote", tuple(int(r) for r in self.remote))
+        if self.remote and len(self.remote) != len(self.workers):
+            raise ValueError(
+                f"Allocation: remote has {len(self.remote)} stages, workers {len(self.workers)}"
+            )
+        if any(r < 0 for r in self.remote):
+            raise ValueError(f"Allocation: remote must be >= 0, got {self.remote}")
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
@@ -260,6 +331,15 @@ def running_workers(alloc: Allocation) -> tuple[int, ...]:
     if not alloc.fused:
         return alloc.workers
     return tuple(0 if f else w for w, f in zip(alloc.workers, alloc.fused, strict=True))
+
+
+def local_workers(alloc: Allocation) -> tuple[int, ...]:
+    """Workers each stage of ``alloc`` runs on the host: those that run
+    (:func:`running_workers`) less its remote ones (``alloc.remote`` taken as given)."""
+    own = running_workers(alloc)
+    if not alloc.remote:
+        return own
+    return tuple(max(0, w - r) for w, r in zip(own, alloc.remote, strict=True))
 
 
 @dataclass(frozen=True)
@@ -282,25 +362,26 @@ class MemoryParts:
     def worst_case_bytes(self, alloc: Allocation) -> float:
         """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
         its stage's workers costs now, plus the fixed part. A fused stage runs no workers."""
-        own = running_workers(alloc)
+        own = local_workers(alloc)  # a remote worker holds no memory on the host
         workers = sum(w * p for w, p in zip(own, self.per_worker_bytes, strict=True))
         return self.fixed_bytes + workers + sum(alloc.buffer_bytes)
 
 
 def memory_parts(obs: Observation) -> MemoryParts:
-    """Split ``obs.memory_used_bytes`` into buffers, workers per stage and the rest."""
+    """Split ``obs.memory_used_bytes`` into buffers, workers per stage and the rest (a
+    stage's remote workers hold nothing on the host: its memory is its local workers')."""
     buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
     other = max(0.0, obs.memory_used_bytes - buffered)
-    measured = [s for s in obs.stages if s.memory_bytes > 0 and s.workers > 0]
+    local = [max(0, s.workers - s.remote_workers) for s in obs.stages]
+    measured = [i for i, s in enumerate(obs.stages) if s.memory_bytes > 0 and local[i] > 0]
     if not measured:
-        each = other / max(1, sum(obs.workers))
+        each = other / max(1, sum(local))
         return MemoryParts(buffered, (each,) * len(obs.stages), 0.0)
-    mean = sum(s.memory_bytes for s in measured) / sum(s.workers for s in measured)
+    mean = sum(obs.stages[i].memory_bytes for i in measured) / sum(local[i] for i in measured)
     per_worker = tuple(
-        s.memory_bytes / s.workers if s.memory_bytes > 0 and s.workers > 0 else mean
-        for s in obs.stages
+        s.memory_bytes / local[i] if i in measured else mean for i, s in enumerate(obs.stages)
     )
-    in_workers = sum(w * p for w, p in zip(obs.workers, per_worker, strict=True))
+    in_workers = sum(w * p for w, p in zip(local, per_worker, strict=True))
     return MemoryParts(buffered, per_worker, max(0.0, other - in_workers))
 
 
@@ -337,12 +418,19 @@ def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allo
     lo = limits.min_workers or (1,) * n
     hi = limits.max_workers or (1 << 16,) * n
     workers = [max(max(1, lo[i]), min(hi[i], alloc.workers[i])) for i in range(n)]
-    # A fused stage runs no workers of its own: only the others count against the CPUs.
+    # A fused stage runs no workers of its own, a remote worker runs on the cluster: only the
+    # others (local workers) count against the CPUs.
     own = [i for i in range(n) if not (alloc.fused and alloc.fused[i])]
-    cap = max(sum(max(1, lo[i]) for i in own), int(limits.cpus * oversubscribe + 0.5))
-    while sum(workers[i] for i in own) > cap:
-        i = max(own, key=lambda j: (workers[j] - max(1, lo[j]), workers[j]))
-        if workers[i] <= max(1, lo[i]):
+    remote = alloc.remote or (0,) * n
+
+    def local(i: int) -> int:
+        return max(0, workers[i] - remote[i])
+
+    floor = sum(max(0, max(1, lo[i]) - remote[i]) for i in own)
+    cap = max(floor, int(limits.cpus * oversubscribe + 0.5))
+    while sum(local(i) for i in own) > cap:
+        i = max(own, key=lambda j: (min(local(j), workers[j] - max(1, lo[j])), local(j)))
+        if workers[i] <= max(1, lo[i]) or local(i) <= 0:
             break
         workers[i] -= 1
     buffers = [max(limits.min_buffer_bytes, b) for b in alloc.buffer_bytes]

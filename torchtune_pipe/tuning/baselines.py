@@ -2,6 +2,9 @@
 
 None of them reacts to what it observes; each returns one allocation, re-clamped at every step
 so that a machine that shrinks under a baseline still never runs past its CPU or memory budget.
+None splits a stage between host and cluster: their allocations leave ``Allocation.remote``
+empty, so each stage keeps its placement (a ``placement="ray"`` stage stays remote) and the
+heuristic's even split is over the host's cores.
 """
 
 from __future__ import annotations

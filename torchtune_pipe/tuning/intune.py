@@ -161,6 +161,9 @@ class InTuneTuner:
             keeps deciding workers and buffers on the shape the plan chose. False: stages run
             as they are.
         seed: seeds exploration and replay sampling.
+        plan_only: the planner tunes alone (the network's place is taken by a no-op, as for a
+            pipeline length without weights): the agent's ablation, and the split between
+            host and cluster as the planner alone makes it (``benchmarks/cluster_sim.py``).
 
     Example:
         >>> tuner = InTuneTuner()
@@ -182,10 +185,12 @@ class InTuneTuner:
         plan_gain: float | None = PLAN_MIN_GAIN,
         fusion: bool = True,
         seed: int = 0,
+        plan_only: bool = False,
     ) -> None:
         if learn_every < 1:
             raise ValueError(f"InTuneTuner: learn_every must be >= 1, got {learn_every}")
         self.learn_every = learn_every
+        self.plan_only = plan_only
         self.plan_gain = plan_gain
         self.fusion = fusion
         self.weights = weights
@@ -401,12 +406,14 @@ class InTuneTuner:
             self.agent.enable_training(seed=self.seed, config=self.config)
 
     def _load_agent(self, n: int) -> DQNAgent | PlannerOnly:
-        agent = load_agent(self.weights, n)
+        agent = PlannerOnly() if self.plan_only else load_agent(self.weights, n)
         if isinstance(agent, PlannerOnly):
-            logger.info(
-                "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
-                "planner tunes this one alone", n, ", ".join(map(str, shipped_lengths())) or "none",
-            )  # fmt: skip
+            if not self.plan_only:
+                logger.info(
+                    "InTuneTuner: no shipped weights for %d-stage pipelines (shipped: %s); the "
+                    "planner tunes this one alone", n,
+                    ", ".join(map(str, shipped_lengths())) or "none",
+                )  # fmt: skip
             if self.plan_gain is None:
                 self.plan_gain = PLAN_MIN_GAIN
         elif self.finetune:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .base import Allocation, MiB, Observation, StageStats, memory_parts
+from .cluster import local_total, remote_of
 from .planner import Plan
 from .safety import MEMORY_SAFE_SHARE, is_io_bound, oversubscribe_factor
 
@@ -118,7 +119,7 @@ class ActionSpace:
         mask = torch.zeros(self.n, dtype=torch.bool)
         mask[0] = True
         mask[self.plan_index] = planned is not None and changes_workers(alloc, planned.allocation)
-        total_w = sum(alloc.workers)
+        total_w = local_total(alloc, obs)  # a remote worker holds no memory on the host
         limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE
         per_worker, fixed = (memory or MemoryModel()).split(obs)
         worst = sum(alloc.buffer_bytes) + fixed + per_worker * total_w
@@ -136,7 +137,7 @@ class ActionSpace:
                     mask[base + k] = w + dw >= max(1, st.min_workers)
                 elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
                     new = self.apply(alloc, base + k, obs)
-                    grown = sum(new.workers) - total_w
+                    grown = local_total(new, obs) - total_w
                     fits_mem = worst + per_worker * grown <= limit
                     fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
                     mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
@@ -163,8 +164,11 @@ BUFFER_GROW_MIN_FILL = 0.5
 
 
 def changes_workers(old: Allocation, new: Allocation) -> bool:
-    """Whether ``new`` runs other workers than ``old``: other counts, or other stages fused."""
+    """Whether ``new`` runs other workers than ``old``: other counts, other stages fused, or
+    other workers remote (``remote`` empty: as now)."""
     n = len(old.workers)
+    if new.remote and (old.remote or (0,) * n) != new.remote:
+        return True
     return old.workers != new.workers or (old.fused or (False,) * n) != (new.fused or (False,) * n)
 
 
@@ -181,8 +185,11 @@ def can_use_workers(st: StageStats) -> bool:
 
 
 def cpu_cap(obs: Observation, alloc: Allocation) -> int:
-    """Workers ``alloc`` may run in total: cores times the I/O oversubscription factor."""
-    return max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 0.5))
+    """Workers ``alloc`` may run in total: cores times the I/O oversubscription factor, plus
+    its remote workers (they take the cluster's CPUs, not the host's: the guard keeps them
+    within those)."""
+    local = max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 0.5))
+    return local + sum(remote_of(alloc, obs))
 
 
 def idlest_donor(
@@ -248,7 +255,7 @@ class MemoryModel:
         """Refine the per-worker cost from a new observation."""
         if obs.oom:
             return
-        w, other = sum(obs.workers), self._other(obs)
+        w, other = _local_count(obs), self._other(obs)
         if self._last is not None and self._last[0] != w:
             slope = (other - self._last[1]) / (w - self._last[0])
             self.slope = clip(slope, 0.0, other / max(1, w))
@@ -256,16 +263,22 @@ class MemoryModel:
 
     def split(self, obs: Observation) -> tuple[float, float]:
         """(bytes per worker, fixed bytes) for ``obs``."""
-        w, other = max(1, sum(obs.workers)), self._other(obs)
+        w, other = max(1, _local_count(obs)), self._other(obs)
         if self.slope is not None:
             per_worker = self.slope
         elif any(s.memory_bytes > 0 for s in obs.stages):
             parts = memory_parts(obs)
-            held = sum(n * p for n, p in zip(obs.workers, parts.per_worker_bytes, strict=True))
+            local = [s.workers - s.remote_workers for s in obs.stages]
+            held = sum(n * p for n, p in zip(local, parts.per_worker_bytes, strict=True))
             per_worker = held / w
         else:
             per_worker = other / w
         return per_worker, max(0.0, other - per_worker * w)
+
+
+def _local_count(obs: Observation) -> int:
+    """Workers that run on the host (a remote worker holds no memory there)."""
+    return sum(obs.workers) - sum(obs.remote_workers)
 
 
 def distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
@@ -288,12 +301,17 @@ def fit_memory(
     per_worker, fixed = (memory or MemoryModel()).split(obs)
     limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE * share
     workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
-    while sum(buffers) + fixed + per_worker * sum(workers) > limit:
+    remote = remote_of(alloc, obs)  # a remote worker holds no memory on the host
+
+    def local() -> list[int]:
+        return [w - min(r, w) for w, r in zip(workers, remote, strict=True)]
+
+    while sum(buffers) + fixed + per_worker * sum(local()) > limit:
         if any(b > KEEP_BUFFER_BYTES for b in buffers):
             buffers = [max(KEEP_BUFFER_BYTES, b // 2) if b > KEEP_BUFFER_BYTES else b
                        for b in buffers]  # fmt: skip
-        elif sum(workers) > len(workers) and per_worker > 0:
-            i = max(range(len(workers)), key=workers.__getitem__)
+        elif sum(local()) > len(workers) - sum(1 for r in remote if r) and per_worker > 0:
+            i = max(range(len(workers)), key=local().__getitem__)
             workers[i] -= 1
         elif sum(buffers) > len(buffers) * MiB:
             buffers = [max(MiB, b // 2) for b in buffers]

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from .base import Allocation, MiB, Observation
 from .baselines import even_split
 from .safety import MAX_OVERSUBSCRIBE
+from .split_search import split_search
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,9 @@ def best_static(
     max_workers: int | Sequence[int],
     factors: Sequence[float] = (1, 2, MAX_OVERSUBSCRIBE),
     fusion: Sequence[Sequence[bool]] = ((),),
+    cluster_cpus: float = 0.0,
+    remotable: Sequence[bool] = (),
+    split_starts: Sequence[Allocation] = (),
 ) -> tuple[Allocation, float]:
     """The best static allocation on ``cpus`` CPUs among worker totals up to each of
     ``cpus * factors``.
@@ -169,25 +173,49 @@ def best_static(
     totals too: one tuners could beat would measure nothing. One search per total: a search
     started far past the memory limit sees only zeros around it and cannot climb. With
     ``fusion`` (shapes, e.g. :func:`fusion_shapes`), one search per shape and total, counting
-    only the workers that run.
+    only the workers that run. With ``cluster_cpus`` (at least 1) and ``remotable`` stages,
+    also the best split of workers between host and cluster
+    (:func:`~.split_search.split_search`, every stage split, local totals as above, from
+    its own starts and ``split_starts``).
 
     Returns:
         (best allocation, its value).
+
+    Raises:
+        ValueError: on a negative ``cluster_cpus``, or ``remotable`` without one entry per
+            stage.
     """
-    return max(
-        (
-            oracle_search(
+    if cluster_cpus < 0:
+        raise ValueError(f"best_static(): cluster_cpus must be >= 0, got {cluster_cpus}")
+    if remotable and len(remotable) != n_stages:
+        raise ValueError(f"best_static(): remotable needs {n_stages} entries, got {len(remotable)}")
+    found = [
+        oracle_search(
+            evaluate,
+            n_stages,
+            max(n_stages - sum(map(bool, shape)), int(cpus * f)),
+            max_workers,
+            fused=shape,
+        )
+        for shape in fusion
+        for f in factors
+    ]
+    if cluster_cpus >= 1 and any(remotable):
+        hi = _bounds(n_stages, max_workers)
+        must = n_stages - sum(map(bool, remotable))
+        found += [
+            split_search(
                 evaluate,
                 n_stages,
-                max(n_stages - sum(map(bool, shape)), int(cpus * f)),
-                max_workers,
-                fused=shape,
-            )
-            for shape in fusion
+                max(must, int(cpus * f)),
+                int(cluster_cpus),
+                hi,
+                remotable,
+                extra_starts=split_starts,
+            )  # fmt: skip
             for f in factors
-        ),
-        key=lambda found: found[1],
-    )
+        ]
+    return max(found, key=lambda item: item[1])
 
 
 def _coordinate_search(

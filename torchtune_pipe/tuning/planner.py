@@ -60,6 +60,7 @@ from dataclasses import dataclass
 from multiproc.stats import MAX_FUSED
 
 from .base import Allocation, Observation, fusion_host
+from .placement import Station, local_wall, place, rate_of, remote_terms
 from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
@@ -142,7 +143,7 @@ def plan(
         rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
         phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
         q = [g[i] / phi - g[i] for i in range(n)]
-    u = [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i])) for i in range(n)]
+    u = local_wall(obs, [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i])) for i in range(n)], r)
     floor = [charge_floor(s) for s in obs.stages]
     lo = [obs.workers[i] if idle[i] else max(1, s.min_workers) for i, s in enumerate(obs.stages)]
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
@@ -153,13 +154,86 @@ def plan(
     if fusion and any(s.fusable or s.fused for s in obs.stages):
         model.allow_split()
         shape = _fusion_shape(obs, model, hop, io, idle)
+    shape = _movable_apart(obs, shape)
     found = model.solve(shape, now, hop)
-    if found is None:
+    split = _split(obs, model, shape, now, hop, r, found)
+    if found is None and split is None:
         return None
-    rate, workers = found
+    remote: tuple[int, ...] = ()
+    if split is not None:
+        rate, workers, remote = split
+    else:
+        assert found is not None
+        rate, workers = found
     fused = shape if any(shape) or any(now) else ()
     current = model.rate_of(now, obs.workers)
-    return Plan(Allocation(workers, alloc.buffer_bytes, fused=fused), rate, current)
+    if any(obs.remote_workers):
+        current = _split_rate(obs, model, now, r)
+    plan_ = Allocation(workers, alloc.buffer_bytes, fused=fused, remote=remote)
+    return Plan(plan_, rate, current)
+
+
+def _movable_apart(obs: Observation, shape: tuple[bool, ...]) -> tuple[bool, ...]:
+    """With a cluster, no stage that may move (``remotable``) is fused, nor fused into: a
+    fused group runs where its host runs, on the host, and the cluster is the larger budget
+    (a fused shape that saves a hop's CPU per item keeps a stage of tens of microseconds per
+    item from moving; in ``benchmarks/cluster_sim.py`` the best static splits ran every such
+    stage split)."""
+    if obs.cluster_cpus < 1:
+        return shape
+    movable = [s.remotable for s in obs.stages]
+    return tuple(f and not movable[j] and not movable[j - 1] for j, f in enumerate(shape))
+
+
+def _stations(obs: Observation, model: _Model, shape, now, hop, r) -> list[Station]:
+    """The groups of ``shape`` as :func:`~.placement.place` sees them: a stage on its own
+    that may run remote (``remotable``, hosting nothing) with its remote terms."""
+    groups, _, _ = model.groups(shape, now, hop)
+    n = len(shape)
+    out = []
+    for h, members, gg, ug, fl, lo, hi, idle in groups:
+        terms = (0.0, 0.0, 0.0)
+        if len(members) == 1 and obs.stages[h].remotable and not (h + 1 < n and shape[h + 1]):
+            terms = remote_terms(obs, h, r[h])
+        out.append(Station(h, gg, ug, fl, lo, hi, idle, *terms))
+    return out
+
+
+def _split(obs: Observation, model: _Model, shape, now, hop, r, found):
+    """With a cluster: the rate, workers and remote workers per stage of the best split of
+    ``shape``'s stations between host and cluster (:func:`~.placement.place`), when it beats
+    the host alone (``found``); else None. Remote workers are explicit (0: bring them back)."""
+    if obs.cluster_cpus < 1 and not any(obs.remote_workers):
+        return None
+    stations = _stations(obs, model, shape, now, hop, r)
+    busy = [s for s in stations if not s.idle]
+    top = min([model.consumer_rate()] + [s.hi / (model.headroom * s.u) for s in busy])
+    top = max(top, max((s.hi / s.v for s in busy if s.movable), default=0))
+    host = sum(min(s.g, s.h) if s.movable else s.g for s in stations)
+    top = min(top, obs.cpus / max(host, 1e-12), model.consumer_rate())
+    placed = place(
+        obs, stations, top, headroom=model.headroom, per_worker_bytes=model.per_worker_bytes,
+        memory_left=model.memory_left, allowance=model.allowance,
+    )  # fmt: skip
+    if placed is None or (found is not None and placed.rate <= found[0] * (1 + 1e-9)):
+        if found is None or not any(obs.remote_workers):
+            return None
+        return found[0], found[1], (0,) * len(shape)
+    workers = list(found[1]) if found is not None else list(model.lo)
+    remote = [0] * len(shape)
+    for s, n_local, n_remote in zip(stations, placed.local, placed.remote, strict=True):
+        workers[s.stage] = n_local + n_remote
+        remote[s.stage] = n_remote
+    return placed.rate, tuple(workers), tuple(remote)
+
+
+def _split_rate(obs: Observation, model: _Model, now, r) -> float:
+    """The rate the plan's model gives the workers as they run, local and remote."""
+    stations = _stations(obs, model, now, now, [0.0] * len(now), r)
+    remote = obs.remote_workers
+    local = [obs.workers[s.stage] - remote[s.stage] for s in stations]
+    far = [remote[s.stage] for s in stations]
+    return rate_of(stations, local, far, obs.cpus, model.headroom, model.consumer_rate())
 
 
 def _fusion_shape(
@@ -249,6 +323,11 @@ class _Model:
         top = self._top(groups)
         busy = [grp for grp in groups if not grp[7]]
         return min([top] + [workers[h] / (self.headroom * ug) for h, _, _, ug, *_ in busy])
+
+    def consumer_rate(self) -> float:
+        """Items per second the consumer takes at most (inf: not measured)."""
+        step = self.obs.consumer_step_s
+        return 1.0 / step if step > 0 else math.inf
 
     def _top(self, groups) -> float:
         obs = self.obs

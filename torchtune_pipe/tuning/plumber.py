@@ -16,6 +16,17 @@ never fusion: a pipeline that runs fused stages keeps them, and its LP treats ea
 as one node (the host's workers run all of it). Like Plumber, the plan is
 fixed afterwards; ``PlumberTuner(adaptive=True)`` (``plumber-adaptive``) re-solves, with the
 rates of the latest interval, whenever the CPU count changes.
+
+With a cluster (``Observation.cluster_cpus``), the LP also gives each stage that may run remote
+(``StageStats.remotable``) ``phi_i`` cluster CPUs (remote workers), each driving ``rho_i`` root
+items/s (one over its CPU, network wait and hop per root item, :func:`~.cluster.remote_cost`)
+and costing the host ``hop_i`` CPU seconds per item it makes:
+
+    t <= r_i theta_i + rho_i phi_i,   sum theta + sum hop_i rho_i phi_i <= cores,
+    sum phi <= cluster CPUs,   sum bytes_i rho_i phi_i <= bandwidth,
+
+with a small cost on each cluster CPU, so that among the plans of the highest ``t`` the LP
+takes the one that moves least: a stage stays local when moving it frees no core.
 """
 
 from __future__ import annotations
@@ -28,11 +39,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from .base import Allocation, MiB, Observation, fusion_host, is_io_bound
+from .cluster import network_of, remote_cost
 
 log = logging.getLogger(__name__)
 
 # theta within this of an integer is that integer (HiGHS returns 2.0000000001 for 2).
 _CEIL_TOL = 1e-6
+# The LP's cost of one cluster CPU, per item/s of its objective: ties go to the host.
+_CLUSTER_COST = 1e-6
 
 
 @dataclass(frozen=True)
@@ -45,6 +59,7 @@ class PlumberPlan:
         throughput: the LP's predicted root items/s.
         workers: ``max(1, ceil(theta_i))`` per stage.
         prefetch_items: root elements the last buffer should hold (Little's law).
+        remote: of ``workers``, those on the cluster (empty: no cluster; module docstring).
     """
 
     rates: tuple[float, ...]
@@ -52,6 +67,7 @@ class PlumberPlan:
     throughput: float
     workers: tuple[int, ...]
     prefetch_items: int
+    remote: tuple[int, ...] = ()
 
 
 def solve_lp(
@@ -137,6 +153,10 @@ def plan(obs: Observation, cores: float | None = None) -> PlumberPlan | None:
     cores = obs.cpus if cores is None else cores
     caps = [min(float(s.max_workers), cores) for s in obs.stages]
     theta, t = solve_lp(rates, cores, caps)
+    split = _split_lp(obs, rates, cores, caps) if obs.cluster_cpus >= 1 else None
+    phi: tuple[float, ...] = ()
+    if split is not None and split[2] > t * (1 + 1e-6):
+        theta, phi, t = split
     # Little's law: N* items must be in flight to sustain t; N are in flight already.
     min_latency = sum(1.0 / r for r in rates if math.isfinite(r))
     in_flight_needed = min_latency * t if math.isfinite(t) else 0.0
@@ -151,7 +171,69 @@ def plan(obs: Observation, cores: float | None = None) -> PlumberPlan | None:
         if is_io_bound(s) and active > 0 and math.isfinite(t) and not s.fused:
             wall_s_per_root = s.workers * active / root  # worker-seconds per root item
             workers[i] = max(workers[i], math.ceil(t * wall_s_per_root - _CEIL_TOL))
-    return PlumberPlan(rates, theta, t, tuple(workers), max(0, prefetch))
+    remote: tuple[int, ...] = ()
+    if phi:
+        remote = tuple(math.ceil(p - _CEIL_TOL) for p in phi)
+        workers = [
+            max(1, math.ceil(th - _CEIL_TOL) + m) if m else w
+            for w, th, m in zip(workers, theta, remote, strict=True)
+        ]
+    return PlumberPlan(rates, theta, t, tuple(workers), max(0, prefetch), remote)
+
+
+def _split_lp(
+    obs: Observation, rates: Sequence[float], cores: float, caps: Sequence[float]
+) -> tuple[tuple[float, ...], tuple[float, ...], float] | None:
+    """Plumber's LP with a cluster (module docstring): ``(theta, phi, t)``, or None when no
+    stage may run remote or HiGHS fails."""
+    from scipy.optimize import linprog
+
+    n = len(rates)
+    root = obs.stages[-1].items_per_s
+    movable = [i for i, s in enumerate(obs.stages) if s.remotable and math.isfinite(rates[i])]
+    if not movable or root <= 0:
+        return None
+    rho, hop, wire = {}, {}, {}
+    for i in movable:
+        s, cost = obs.stages[i], remote_cost(obs, i)
+        per_root = s.items_per_s / root
+        rho[i] = 1.0 / max(1e-12, (max(0.0, s.cpu_s_per_item) + cost.net_s) * per_root)
+        hop[i], wire[i] = cost.hop_cpu_s * per_root, cost.net_bytes * per_root
+    live = [i for i in range(n) if math.isfinite(rates[i])]
+    k = len(movable)
+    # Variables: theta (live stages), phi (movable stages), t.
+    m = len(live) + k
+    c = np.zeros(m + 1)
+    c[-1] = -1.0
+    c[len(live) : m] = _CLUSTER_COST * max(rates[i] for i in live)
+    rows, b_ub = [], []
+    for row, i in enumerate(live):  # t - r_i theta_i - rho_i phi_i <= 0
+        a = np.zeros(m + 1)
+        a[row], a[-1] = -rates[i], 1.0
+        if i in rho:
+            a[len(live) + movable.index(i)] = -rho[i]
+        rows.append(a)
+        b_ub.append(0.0)
+    host, cluster, link = np.zeros(m + 1), np.zeros(m + 1), np.zeros(m + 1)
+    host[: len(live)] = 1.0
+    for j, i in enumerate(movable):
+        host[len(live) + j] = hop[i] * rho[i]
+        cluster[len(live) + j] = 1.0
+        link[len(live) + j] = wire[i] * rho[i]
+    rows += [host, cluster, link]
+    b_ub += [cores, math.floor(obs.cluster_cpus + 1e-9), network_of(obs)[1]]
+    bounds = [(0.0, float(caps[i])) for i in live]
+    bounds += [(0.0, float(obs.stages[i].max_workers)) for i in movable] + [(0.0, None)]
+    res = linprog(c, A_ub=np.array(rows), b_ub=np.array(b_ub), bounds=bounds, method="highs")
+    if res.status != 0:
+        log.debug("plumber: the cluster LP failed: %s", res.message)
+        return None
+    theta, phi = [0.0] * n, [0.0] * n
+    for row, i in enumerate(live):
+        theta[i] = float(res.x[row])
+    for j, i in enumerate(movable):
+        phi[i] = float(res.x[len(live) + j])
+    return tuple(theta), tuple(phi), float(res.x[-1])
 
 
 class PlumberTuner:
@@ -193,4 +275,4 @@ class PlumberTuner:
             return self._profile
         buffers = list(self._profile.buffer_bytes)
         buffers[-1] = max(1, self.plan.prefetch_items) * self.element_bytes
-        return Allocation(self.plan.workers, tuple(buffers))
+        return Allocation(self.plan.workers, tuple(buffers), remote=self.plan.remote)

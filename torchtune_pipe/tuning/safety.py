@@ -18,6 +18,16 @@ core before anything was measured. The factor is ``1 + (freed + spare) / cpus`` 
 was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: CONTRIBUTING.md, "The CPU
 budget", and BENCHMARKS.md.
 
+Two budgets (:func:`placed`): with a cluster (``Observation.cluster_cpus``), a stage's workers
+are local or remote (``Allocation.remote``). Local workers count against the CPU budget as
+above; remote ones against the cluster's CPUs (one each, never more than it offers: the
+largest remote counts shrink first), and each is charged on the host only its hop's measured
+CPU (``hop_cpu_s_per_item`` times its items per second), at least ``REMOTE_MIN_CHARGE`` of a
+core: those charges come off the cores the local workers may use. A stage the tuner may not
+move (``StageStats.remotable`` False: sources, shuffles, batches, fused stages, and every live
+stage, whose placement is fixed) keeps its placement. A remote worker holds no memory on the
+host.
+
 Memory (:func:`fit_memory`): an allocation's worst case is every buffer full and every worker
 holding what its stage's workers hold now, measured (``StageStats.memory_bytes``), plus the
 memory no worker holds (:func:`~.base.memory_parts`). It must stay within
@@ -43,9 +53,10 @@ from .base import (
     fusion_host,
     is_io_bound,
     limits_of,
+    local_workers,
     memory_parts,
-    running_workers,
 )
+from .cluster import remote_of
 
 LimitsFn = Callable[[Observation], Limits]
 
@@ -59,6 +70,9 @@ WAITING_MIN_BLOCKED = 0.5
 SPARE_CORES = 1.0
 # ...and the workers in total never more than this many per core.
 MAX_OVERSUBSCRIBE = 4.0
+# A remote worker's local side (a thread that sends, waits and receives) is charged at least
+# this share of a host core: waiting on the call uses none, the hop's CPU is measured.
+REMOTE_MIN_CHARGE = 0.01
 # Worst-case memory an allocation may reach, as a share of the limit (headroom for noise and
 # for memory that grows between two tuning steps).
 MEMORY_SAFE_SHARE = 0.95
@@ -75,13 +89,15 @@ def _core_share(stage: StageStats) -> float:
 
 
 def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> float:
-    """How far past ``obs.cpus`` the total worker count may go for ``alloc`` (>= 1).
+    """How far past ``obs.cpus`` the total local worker count may go for ``alloc``.
 
-    Each worker frees ``1 - charge`` of a core, where ``charge`` is the core share it uses
-    (floored by :func:`charge_floor`); the factor is ``1 + (freed + spare) / cpus``, capped at
+    Each local worker frees ``1 - charge`` of a core, where ``charge`` is the core share it
+    uses (floored by :func:`charge_floor`); each remote worker takes :func:`remote_charge` of
+    one; the factor is ``1 + (freed + spare - remote) / cpus``, capped at
     ``MAX_OVERSUBSCRIBE``, where ``spare`` is ``SPARE_CORES`` once any stage has been measured
-    and 0 before. A worker sleeping on a remote read inside the stage function counts as busy
-    (wall time) but uses almost no CPU: the charge must come from CPU time, not from busy time.
+    and 0 before (below 1 only when remote workers' hops take cores). A worker sleeping on a
+    remote read inside the stage function counts as busy (wall time) but uses almost no CPU:
+    the charge must come from CPU time, not from busy time.
 
     Args:
         obs: the observation whose stage stats classify the stages.
@@ -89,14 +105,27 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     """
     if obs.cpus <= 0:
         return 1.0
+    alloc = alloc or obs.allocation()
+    remote = remote_of(alloc, obs)
     # A fused stage runs in its host's workers: it has none of its own to charge.
-    workers = running_workers(alloc or obs.allocation())
+    workers = local_workers(alloc.replace(remote=remote))
     freed = 0.0
-    for stage, w in zip(obs.stages, workers, strict=False):
+    hops = 0.0
+    for stage, w, r in zip(obs.stages, workers, remote, strict=False):
         freed += w * (1.0 - charge(stage))
+        hops += r * remote_charge(stage)
     measured = any(s.items_per_s > 0.0 or s.idle for s in obs.stages)
     spare = SPARE_CORES if measured else 0.0
-    return min(MAX_OVERSUBSCRIBE, 1.0 + (freed + spare) / obs.cpus)
+    return max(0.0, min(MAX_OVERSUBSCRIBE, 1.0 + (freed + spare - hops) / obs.cpus))
+
+
+def remote_charge(stage: StageStats) -> float:
+    """The share of a host core one remote worker of ``stage`` is charged: its hop's measured
+    CPU per second, at least ``REMOTE_MIN_CHARGE``."""
+    if stage.remote_workers <= 0:
+        return REMOTE_MIN_CHARGE
+    used = stage.hop_cpu_s_per_item * stage.remote_items_per_s / stage.remote_workers
+    return max(REMOTE_MIN_CHARGE, min(1.0, used))
 
 
 def charge(stage: StageStats) -> float:
@@ -143,6 +172,8 @@ def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> A
     """
     _check_stages(alloc, obs, "")
     limits = limits or limits_of(obs)
+    if not alloc.remote and any(obs.remote_workers):  # "as now": the count must be explicit
+        alloc = alloc.replace(remote=remote_of(alloc, obs))
     out = clamp(alloc, limits, oversubscribe_factor(obs, alloc))
     while (again := clamp(out, limits, oversubscribe_factor(obs, out))) != out:
         out = again  # ends: workers only shrink, and never below the stage minimums
@@ -180,12 +211,16 @@ def fit_memory(
     # Worker growth is refused stage by stage, the costliest workers first: one stage whose
     # workers hold a lot (a cache, a shuffle buffer) does not stop the others from growing.
     # A fused stage's workers are a target for when it is split again: they hold nothing.
+    # Only local workers hold memory on the host: their growth is refused, they are shed.
     fused = alloc.fused or (False,) * len(workers)
-    grown = [j for j in range(len(workers)) if workers[j] > now.workers[j] and not fused[j]]
+    remote = alloc.remote or (0,) * len(workers)
+    # (now.workers of a fused stage is its target for when it is split again, not 0.)
+    was = [w - r for w, r in zip(now.workers, now.remote or (0,) * len(workers), strict=True)]
+    grown = [j for j in range(len(workers)) if workers[j] - remote[j] > was[j] and not fused[j]]
     for j in sorted(grown, key=lambda k: -parts.per_worker_bytes[k]):
         if not over():
             break
-        workers[j] = now.workers[j]
+        workers[j] = remote[j] + was[j]
     floors = [max(1, s.min_workers) for s in obs.stages]
     for floor in (SHED_BUFFER_FLOOR_BYTES, None):
         while over():
@@ -200,7 +235,11 @@ def fit_memory(
         if floor is None:
             break
         while over():
-            costly = [j for j in range(len(workers)) if workers[j] > floors[j] and not fused[j]]
+            costly = [
+                j
+                for j in range(len(workers))
+                if workers[j] > max(floors[j], remote[j]) and not fused[j]
+            ]
             if not costly:
                 break
             j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
@@ -216,8 +255,45 @@ def within_limits(alloc: Allocation, obs: Observation, limits: Limits | None = N
         ValueError: when ``alloc`` does not have one entry per observed stage.
     """
     limits = limits or limits_of(obs)
-    alloc = fusable_only(alloc, obs)
+    alloc = placed(fusable_only(alloc, obs), obs)
     return fit_memory(safe(alloc, obs, limits), obs, min_buffer_bytes=limits.min_buffer_bytes)
+
+
+def placed(alloc: Allocation, obs: Observation) -> Allocation:
+    """``alloc`` with its remote workers where the pipeline can run them (module docstring).
+
+    A stage that is not ``remotable`` keeps its placement (all remote if all its workers run
+    remote now, else its remote count), at most its workers; a remotable stage that runs fused
+    or hosts a fused stage (in ``alloc``'s fusion) runs none; the remote workers in total
+    stay within ``floor(obs.cluster_cpus)``, the largest remote counts shrinking first (a
+    shrunk remote worker is dropped, not made local: the local budget did not plan for it).
+    ``remote`` is left empty when no stage runs remote workers.
+
+    Raises:
+        ValueError: when ``alloc`` does not have one entry per observed stage.
+    """
+    _check_stages(alloc, obs, "")
+    want = list(remote_of(alloc, obs))
+    workers = list(alloc.workers)
+    kept = remote_of(alloc.replace(remote=()), obs)
+    fused = alloc.fused or tuple(s.fused for s in obs.stages)
+    for j, st in enumerate(obs.stages):
+        if not st.remotable:
+            want[j] = kept[j]
+        elif fused[j] or (j + 1 < len(fused) and fused[j + 1]):
+            want[j] = 0  # a fused group runs where its host runs: on the host
+    # What runs where it is pinned (a placement="ray" stage) is the executor's and Ray's to
+    # place; the cluster CPUs it leaves are the movable stages' budget.
+    movable = [j for j, st in enumerate(obs.stages) if st.remotable]
+    pinned = sum(want[j] for j in range(len(want)) if j not in movable)
+    cap = max(0, int(obs.cluster_cpus + 1e-9) - pinned)
+    while movable and sum(want[j] for j in movable) > cap:
+        j = max(movable, key=want.__getitem__)
+        want[j] -= 1
+        if workers[j] > max(1, obs.stages[j].min_workers):
+            workers[j] -= 1
+    remote = tuple(want) if any(want) or any(obs.remote_workers) else ()
+    return alloc.replace(workers=tuple(workers), remote=remote)
 
 
 def fusable_only(alloc: Allocation, obs: Observation) -> Allocation:

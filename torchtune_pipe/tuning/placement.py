@@ -1,0 +1,250 @@
+"""Where a planned stage's workers run: the planner's split between host and cluster.
+
+The planner (:mod:`~.planner`) balances stages on the host's cores. With a cluster
+(``Observation.cluster_cpus``), a stage that may run remote (``StageStats.remotable``) can
+also take workers there. Per delivered item, stage ``i`` costs on the host ``g_i`` of CPU and
+``u_i`` of a local worker's time when made locally, and ``h_i`` of host CPU (its hop), ``v_i``
+of a remote worker's time (its CPU on the cluster plus the network's wait) and ``b_i`` bytes on
+the link when made remotely (:func:`~.cluster.remote_cost`). For a target rate ``T``, a share
+``f_i`` of its items goes remote: ``ceil(headroom * T * f_i * v_i)`` remote workers (one
+cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones. Remote workers get
+the same headroom: in ``benchmarks/cluster_sim.py`` a smaller one (for a frame's items varying
+less per call than one item) lost up to 7% of the best static split's throughput on large
+clusters, and dropping it where a small cluster could not hold it lost more on 8-16 CPUs
+(a stage's items still vary one by one).
+
+:func:`place` finds the highest ``T`` (bisection) for which some split fits every budget: the
+host's cores (CPU and the charged floors, as the plan charges them), the cluster's CPUs, the
+link's bytes per second, the local worker cap and memory. At each ``T`` it moves as little as
+needed, in order of what moving frees per unit of the scarcer remote resource,
+``(g_i - h_i) / max(v_i / C, b_i / bandwidth)``: a stage stays local when moving it costs the
+host more than it frees (``g_i <= (1 + MOVE_MIN_GAIN) * h_i``: cheap work on big items), and
+the stages that free the most host CPU per cluster CPU move first. Moving only what the
+target needs is what keeps cluster CPUs for when they raise throughput: a pipeline the host
+alone can feed stays local.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .base import Observation
+from .cluster import network_of, remote_cost
+from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE
+
+# A stage moves only where its host CPU per item falls by more than this share.
+MOVE_MIN_GAIN = 0.1
+_BISECT_STEPS = 40
+_SHARE_STEPS = 24
+
+
+@dataclass(frozen=True)
+class Station:
+    """One planned group, as :func:`place` sees it (per delivered item).
+
+    Attributes:
+        stage: its host stage's index.
+        g: host CPU seconds when made locally.
+        u: local worker seconds.
+        floor: the least share of a core a local worker is charged.
+        lo: the fewest workers it runs; hi: the most.
+        idle: it had no work (its workers are kept).
+        h: host CPU seconds when made remotely (the hop); v: remote worker seconds; b: bytes
+            on the link. ``v`` is 0 for a station that cannot run remote.
+    """
+
+    stage: int
+    g: float
+    u: float
+    floor: float
+    lo: int
+    hi: int
+    idle: bool
+    h: float = 0.0
+    v: float = 0.0
+    b: float = 0.0
+
+    @property
+    def movable(self) -> bool:
+        return self.v > 0 and not self.idle and self.g > (1.0 + MOVE_MIN_GAIN) * self.h
+
+
+@dataclass(frozen=True)
+class Placed:
+    """A split: the rate, local and remote workers per station (in station order)."""
+
+    rate: float
+    local: tuple[int, ...]
+    remote: tuple[int, ...]
+
+
+def remote_terms(obs: Observation, i: int, r: float) -> tuple[float, float, float]:
+    """``(h, v, b)`` of stage ``i`` per delivered item (``r`` of its items per delivered
+    item): host CPU, remote worker seconds and link bytes when a remote worker makes it."""
+    st = obs.stages[i]
+    cost = remote_cost(obs, i)
+    cpu = max(0.0, st.cpu_s_per_item)
+    return cost.hop_cpu_s * r, (cpu + cost.net_s + cost.hop_cpu_s) * r, cost.net_bytes * r
+
+
+def capacity(s: Station, local: int, remote: int, headroom: float) -> float:
+    """Delivered items per second ``local`` and ``remote`` workers of ``s`` plan for."""
+    rate = local / (headroom * s.u) if s.u > 0 else math.inf
+    return rate + (remote / (headroom * s.v) if remote and s.v > 0 else 0.0)
+
+
+def rate_of(
+    stations: Sequence[Station],
+    local: Sequence[int],
+    remote: Sequence[int],
+    cpus: float,
+    headroom: float,
+    consumer: float = math.inf,
+) -> float:
+    """The rate the plan's model gives workers as they run: the slowest station, the host's
+    CPU (items split between a station's kinds by their capacities) and the consumer."""
+    rate, host = consumer, 0.0
+    for s, n, m in zip(stations, local, remote, strict=True):
+        cap = capacity(s, n, m, headroom)
+        f = (cap - n / (headroom * s.u)) / cap if 0 < cap < math.inf and s.u > 0 else 0.0
+        host += (1 - f) * s.g + f * s.h
+        if not s.idle:
+            rate = min(rate, cap)
+    return min(rate, cpus / host) if host > 0 else rate
+
+
+def local_wall(obs: Observation, u: Sequence[float], r: Sequence[float]) -> list[float]:
+    """Worker seconds per delivered item a local worker of each stage would take: a stage
+    with remote workers measured its remote items' network waits and hops in its busy time
+    (``u`` is then ``A + f (net + h) r``, with ``A`` the local time and ``f`` the remote share),
+    so they come off."""
+    out = list(u)
+    for i, st in enumerate(obs.stages):
+        if st.remote_workers > 0 and st.items_per_s > 0:
+            f = min(1.0, st.remote_items_per_s / st.items_per_s)
+            cost = remote_cost(obs, i)
+            floor = max(1e-12, st.cpu_s_per_item * r[i])
+            out[i] = max(floor, u[i] - f * (cost.net_s + cost.hop_cpu_s) * r[i])
+    return out
+
+
+class _Budget:
+    """The budgets one split must fit (module docstring)."""
+
+    def __init__(self, obs, stations, headroom, per_worker_bytes, memory_left, allowance):
+        self.obs, self.st, self.headroom = obs, stations, headroom
+        self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
+        self.cluster = math.floor(obs.cluster_cpus + 1e-9)
+        self.bandwidth = network_of(obs)[1]
+        self.cpus = max(obs.cpus, allowance)
+
+    def workers(self, t: float, f: Sequence[float]) -> tuple[list[int], list[int]]:
+        local, remote = [], []
+        for s, fi in zip(self.st, f, strict=True):
+            if s.idle:
+                local.append(s.lo)
+                remote.append(0)
+                continue
+            nr = math.ceil(self.headroom * t * fi * s.v - 1e-9) if fi > 0 else 0
+            nl = math.ceil(self.headroom * t * (1.0 - fi) * s.u - 1e-9) if fi < 1 else 0
+            nl = min(s.hi, max(max(0, s.lo - nr), nl))
+            local.append(nl)
+            remote.append(min(nr, s.hi - nl))
+        return local, remote
+
+    def fits(self, t: float, f: Sequence[float]) -> bool:
+        local, remote = self.workers(t, f)
+        st = self.st
+        host = t * sum((1 - fi) * s.g + fi * s.h for s, fi in zip(st, f, strict=True))
+        charged = sum(
+            n * max(s.floor, min(1.0, t * (1 - fi) * s.g / n))
+            for s, fi, n in zip(st, f, local, strict=True)
+            if n > 0
+        )
+        charged += sum(
+            n * max(REMOTE_MIN_CHARGE, t * fi * s.h / n)
+            for s, fi, n in zip(st, f, remote, strict=True)
+            if n > 0
+        )
+        wire = t * sum(fi * s.b for s, fi in zip(st, f, strict=True))
+        lo_sum = sum(s.lo for s in st)
+        return (
+            host <= self.obs.cpus
+            and charged <= self.cpus + 1e-9
+            and sum(local) <= max(lo_sum, MAX_OVERSUBSCRIBE * self.obs.cpus)
+            and sum(remote) <= self.cluster
+            and wire <= self.bandwidth
+            and sum(local) * self.per_worker_bytes <= self.memory_left
+            and all(
+                s.idle or capacity(s, n, m, self.headroom) >= t * (1 - 1e-9)
+                for s, n, m in zip(st, local, remote, strict=True)
+            )
+        )
+
+    def shares(self, t: float) -> list[float] | None:
+        """The least remote shares that make rate ``t`` fit, or None."""
+        f = [0.0] * len(self.st)
+        if self.fits(t, f):
+            return f
+        order = sorted(
+            (k for k, s in enumerate(self.st) if s.movable),
+            key=lambda k: (
+                -(self.st[k].g - self.st[k].h)
+                / max(self.st[k].v / max(1, self.cluster), self.st[k].b / self.bandwidth, 1e-15)
+            ),
+        )
+        for k in order:
+            most = self._most(t, f, k)
+            f[k] = most
+            if self.fits(t, f):  # the least share of this one that fits
+                lo, hi = 0.0, most
+                for _ in range(_SHARE_STEPS):
+                    mid = (lo + hi) / 2
+                    f[k] = mid
+                    lo, hi = (lo, mid) if self.fits(t, f) else (mid, hi)
+                f[k] = hi
+                return f
+        return None
+
+    def _most(self, t: float, f: list[float], k: int) -> float:
+        """The largest share of station ``k`` the cluster and the link leave room for."""
+        lo, hi = 0.0, 1.0
+        for _ in range(_SHARE_STEPS):
+            mid = (lo + hi) / 2
+            f[k] = mid
+            _, remote = self.workers(t, f)
+            wire = t * sum(fi * s.b for s, fi in zip(self.st, f, strict=True))
+            ok = sum(remote) <= self.cluster and wire <= self.bandwidth
+            lo, hi = (mid, hi) if ok else (lo, mid)
+        return lo
+
+
+def place(
+    obs: Observation,
+    stations: Sequence[Station],
+    top: float,
+    *,
+    headroom: float,
+    per_worker_bytes: float,
+    memory_left: float,
+    allowance: float = 0.0,
+) -> Placed | None:
+    """The highest rate up to ``top`` some split of ``stations`` fits the budgets at, and that
+    split's workers (module docstring); None when no rate does or nothing can move."""
+    if obs.cluster_cpus < 1 or not any(s.movable for s in stations):
+        return None
+    budget = _Budget(obs, stations, headroom, per_worker_bytes, memory_left, allowance)
+    low, high = 0.0, top
+    if budget.shares(high) is not None:
+        low = high
+    else:
+        for _ in range(_BISECT_STEPS):
+            mid = (low + high) / 2
+            low, high = (mid, high) if budget.shares(mid) is not None else (low, mid)
+    f = budget.shares(low) if low > 0 else None
+    if f is None:
+        return None
+    local, remote = budget.workers(low, f)
+    return Placed(low, tuple(local), tuple(remote))
