@@ -170,8 +170,8 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
     else:  # one map stage per step, fused from the start with "torchtune_pipe-fused"
         pipe = torchtune_pipe.Pipeline.from_source(ds)
         for i, step in enumerate(steps, start=1):
-            # A worker runs its own stage and at most MAX_FUSED after it: six maps fuse as
-            # source+step1..4 and step5+step6.
+            # A worker runs its own stage and at most MAX_FUSED (8) after it: the source
+            # runs all six maps.
             fused = tool == "torchtune_pipe-fused" and i % (MAX_FUSED + 1) != 0
             pipe = pipe.map(step, name=f"step{i}", fused=fused)
         loader = pipe.batch(bs, collate=collate).loader(tuner=spec.get("tuner") or "intune")

@@ -34,7 +34,7 @@ from .arena import Segment
     IN_FN_SINCE_NS,  # monotonic ns since which the worker runs its function; 0: it does not
     WORK_ID,  # the frame or unit it works on, plus one (0: none)
     WORK_ITEM,  # the item of that frame or unit it is at, plus one
-    HOP_NS,  # time decoding input frames and encoding output frames (moving items)
+    HOP_NS,  # CPU time decoding input frames and encoding output frames (moving items)
 ) = range(18)
 # A worker that also runs the next stages' functions (fusion) counts their work apart, so each
 # stage's totals stay its own: for the stage d after the worker's own (d = 1..MAX_FUSED),
@@ -104,7 +104,7 @@ class StageSnapshot:
     run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it).
     ``cpu_ns`` counts the CPU of every thread that ran the stage's calls, so with
     ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function).
-    ``hop_ns`` is the time its workers spent decoding their input frames and encoding their
+    ``hop_ns`` is the CPU time its workers spent decoding their input frames and encoding their
     output frames: what crossing its channels costs it (0 for a fused stage, whose items do
     not cross one; its host encodes the group's output). A stage
     whose ``placement`` is not ``"local"`` forwards its work elsewhere (one remote worker per

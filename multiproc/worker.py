@@ -257,7 +257,7 @@ class _Worker(Emitter, Chain):
         t0, c0 = _ns(), _cpu_ns()
         self.chain_ns = self.chain_cpu_ns = 0
         items = arena.decode(payload, self.cache, self._release)
-        self.row[stats.HOP_NS] += _ns() - t0
+        self.row[stats.HOP_NS] += _cpu_ns() - c0
         self.row[stats.FRAMES_IN] += 1
         self.row[stats.ITEMS_IN] += len(items)
         st = self.stage

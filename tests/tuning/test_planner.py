@@ -258,3 +258,17 @@ def test_a_measured_costly_hop_fuses_stages_the_prior_would_keep_split():
     assert not any(plan(obs_of(0.0), obs_of(0.0).allocation()).allocation.fused)
     measured = plan(obs_of(40e-6), obs_of(40e-6).allocation())
     assert measured.allocation.fused == (False, True, True)
+
+
+def test_an_idle_fused_stage_is_planned_without_dividing_by_its_zero_workers():
+    # At an epoch's end a fused stage (0 workers of its own) may be idle; splitting it in a
+    # candidate shape must still give it a worker.
+    stages = (
+        StageStats("src", 2, items_per_s=1e3, busy=0.5, cpu_s_per_item=1e-3, hop_s_per_item=5e-5),
+        StageStats("m", 0, items_per_s=0.0, idle=True, fused=True, fusable=True),
+        StageStats("b", 1, items_per_s=1e3, busy=0.2, cpu_s_per_item=2e-4, hop_s_per_item=5e-5,
+                   fusable=True),
+    )  # fmt: skip
+    obs = Observation(stages, 1e3, 2.0, 1 << 40, 0)
+    p = plan(obs, Allocation((2, 1, 1), (MiB,) * 3, fused=(False, True, False)))
+    assert p is not None and all(w >= 1 for w in p.allocation.workers)

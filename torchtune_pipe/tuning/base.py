@@ -79,9 +79,9 @@ class StageStats:
             keeps its target for when it is split again) and its time, items and CPU are still
             its own function's; ``busy`` is that time as a fraction of the wall time of the
             workers that run it (the host group's).
-        hop_s_per_item: seconds per emitted item the stage's workers spent moving items
-            across channels (s/item, part of their ``busy`` time and, being CPU work, of
-            ``cpu_s_per_item``): live, decoding their input frames and encoding their output
+        hop_s_per_item: CPU seconds per emitted item the stage's workers spent moving items
+            across channels (s/item, part of ``cpu_s_per_item``, so that the two compare on a
+            busy machine): live, decoding their input frames and encoding their output
             frames; in the simulator, the hop its output pays (``Workload.hop_s_per_item``
             plus copying its bytes). 0 for a fused stage (its items cross no channel: the
             host's encoding covers the group's output; live, once its own workers have

@@ -145,7 +145,11 @@ def plan(
         q = [g[i] / phi - g[i] for i in range(n)]
     u = local_wall(obs, [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i])) for i in range(n)], r)
     floor = [charge_floor(s) for s in obs.stages]
-    lo = [obs.workers[i] if idle[i] else max(1, s.min_workers) for i, s in enumerate(obs.stages)]
+    # (At least one: a fused stage reports 0 workers, and a shape may split it.)
+    lo = [
+        max(1, obs.workers[i]) if idle[i] else max(1, s.min_workers)
+        for i, s in enumerate(obs.stages)
+    ]
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
     model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
