@@ -39,6 +39,9 @@ class Frame:
     skip: frozenset = frozenset()
     consumed: set = field(default_factory=set)
     inline: int = 0  # bytes carried in the control message (0 for shared memory)
+    # A stateful stage's worker let go of the frame's memory while the frame is still held
+    # (its items were copied out): freed once the frame is consumed (router._take_frees).
+    released: bool = False
 
 
 # Inline frames a queue may hold before the stage feeding it gets no new work: with tiny

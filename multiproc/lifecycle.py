@@ -129,8 +129,13 @@ class Workers:
         # Everything it held goes back to the front of its stage's queue, in sequence order.
         back = list(h.inflight.values()) + list(h.held.values())
         keep = set()
+        for f in h.inflight.values():  # delivered again from the same memory
+            if s.kind != "source" and f.payload[0] == "shm":
+                f.released = False
+                keep.add((f.payload[1].segment, f.payload[1].offset))
         for f in h.held.values():
             self._pending_count[f.producer] += 1  # queued again
+            f.released = False  # its next worker lets go of it
             if f.payload[0] == "shm":
                 keep.add((f.payload[1].segment, f.payload[1].offset))
         h.inflight.clear()

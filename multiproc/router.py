@@ -155,6 +155,10 @@ class Router:
                 if s.stateful:
                     st.flush_sent = False  # input after a flush: flush again at the end
                 h.inflight[f.id] = f
+                if f.payload[0] == "shm":
+                    # Owed from now on: the worker may let go of the frame's memory (and say
+                    # so) before it reports the frame done.
+                    h.owes.add((f.payload[1].segment, f.payload[1].offset))
                 self._send(h, P.Run(f.id, f.payload, f.skip))
 
     def _check_progress(self) -> None:
@@ -254,8 +258,8 @@ class Router:
                     f"stage {s.name!r} worker {h.wid} finished unknown frame {msg.frame_id}"
                 )
             self._frame_left(f_in)
-            if f_in.payload[0] == "shm":
-                h.owes.add((f_in.payload[1].segment, f_in.payload[1].offset))
+            if f_in.released and not s.stateful:
+                self._free(f_in.payload[1].segment, f_in.payload[1].offset)
             if s.stateful:
                 h.held[msg.frame_id] = f_in
         if msg.consumed:
@@ -266,8 +270,13 @@ class Router:
                 f.consumed.update(idxs)
                 if len(f.consumed) >= f.n:
                     del h.held[cfid]
+                    if f.released:
+                        self._free(f.payload[1].segment, f.payload[1].offset)
         if type(msg) is P.Flushed:
-            h.held.clear()  # a flushed reducer holds nothing
+            for f in h.held.values():  # a flushed reducer holds nothing
+                if f.released:
+                    self._free(f.payload[1].segment, f.payload[1].offset)
+            h.held.clear()
         self._take_frees(h, msg.frees)
         handoff = type(msg) is P.Handoff
         for payload, n in msg.outs:
@@ -303,8 +312,22 @@ class Router:
                 self._cond.notify_all()
 
     def _take_frees(self, h: handles.WorkerHandle, frees) -> None:
-        for seg, off in frees or ():
+        if not frees:
+            return
+        # A frame the worker has not finished (in flight) or whose items its reducer still
+        # holds (copied out: the memory is needed no more) is delivered again from this memory
+        # if the worker dies: its block stays until the frame is done, or consumed.
+        open_ = {
+            (f.payload[1].segment, f.payload[1].offset): f
+            for f in (*h.inflight.values(), *h.held.values())
+            if isinstance(f, Frame) and f.payload[0] == "shm"
+        }
+        for seg, off in frees:
             h.owes.discard((seg, off))
+            f = open_.get((seg, off))
+            if f is not None:
+                f.released = True
+                continue
             self._free(seg, off)
 
     def _waitables(self) -> tuple[list | None, list, float | None]:

@@ -563,3 +563,29 @@ def test_timeout_names_the_stuck_stage_worker_and_item():
     msg = str(e.value)
     assert "stage 'udf' worker" in msg and "in its function for" in msg and "item 3 of frame" in msg
     assert e.value.stuck and e.value.stuck[0].stage == "udf"
+
+
+def test_resizing_every_stage_while_frames_are_let_go_of_early_frees_each_block_once():
+    # A worker may let go of a frame's memory (its items copied out, e.g. into a batch) and
+    # say so before it reports the frame done; a worker retired or started meanwhile must not
+    # free that block a second time: a block freed twice is reused under a frame still in
+    # flight (its reader saw zeros, or the producer's allocator failed). The walk over
+    # allocations is the live oracle search's (benchmarks/tuners_real.py).
+    import itertools
+
+    from benchmarks import _real_fns
+
+    recipe = _real_fns.recipes(scale=0.2)["batch_heavy"]
+    with recipe.build((1, 1, 1)).loader(timeout_s=60.0) as loader:
+        it = iter(loader)
+        next(it)
+        ex = loader.tunable.executor
+        for alloc in itertools.product(range(1, 4), repeat=3):
+            for i, w in enumerate(alloc):
+                ex.resize(i, w)
+            end = time.monotonic() + 0.2
+            for batch in it:
+                assert batch.shape[0] == 64  # a batch of 64 items, whole and readable
+                if time.monotonic() > end:
+                    break
+        del it
