@@ -266,6 +266,7 @@ class TuningCallback(Callback):
                 tuple(alloc["buffer_bytes"]),
                 tuple(alloc.get("concurrency", ())),
                 tuple(alloc.get("fused", ())),
+                tuple(alloc.get("remote", ())),
             )
             if self._train is None:
                 self._train = Steering(Session(self.tuner), self.interval_s, self.log_path)

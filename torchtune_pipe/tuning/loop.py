@@ -334,6 +334,7 @@ class TuningLoop:
                 "buffer_bytes": list(alloc.buffer_bytes),
                 "concurrency": list(alloc.concurrency),  # [] : left to the pipeline
                 "fused": list(alloc.fused),  # [] : stages stay as they run
+                "remote": list(alloc.remote),  # [] : each stage keeps its placement
             },
             "applied": applied,
             "step_s": step_s,
