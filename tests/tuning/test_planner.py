@@ -221,7 +221,7 @@ def test_cheap_stages_are_fused_when_cores_are_scarce():
     assert p.throughput > 1.2 * p.current
 
 
-def test_hops_come_from_what_the_stages_measure_and_fall_back_to_the_prior():
+def test_hops_come_from_what_the_stages_measure_and_fall_back_to_the_prior_as_a_floor():
     from torchtune_pipe.tuning.planner import HOP_S_PER_ITEM, channel_hops
 
     def obs_of(hops, fused=(False, False, False)):
@@ -241,6 +241,8 @@ def test_hops_come_from_what_the_stages_measure_and_fall_back_to_the_prior():
     assert channel_hops(obs_of((0.0, 0.0, 0.0)), r) == [HOP_S_PER_ITEM] * 3
     # Per delivered item: a batch of 4 after stage 0 makes its channel carry 4 items per one.
     assert channel_hops(obs_of((4e-6, 8e-6, 6e-6)), [4.0, 1.0, 1.0])[0] == pytest.approx(12e-6)
+    # Measured below the prior (encoding and decoding only): priced at the prior.
+    assert channel_hops(obs_of((1e-7, 2e-7, 1e-7)), r) == pytest.approx([HOP_S_PER_ITEM] * 3)
 
 
 def test_a_measured_costly_hop_fuses_stages_the_prior_would_keep_split():

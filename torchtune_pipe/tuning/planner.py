@@ -37,8 +37,8 @@ Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a g
 and the stages fused into it) is planned as one stage with the host's workers, costing the sum
 of its members' ``g_i`` and ``u_i``, charged the highest floor among them. The plan takes a hop of CPU (and worker time) per item
 per channel crossed (:func:`channel_hops`, from the time the stages' workers spend decoding and
-encoding frames, ``StageStats.hop_s_per_item``; ``HOP_S_PER_ITEM`` where nothing measures
-it): a stage whose output stops crossing one (its next stage fused) saves it, and one that
+encoding frames, ``StageStats.hop_s_per_item``; never below ``HOP_S_PER_ITEM``, the prior
+where nothing measures it): a stage whose output stops crossing one (its next stage fused) saves it, and one that
 starts crossing pays it. From every stage split, in pipeline order, a stage that may
 be fused (``StageStats.fusable``, or fused now) is fused when the model gains more than
 ``FUSE_MIN_GAIN`` by it, or when it is cheap (its own CPU per item at most ``CHEAP_HOPS``
@@ -69,7 +69,8 @@ HEADROOM = 1.2
 MEMORY_SHARE = 0.9
 _BISECT_STEPS = 40
 # CPU seconds an item costs to cross a channel between two stages, the planner's prior where no
-# stage measures it (StageStats.hop_s_per_item): ~2.5 us per row in the UDF-heavy peers scenario.
+# stage measures it (StageStats.hop_s_per_item) and the least it prices a hop at: ~2.5 us per
+# row in the UDF-heavy peers scenario.
 HOP_S_PER_ITEM = 2.5e-6
 # A stage is fused only when the model gains more than this by it: a split stage keeps its own
 # workers, calls in flight and buffer, so a tie stays split.
@@ -410,7 +411,9 @@ def channel_hops(obs: Observation, r: list[float]) -> list[float]:
     it joins (the producer encodes, the consumer decodes: the mean of the two sides' per-item
     hop time, each side's being about one crossing). A channel that no split stage measures (a
     stage fused now) takes the median hop per item of the stages that are measured (a chain's
-    items are alike), else the prior ``HOP_S_PER_ITEM``."""
+    items are alike), else the prior ``HOP_S_PER_ITEM``. No hop is priced below that prior: the
+    measured time is encoding and decoding only (a frame's dispatch by the router, the workers'
+    wake-ups and the channel's bookkeeping are not in it)."""
     stages = obs.stages
     n = len(stages)
     own = [s.hop_s_per_item if not s.fused and s.hop_s_per_item > 0 else 0.0 for s in stages]
@@ -423,7 +426,10 @@ def channel_hops(obs: Observation, r: list[float]) -> list[float]:
             ends.append(own[i] * r[i])
         if i + 1 < n and own[i + 1] > 0:
             ends.append(own[i + 1] * r[i + 1])
-        hop.append(sum(ends) / len(ends) if ends else typical * r[i])
+        # The counters time encoding and decoding only: a frame's dispatch, its wake-ups and
+        # its channel's bookkeeping are not in them, so a hop costs at least the prior.
+        measured = sum(ends) / len(ends) if ends else typical * r[i]
+        hop.append(max(measured, HOP_S_PER_ITEM * r[i]))
     return hop
 
 
