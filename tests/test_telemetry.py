@@ -174,7 +174,7 @@ def test_stage_counters_count_the_users_items_not_the_units_end_marks():
         .map(_plus_one, name="fused", fused=True)
         .map(_plus_one, name="own")
         .batch(100)
-        .loader(tuner=None)
+        .loader(tuner=None, batch_at_source=False)  # a sample per item until the batch
     )
     with loader:
         assert sum(len(b) for b in loader) == 1000
@@ -194,3 +194,30 @@ def test_stage_counters_count_the_users_items_not_the_units_end_marks():
 
 def _no_init(worker_id: int) -> None:
     pass
+
+
+def test_waiting_for_a_cpu_is_not_waiting_on_io_and_a_fused_group_shares_its_wait():
+    # Three stages, the last two fused into the first: each spent 0.6 s in its function of
+    # which 0.2 s on a CPU; the host's worker was runnable but waiting for a CPU 1.2 s of it
+    # (a busy machine). Less that wait, each computed 0.2 s of 0.2 s: not I/O-bound.
+    def stage(name, workers, runq_ns, fused):
+        s = _stage(name, workers, 100, 600_000_000, 200_000_000)
+        return dataclasses.replace(s, runq_ns=runq_ns, fused=fused)
+
+    cur = Snapshot(
+        1_000_000_000,
+        (stage("src", 1, 1_200_000_000, False), stage("a", 0, 0, True), stage("b", 0, 0, True)),
+        100,
+        0,
+    )
+    zero = Snapshot(
+        0, tuple(dataclasses.replace(s, items_out=0, items_in=0, busy_ns=0, cpu_ns=0, runq_ns=0)
+                 for s in cur.stages), 0, 0,
+    )  # fmt: skip
+    obs = observe(zero, cur, MACHINE)
+    assert not any(s.io_bound for s in obs.stages)
+    assert all(abs(s.runqueue - 0.4) < 1e-9 for s in obs.stages)  # 1.2 s shared by busy time
+    # The same time spent off the CPU and not runnable is a wait on I/O.
+    idle = dataclasses.replace(cur, stages=tuple(
+        dataclasses.replace(s, runq_ns=0) for s in cur.stages))  # fmt: skip
+    assert all(s.io_bound for s in observe(zero, idle, MACHINE).stages)

@@ -36,6 +36,7 @@ from ._epoch import EpochFeed, EpochIterator, interleave, make_prefetcher, skip_
 from ._faststart import FastStart, ShapeProbe, fast_start_fits, inline_context
 from ._inline import run_inline
 from ._progress import STATE_VERSION, Progress, plan_epoch
+from ._pushdown import batched_at_source
 from .errors import LoaderTimeoutError
 from .prefetch import END
 from .running import (
@@ -101,6 +102,10 @@ class Loader:
         choose_shape: with ``fast_start``, compare the tuned workers with reading in the
             calling thread and keep whichever delivers faster (rows cheaper than a hop
             between processes are read inline, as torch's ``num_workers=0``); logged at INFO.
+        batch_at_source: run a pipeline that maps a map-style dataset's samples and then
+            batches them with the batching moved into its source, one item per batch, as
+            torch's DataLoader does (the same batches; see :mod:`torchtune_pipe._pushdown`);
+            ``False`` runs it as written, a sample per item until the batch stage.
 
     Example:
         >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
@@ -126,6 +131,7 @@ class Loader:
         even_ranks: bool | None = None,
         fast_start: bool = False,
         choose_shape: bool = False,
+        batch_at_source: bool = True,
     ):
         if not isinstance(pipeline, StageChain):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
@@ -137,7 +143,9 @@ class Loader:
             raise ValueError(
                 "Loader: interleave=True needs a pipeline without shuffle or batch stages"
             )
-        self.pipeline = pipeline
+        if not isinstance(batch_at_source, bool):
+            raise TypeError(f"Loader: batch_at_source must be a bool, got {batch_at_source!r}")
+        self.pipeline = (batch_at_source and batched_at_source(pipeline)) or pipeline
         self.tuner = make_tuner(tuner)
         self.ordered = ordered
         self.inline = inline

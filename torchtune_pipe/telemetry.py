@@ -213,6 +213,7 @@ def observe(
     before = {s.name: s for s in prev.stages}
     stages = []
     fused = tuple(s.fused for s in cur.stages)
+    runq = _runqueue_shares(cur, before, fused)
     for i, s in enumerate(cur.stages):
         p = before.get(s.name)
 
@@ -229,6 +230,7 @@ def observe(
         blocked_out_ns = max(0, d("blocked_out_ns"))
         busy_ns = max(0, ran_ns - blocked_out_ns)
         cpu_ns = max(0, d("cpu_ns"))
+        runq_ns = runq[i]
         b = bounds[i] if i < len(bounds) else Bounds()
         stages.append(
             StageStats(
@@ -244,10 +246,13 @@ def observe(
                 buffer_fill=min(1.0, s.buffer_used_bytes / max(1, s.buffer_budget_bytes)),
                 cpu_s_per_item=cpu_ns / 1e9 / out if out > 0 else 0.0,
                 hop_s_per_item=max(0, d("hop_ns")) / 1e9 / out if out > 0 else 0.0,
-                io_bound=waits_on_io(cpu_ns, busy_ns),
+                # Runnable but waiting for a CPU is not waiting on I/O (as in the simulator:
+                # a stage's CPU against its CPU and I/O wait): on a busy machine it would
+                # make every stage look I/O-bound, and keep cheap stages from being fused.
+                io_bound=waits_on_io(cpu_ns, max(0, busy_ns - runq_ns)),
                 idle=out <= 0 and ran_ns == 0 and s.items_out > 0,
                 items_in_per_s=max(0, d("items_in")) / dt,
-                runqueue=min(1.0, max(0, d("runq_ns")) / capacity) if _RUNQUEUE else None,
+                runqueue=min(1.0, runq_ns / capacity) if _RUNQUEUE else None,
                 concurrency=s.concurrency,
                 max_concurrency=b.max_concurrency,
                 memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
@@ -278,6 +283,30 @@ def observe(
         oom=used > memory_limit_bytes or _killed_for_memory(prev, cur, memory_before, memory),
         cluster_cpus=cluster_cpus,
     )
+
+
+def _runqueue_shares(cur: Snapshot, before: dict, fused: tuple[bool, ...]) -> list[int]:
+    """Each stage's run-queue delay over the interval (ns). A worker reads its thread's delay
+    into its host stage's row, so a fused group's is shared among its stages in proportion to
+    the time each stage's function ran."""
+    n = len(cur.stages)
+
+    def d(i: int, attr: str) -> int:
+        s, p = cur.stages[i], before.get(cur.stages[i].name)
+        return max(0, getattr(s, attr) - (getattr(p, attr) if p is not None else 0))
+
+    busy = [d(i, "busy_ns") for i in range(n)]
+    out = [d(i, "runq_ns") if not fused[i] else 0 for i in range(n)]
+    for h in range(n):
+        if fused[h]:
+            continue
+        group = [h] + [j for j in range(h + 1, n) if fusion_host(fused, j) == h]
+        total = sum(busy[j] for j in group)
+        if len(group) > 1 and total > 0:
+            q = out[h]
+            for j in group:
+                out[j] = q * busy[j] // total
+    return out
 
 
 def _placement_stats(

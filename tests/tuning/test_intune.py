@@ -298,25 +298,42 @@ def test_fit_memory_keeps_some_buffer_before_it_removes_workers():
     assert got.workers == (1, 1) and max(got.buffer_bytes) < KEEP_BUFFER_BYTES
 
 
-def test_a_change_of_fusion_is_judged_on_the_interval_after_the_switch():
+def test_a_change_of_fusion_is_judged_on_the_first_interval_that_starts_in_the_new_shape():
     # Six cheap stages whose hops cost more than their functions: the plan fuses them. The
-    # interval of the switch (workers retiring, queued frames finishing) is not judged: the
-    # tuner holds the new shape for it, and the next interval may keep or undo it.
-    def obs_of(alloc: Allocation | None, throughput: float) -> Observation:
+    # intervals of the switch (workers retiring, queued frames finishing where they were) are
+    # not judged: the tuner holds the new shape until an interval starts with it in effect
+    # (fused stages running no workers of their own), then may keep or undo it.
+    def obs_of(alloc: Allocation | None, throughput: float, draining: bool = False):
         fused = alloc.fused if alloc is not None and alloc.fused else (False,) * 3
         stages = tuple(
-            StageStats(f"s{i}", 0 if fused[i] else 1, items_per_s=throughput, busy=0.9,
-                       cpu_s_per_item=30e-6, hop_s_per_item=24e-6, fusable=i > 0,
+            StageStats(f"s{i}", 1 if draining or not fused[i] else 0, items_per_s=throughput,
+                       busy=0.9, cpu_s_per_item=30e-6, hop_s_per_item=24e-6, fusable=i > 0,
                        fused=fused[i])
             for i in range(3)
         )  # fmt: skip
         return Observation(stages, throughput, 2.0, 8 * GiB, GiB)
 
     tuner = InTuneTuner()
-    first = tuner.reset(obs_of(None, 2e4))
+    # With no start given, the tuner starts in the fewest processes: every fusable stage fused.
+    assert tuner.reset(obs_of(None, 0.0)).fused == (False, True, True)
+    split = Allocation((1, 1, 1), (64 * MiB,) * 3)
+    first = tuner.reset(obs_of(None, 2e4), start=split)
     fusing = tuner.step(obs_of(first, 2e4))
     assert any(fusing.fused)
-    # The switch's interval measured low: held, not undone.
+    # The switch's interval, and one that ended with fused stages still draining their queues:
+    # held, not undone, however low they measured.
+    assert tuner.step(obs_of(fusing, 5e3, draining=True)) == fusing
     assert tuner.step(obs_of(fusing, 5e3)) == fusing
-    # The interval after measured what the shape gives: it stays.
+    # The interval after, which started in the new shape, is judged: the shape stays.
     assert any(tuner.step(obs_of(fusing, 4e4)).fused)
+
+
+def test_removing_a_worker_from_a_stage_that_runs_none_leaves_it_at_none():
+    # A fused stage reports 0 workers; an unmasked removal (the Gymnasium checker's random
+    # actions ignore the mask) must not ask for -1 of them.
+    space = ActionSpace(2)
+    remove = next(
+        i for i in range(space.n) if space.decode(i).stage == 1 and space.decode(i).workers < 0
+    )
+    got = space.apply(Allocation((2, 0), (MiB, MiB), fused=(False, True)), remove)
+    assert got.workers == (2, 0)

@@ -133,7 +133,12 @@ def test_every_tuner_runs_on_the_simulator(name, cluster):
     sim = SimPipeline(
         generate(3, 7), cpus=8, memory_limit_bytes=16 << 30, seed=1, cluster_cpus=cluster
     )
-    trace = run_episode(sim, _tuner(name), STEPS)
+    ran = []
+
+    def in_force(obs: Observation) -> None:  # before the tuner steps on the interval
+        ran.append((obs, sim.allocation))
+
+    trace = run_episode(sim, _tuner(name), STEPS, on_step=in_force)
     assert len(trace) == STEPS
     for obs in trace:
         _check(obs, "sim", flowing=True)
@@ -142,9 +147,10 @@ def test_every_tuner_runs_on_the_simulator(name, cluster):
         assert all(s.bytes_per_item > 0 for s in obs.stages)  # known to the simulator
         for k, default in LIVE_ONLY.items():
             assert _defaults(obs)[k] == {default}, k
-    # The simulator reports exactly what the guard applied.
-    assert trace[-1].workers == running_workers(sim.allocation)
-    assert trace[-1].remote_workers == (sim.allocation.remote or (0,) * 3)
+    # Every interval reports exactly what the guard applied for it.
+    for obs, alloc in ran:
+        assert obs.workers == running_workers(alloc)
+        assert obs.remote_workers == (alloc.remote or (0,) * 3)
 
 
 def test_remote_fields_are_set_on_the_simulator():

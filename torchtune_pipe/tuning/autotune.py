@@ -36,9 +36,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from multiproc.stats import MAX_FUSED
-
-from .base import Allocation, MiB, Observation, fusion_host
+from .base import Allocation, MiB, Observation, fuse_fusable, fusion_host
 from .tfdata_model import ChainModel, hill_climb, stage_based
 
 log = logging.getLogger(__name__)
@@ -175,7 +173,7 @@ class AutotuneTuner:
         self.rounds = 0
         self._fused: tuple[bool, ...] = ()
         if self.config.map_fusion:
-            self._fused = _fuse_maps(obs)
+            self._fused = fuse_fusable(obs)
         if start is not None:
             return start.replace(fused=self._fused) if self._fused else start
         return self._allocation(obs)
@@ -306,15 +304,3 @@ class AutotuneTuner:
         return (0.0,) + tuple(
             e[i - 1] / e[i] if e[i] > 0 and e[i - 1] > 0 else 1.0 for i in range(1, len(e))
         )
-
-
-def _fuse_maps(obs: Observation) -> tuple[bool, ...]:
-    """tf.data's map fusion on our stages: every stage that may be fused now fused, in
-    pipeline order, at most ``MAX_FUSED`` after one host (the hard limits drop the rest)."""
-    fused = [s.fused for s in obs.stages]
-    for j, s in enumerate(obs.stages):
-        if s.fusable and not fused[j]:
-            fused[j] = True
-            if j - fusion_host(fused, j) > MAX_FUSED:
-                fused[j] = False
-    return tuple(fused)

@@ -12,6 +12,7 @@ from typing import Protocol, runtime_checkable
 
 # One rule for which stage's workers run a fused stage, live and in the simulator.
 from multiproc.spec import fusion_host as fusion_host
+from multiproc.stats import MAX_FUSED
 
 MiB = 1 << 20
 
@@ -482,3 +483,15 @@ class Tuner(Protocol):
     def step(self, obs: Observation) -> Allocation:
         """One tuning step; returns the allocation to apply (may equal the current one)."""
         ...
+
+
+def fuse_fusable(obs: Observation) -> tuple[bool, ...]:
+    """Every stage that may be fused now fused, in pipeline order, at most ``MAX_FUSED`` after
+    one host: the fewest processes (tf.data's map fusion; InTune's first shape)."""
+    fused = [s.fused for s in obs.stages]
+    for j, s in enumerate(obs.stages):
+        if s.fusable and not fused[j]:
+            fused[j] = True
+            if j - fusion_host(fused, j) > MAX_FUSED:
+                fused[j] = False
+    return tuple(fused)

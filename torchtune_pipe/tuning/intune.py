@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .base import Allocation, Observation
+from .base import Allocation, Observation, fuse_fusable
 from .baselines import HeuristicTuner
 from .dqn import DQNAgent, DQNConfig
 from .intune_space import (
@@ -71,7 +71,7 @@ from .intune_state import (
     transition_reward,
 )
 from .intune_weights import WEIGHTS_DIR, PlannerOnly, load_agent, shipped_lengths, weights_path
-from .planner import Plan, plan
+from .planner import Plan, crossed_hops, plan
 
 __all__ = [
     "ACTIONS_PER_STAGE",
@@ -102,6 +102,8 @@ logger = logging.getLogger(__name__)
 # A worker move after which throughput fell by more than this share is undone (measurement
 # noise is a few percent per interval), and the action is masked for TABU_STEPS steps.
 REVERT_DROP = 0.06
+# Intervals a change of fusion shape may take to come into effect before it is judged anyway.
+SETTLE_MAX = 3
 TABU_STEPS = 10
 # Back to the best allocation measured in the last GUARD_WINDOW steps when the current one is
 # worse by more than GUARD_DROP (means of at least two intervals each).
@@ -210,6 +212,9 @@ class InTuneTuner:
         self._before: tuple[Allocation, float] | None = None
         self._tabu: dict[int, int] = {}
         self._settling = False  # the last action changed the fusion shape (see step)
+        self._in_effect = False  # while settling: the last interval ended in the new shape
+        self._settled_for = 0  # intervals waited since the change of shape
+        self._hops: list[float] = []
         self._last: Action | None = None
         self._prev: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.steps = 0
@@ -243,11 +248,18 @@ class InTuneTuner:
         self._last, self._prev, self._taken = None, None, None
         self._before, self._tabu = None, {}
         self._settling = False
+        self._in_effect, self._settled_for = False, 0
+        self._hops: list[float] = []  # per channel, its hop when last crossed (prepare)
         self._seen: dict[tuple[tuple[int, ...], tuple[bool, ...]], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
         if start is None:
             start = HeuristicTuner().reset(obs)
+            if self.fusion:
+                # Start in the fewest processes, as torch's DataLoader runs a dataset and its
+                # collate in one worker: splitting a stage costs nothing queued, fusing one
+                # first drains what its own workers hold (seconds with full buffers).
+                start = start.replace(fused=fuse_fusable(obs))
         self._alloc = fit_memory(start, obs, self.memory, START_MEMORY_SHARE)
         return self._alloc
 
@@ -255,11 +267,11 @@ class InTuneTuner:
         """Observe, learn from the last transition (fine-tuning), pick and apply one action."""
         if self.agent is None or self._alloc is None:
             return self.reset(obs)
-        if self._settling:
+        if self._settling and not self._settled(obs):
             # The last action changed which stages run fused: the interval since saw workers
             # retire and start and queued frames finish where they were, not the new shape's
-            # rate. The next interval judges it (and may undo it).
-            self._settling = False
+            # rate. The first interval that starts in the new shape judges it (and may undo
+            # it).
             return self._alloc
         state, mask = self.prepare(obs)
         if self.agent.training_enabled and self._prev is not None:
@@ -313,9 +325,16 @@ class InTuneTuner:
         # other CPUs or buffers: the worst case must fit again with the buffers of today.
         current = fit_memory(current, obs, self.memory)
         per_worker, fixed = self.memory.split(obs)
+        # What each channel cost to cross when it last was: inside a fused group nothing
+        # measures it (a group that ends in a collate sends batches, its rows cost far more).
+        self._hops = [
+            h if h > 0 else (self._hops[i] if i < len(self._hops) else 0.0)
+            for i, h in enumerate(crossed_hops(obs))
+        ]
         planned = plan(
-            obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed, fusion=self.fusion
-        )
+            obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed, fusion=self.fusion,
+            known_hops=self._hops,
+        )  # fmt: skip
         state = self.encoder.encode(obs, current, self._last, planned)
         mask = self.actions.mask(obs, current, self.memory, planned)
         for index, left in list(self._tabu.items()):
@@ -349,7 +368,26 @@ class InTuneTuner:
             self._before = (p.current, p.obs.throughput)
         ran = tuple(s.fused for s in p.obs.stages)
         self._settling = (self._alloc.fused or ran) != ran
+        self._in_effect, self._settled_for = False, 0
         return self._alloc
+
+    def _settled(self, obs: Observation) -> bool:
+        """Whether ``obs`` measured the shape the last action chose, from the start of its
+        interval: the interval before it ended with every stage fused as chosen, fused stages
+        running no workers of their own (their queued frames done) and split ones some.
+        A live pipeline may take more than an interval to drain a fused stage's queue; the
+        simulator switches at once. After ``SETTLE_MAX`` intervals it judges anyway."""
+        assert self._alloc is not None
+        if self._in_effect or self._settled_for >= SETTLE_MAX:
+            self._settling = False
+            return True
+        self._settled_for += 1
+        want = self._alloc.fused or tuple(s.fused for s in obs.stages)
+        self._in_effect = all(
+            s.fused == f and (s.workers == 0 if f else s.workers > 0)
+            for s, f in zip(obs.stages, want, strict=True)
+        )
+        return False
 
     def _ran(self, obs: Observation) -> Allocation:
         """The allocation ``obs`` ran under: the last decision as the hard limits let it

@@ -89,7 +89,8 @@ class ActionSpace:
         if act.stage is None:
             return alloc
         workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
-        workers[act.stage] += act.workers
+        # A stage fused now runs no workers of its own: an unmasked removal leaves it at 0.
+        workers[act.stage] = max(0, workers[act.stage] + act.workers)
         if act.buffer:
             buffers[act.stage] = _buffer_step(buffers[act.stage], act.buffer > 0)
         if obs is not None and act.workers > 0:

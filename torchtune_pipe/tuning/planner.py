@@ -42,7 +42,8 @@ where nothing measures it): a stage whose output stops crossing one (its next st
 starts crossing pays it. From every stage split, in pipeline order, a stage that may
 be fused (``StageStats.fusable``, or fused now) is fused when the model gains more than
 ``FUSE_MIN_GAIN`` by it, or when it is cheap (its own CPU per item at most ``CHEAP_HOPS``
-hops) and loses nothing; else it runs split. So cheap stages are fused (the hop is a third or
+hops) or fused now and loses nothing; else it runs split (a channel inside a fused group is
+priced at what it cost when last crossed, ``known_hops``). So cheap stages are fused (the hop is a third or
 more of their cost, and on a few cores each split stage keeps a worker charged at least its
 floor), expensive ones split (the hop is noise next to their cost, and a split stage keeps its
 own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
@@ -55,6 +56,7 @@ read made the plan split it again from the fused measurement, and back).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multiproc.stats import MAX_FUSED
@@ -98,6 +100,7 @@ def plan(
     fixed_bytes: float = 0.0,
     headroom: float = HEADROOM,
     fusion: bool = True,
+    known_hops: Sequence[float] = (),
 ) -> Plan | None:
     """The worker counts (and fusion) that balance the stages of ``obs`` at the highest
     feasible rate.
@@ -110,6 +113,9 @@ def plan(
         headroom: workers per unit of measured need (>= 1).
         fusion: choose which fusable stages run fused (module docstring); False keeps the
             stages as they run.
+        known_hops: per channel, its hop per item of the stage before it as last measured
+            while crossed (:func:`crossed_hops`; 0 or missing: not known), for channels
+            that no stage measures now (inside a fused group).
 
     Returns:
         The plan, or None when the interval measured nothing to plan from.
@@ -154,7 +160,7 @@ def plan(
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
     model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
-    hop = channel_hops(obs, r)
+    hop = channel_hops(obs, r, known_hops)
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
         model.allow_split()
@@ -246,8 +252,9 @@ def _fusion_shape(
 ) -> tuple[bool, ...]:
     """Which stages to fuse (module docstring): from every stage split, in pipeline order, a
     stage is fused when the model gains more than ``FUSE_MIN_GAIN`` by it, or when it is
-    cheap (its own CPU per item at most ``CHEAP_HOPS`` hops) and fusing loses nothing (the
-    rates tie when the consumer or a bound limits them: the hop's CPU is still saved). Stages
+    cheap (its own CPU per item at most ``CHEAP_HOPS`` hops) or fused now, and fusing loses
+    nothing (the rates tie when the consumer or a bound limits them: the hop's CPU is still
+    saved, and a fused stage's hop is not measured). Stages
     that wait on I/O or keep calls in flight, and stages after a host that waits on I/O, stay
     split."""
     n, now = len(obs.stages), tuple(s.fused for s in obs.stages)
@@ -268,10 +275,12 @@ def _fusion_shape(
         while end + 1 < n and shape[end + 1]:
             end += 1
         found = model.solve(tuple(shape), now, hop) if end - host <= MAX_FUSED else None
-        cheap = own[j] <= CHEAP_HOPS * hop[j - 1]
+        # A tie fuses a cheap stage, and keeps a fused one fused: inside a group nothing
+        # measures the hop a split would pay, and splitting gains nothing the model sees.
+        tie_fuses = now[j] or own[j] <= CHEAP_HOPS * hop[j - 1]
         if found is not None and (
             found[0] > (1.0 + FUSE_MIN_GAIN) * best_rate
-            or (cheap and found[0] >= best_rate * (1.0 - 1e-9))
+            or (tie_fuses and found[0] >= best_rate * (1.0 - 1e-9))
         ):
             best_rate = max(best_rate, found[0])
         else:
@@ -405,15 +414,17 @@ class _Model:
         return rate, tuple(out)
 
 
-def channel_hops(obs: Observation, r: list[float]) -> list[float]:
+def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) -> list[float]:
     """CPU seconds per delivered item for stage ``i``'s output to cross the channel to stage
     ``i + 1`` (``hop[i]``), from the measured ``StageStats.hop_s_per_item`` of the two stages
     it joins (the producer encodes, the consumer decodes: the mean of the two sides' per-item
     hop time, each side's being about one crossing). A channel that no split stage measures (a
-    stage fused now) takes the median hop per item of the stages that are measured (a chain's
-    items are alike), else the prior ``HOP_S_PER_ITEM``. No hop is priced below that prior: the
-    measured time is encoding and decoding only (a frame's dispatch by the router, the workers'
-    wake-ups and the channel's bookkeeping are not in it)."""
+    stage fused now) takes what it measured when it was last crossed (``known``, per item of
+    stage ``i``: items inside a group can cost far more to send than the group's output, e.g.
+    rows before the collate that a fused group ends with), else the median hop per item of the
+    stages that are measured, else the prior ``HOP_S_PER_ITEM``. No hop is priced below that
+    prior: the measured time is encoding and decoding only (a frame's dispatch by the router,
+    the workers' wake-ups and the channel's bookkeeping are not in it)."""
     stages = obs.stages
     n = len(stages)
     own = [s.hop_s_per_item if not s.fused and s.hop_s_per_item > 0 else 0.0 for s in stages]
@@ -426,11 +437,31 @@ def channel_hops(obs: Observation, r: list[float]) -> list[float]:
             ends.append(own[i] * r[i])
         if i + 1 < n and own[i + 1] > 0:
             ends.append(own[i + 1] * r[i + 1])
+        if ends:
+            cost = sum(ends) / len(ends)
+        elif i < len(known) and known[i] > 0:
+            cost = known[i] * r[i]
+        else:
+            cost = typical * r[i]
         # The counters time encoding and decoding only: a frame's dispatch, its wake-ups and
         # its channel's bookkeeping are not in them, so a hop costs at least the prior.
-        measured = sum(ends) / len(ends) if ends else typical * r[i]
-        hop.append(max(measured, HOP_S_PER_ITEM * r[i]))
+        hop.append(max(cost, HOP_S_PER_ITEM * r[i]))
     return hop
+
+
+def crossed_hops(obs: Observation) -> list[float]:
+    """Per channel, its hop per item of the stage before it where ``obs`` measured it (the
+    channel crossed and a side measured), else 0: what a tuner remembers for
+    :func:`plan`'s ``known_hops`` once the channel is inside a fused group."""
+    r = per_delivered(obs)
+    stages = obs.stages
+    n = len(stages)
+    out = []
+    for i, h in enumerate(channel_hops(obs, r)):
+        crossed = i + 1 < n and not stages[i + 1].fused
+        sides = stages[i].hop_s_per_item > 0 or (crossed and stages[i + 1].hop_s_per_item > 0)
+        out.append(h / r[i] if crossed and sides and r[i] > 0 else 0.0)
+    return out
 
 
 def per_delivered(obs: Observation) -> list[float]:
