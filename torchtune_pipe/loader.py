@@ -169,6 +169,7 @@ class Loader:
         self._executor: Executor | None = None
         self._tunable: RunningPipeline | None = None
         self._tuner_started = False  # the tuner has made its first (reset) decision
+        self._last_tuning: Any = None  # the loop of the last epoch tuned
         self._tuning: Any = None  # the tuning loop of the epoch being iterated
         self._watcher: Any = None  # the progress display of the epoch being iterated
         self._active: weakref.ref | None = None
@@ -472,9 +473,14 @@ class Loader:
         # the agent learned carry over from epoch to epoch.
         first = not self._tuner_started
         self._tuner_started = True
-        return start_tuning(
-            self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first
-        )
+        # The last epoch's loop stepped after its first tick: what is left since is its end.
+        prev = self._last_tuning
+        hold = prev is not None and prev.steps >= 2 and prev.tunable.tunable is self._tunable
+        self._last_tuning = start_tuning(
+            self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first,
+            hold_first=hold,
+        )  # fmt: skip
+        return self._last_tuning
 
     def _start_watch(self) -> Any:
         if not self.progress or self._tunable is None or self.inline:

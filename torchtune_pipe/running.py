@@ -188,13 +188,20 @@ def start_executor(
 
 
 def start_tuning(
-    tunable: RunningPipeline, tuner: Any, interval_s: float, log_path: str | None, reset: bool
+    tunable: RunningPipeline,
+    tuner: Any,
+    interval_s: float,
+    log_path: str | None,
+    reset: bool,
+    hold_first: bool = False,
 ) -> Any:
     """A started :class:`~torchtune_pipe.tuning.loop.TuningLoop` stepping ``tuner`` on
-    ``tunable`` every ``interval_s`` (``reset``: the tuner's first decision)."""
+    ``tunable`` every ``interval_s`` (``reset``: the tuner's first decision; ``hold_first``:
+    its first interval is only logged, see the loop)."""
     from .tuning.loop import TuningLoop
 
-    return TuningLoop(tunable, tuner, interval_s, log_path, reset=reset).start()
+    loop = TuningLoop(tunable, tuner, interval_s, log_path, reset=reset, hold_first=hold_first)
+    return loop.start()
 
 
 def start_watch(

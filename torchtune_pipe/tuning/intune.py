@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from .base import Allocation, Observation, fuse_fusable
+from .base import Allocation, Observation, fuse_fusable, fusion_host
 from .baselines import HeuristicTuner
 from .dqn import DQNAgent, DQNConfig
 from .intune_space import (
@@ -259,7 +259,7 @@ class InTuneTuner:
                 # Start in the fewest processes, as torch's DataLoader runs a dataset and its
                 # collate in one worker: splitting a stage costs nothing queued, fusing one
                 # first drains what its own workers hold (seconds with full buffers).
-                start = start.replace(fused=fuse_fusable(obs))
+                start = fused_start(start, obs)
         self._alloc = fit_memory(start, obs, self.memory, START_MEMORY_SHARE)
         return self._alloc
 
@@ -457,3 +457,19 @@ class InTuneTuner:
         elif self.finetune:
             agent.enable_training(seed=self.seed, config=self.config)
         return agent
+
+
+def fused_start(start: Allocation, obs: Observation) -> Allocation:
+    """``start`` with every fusable stage fused (:func:`~.base.fuse_fusable`): each host runs
+    the workers its group's stages had between them, up to one per CPU (and its bound); a
+    fused stage keeps its workers as the target for when it is split."""
+    fused = fuse_fusable(obs)
+    workers = list(start.workers)
+    for h in range(len(workers)):
+        if fused[h]:
+            continue
+        group = [j for j in range(h, len(workers)) if fusion_host(fused, j) == h]
+        if len(group) > 1:
+            cap = min(obs.stages[h].max_workers, max(1, round(obs.cpus)))
+            workers[h] = max(workers[h], min(cap, sum(start.workers[j] for j in group)))
+    return start.replace(workers=tuple(workers), fused=fused)

@@ -169,6 +169,7 @@ class TuningLoop:
         log_path: str | None = None,
         limits_fn: LimitsFn | None = None,
         reset: bool = True,
+        hold_first: bool = False,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"TuningLoop: interval_s must be positive, got {interval_s}")
@@ -180,6 +181,11 @@ class TuningLoop:
         # False continues a tuner that already ran (e.g. the next epoch of the same pipeline):
         # its first decision is a step, not a reset, so what it learned is kept.
         self.reset = bool(reset)
+        # True for a tuner continued from an epoch whose loop stepped after its first tick:
+        # the interval since that last step is the epoch's drained end (its source idle, its
+        # stages emptying) and the pause between epochs, which says nothing of the allocation
+        # in force. (After a shorter epoch it spans the whole epoch, and is stepped on.)
+        self.hold_first = bool(hold_first) and not self.reset
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -297,6 +303,13 @@ class TuningLoop:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         try:
             obs = self.tunable.observe()
+            if self.hold_first and not first and self._steps == 0:
+                # See __init__: logged, the pipeline keeps running as it was, and the tuner
+                # steps on the next interval.
+                self._steps += 1
+                if out is not None:
+                    self._write(out, self._record(obs, obs.allocation(), False, 0.0))
+                return
             decision = self.tuner.reset(obs) if first else self.tuner.step(obs)
             # Applied every tick, changed or not: the limits are fitted to this tick's memory,
             # and the pipeline sets what the tuner leaves open (calls in flight per worker).
