@@ -314,8 +314,10 @@ def test_a_change_of_fusion_is_judged_on_the_first_interval_that_starts_in_the_n
         return Observation(stages, throughput, 2.0, 8 * GiB, GiB)
 
     tuner = InTuneTuner()
-    # With no start given, the tuner starts in the fewest processes: every fusable stage fused.
-    assert tuner.reset(obs_of(None, 0.0)).fused == (False, True, True)
+    # With no start given, the tuner starts in the fewest processes: every fusable stage fused,
+    # the host running the workers the three stages would have had, up to one per CPU (2).
+    start = tuner.reset(obs_of(None, 0.0))
+    assert start.fused == (False, True, True) and start.workers == (2, 1, 1)
     split = Allocation((1, 1, 1), (64 * MiB,) * 3)
     first = tuner.reset(obs_of(None, 2e4), start=split)
     fusing = tuner.step(obs_of(first, 2e4))

@@ -185,3 +185,30 @@ def test_loop_fits_memory_once_per_decision(monkeypatch):
     assert pipe.observed.wait(WAIT_S)
     loop.stop()
     assert len(calls) == loop.steps == len(pipe.applied)
+
+
+class CountingTuner(ShiftingTuner):
+    def __init__(self):
+        self.stepped_on = []
+
+    def step(self, obs):
+        self.stepped_on.append(obs.t)
+        return super().step(obs)
+
+
+def test_a_continued_loop_holds_on_its_first_interval_when_told(tmp_path):
+    # The next epoch of a tuner whose last loop stepped since its first tick: the first
+    # interval (the last epoch's drained end) is logged, nothing is applied, no step is taken.
+    log_path = tmp_path / "decisions.jsonl"
+    for hold in (True, False):
+        pipe = SignallingTunable((0.01, 0.02), cpus=4, target=3)
+        tuner = CountingTuner()
+        loop = TuningLoop(
+            pipe, tuner, interval_s=0.005, log_path=str(log_path), reset=False, hold_first=hold
+        ).start()
+        assert pipe.observed.wait(WAIT_S)
+        loop.stop()
+        first_t = json.loads(log_path.read_text().splitlines()[-loop.steps])["t"]
+        assert (first_t not in tuner.stepped_on) == hold
+        assert len(tuner.stepped_on) == loop.steps - (1 if hold else 0)
+        assert len(pipe.applied) == len(tuner.stepped_on)
