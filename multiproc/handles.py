@@ -14,7 +14,9 @@ descriptor but its own, runs nothing of this process but the server loop, and im
 stages need that this process has not imported. ``MULTIPROC_FORKSERVER=spawn`` (read when the
 server starts) keeps multiprocessing's spawned server instead: for a process whose state must
 not be copied at all (e.g. one that holds a CUDA context it cannot have forked; torch refuses
-CUDA in a forked child anyway, as it does in DataLoader workers).
+CUDA in a forked child anyway, as it does in DataLoader workers). A process connected to Ray
+gets the spawned server too (:func:`fork_unsafe`): Ray's gRPC threads do not survive a fork,
+and workers forked from such a copy died of SIGSEGV as they started.
 """
 
 from __future__ import annotations
@@ -77,11 +79,21 @@ def warm(preload: tuple[str, ...] = ()) -> None:
 SPAWN_ENV = "MULTIPROC_FORKSERVER"
 
 
+def fork_unsafe() -> str | None:
+    """Why this process must not be copied into a fork server, or None: it is connected to
+    Ray (whose gRPC threads a forked copy would be left without, mid-call)."""
+    ray = sys.modules.get("ray")
+    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
+        return "this process is connected to Ray"
+    return None
+
+
 def ensure_server(preload: tuple[str, ...] = ()) -> None:
     """Make sure the fork server runs: forked from this process (module docstring), or
-    multiprocessing's spawned one under ``MULTIPROC_FORKSERVER=spawn``."""
+    multiprocessing's spawned one under ``MULTIPROC_FORKSERVER=spawn`` or where
+    :func:`fork_unsafe` says why not (a server already running is kept either way)."""
     ctx = context(preload)
-    if os.environ.get(SPAWN_ENV, "").lower() == "spawn":
+    if os.environ.get(SPAWN_ENV, "").lower() == "spawn" or fork_unsafe() is not None:
         forkserver.ensure_running()
         return
     fs = forkserver._forkserver
