@@ -14,8 +14,8 @@ descriptor but its own, runs nothing of this process but the server loop, and im
 stages need that this process has not imported. ``MULTIPROC_FORKSERVER=spawn`` (read when the
 server starts) keeps multiprocessing's spawned server instead: for a process whose state must
 not be copied at all (e.g. one that holds a CUDA context it cannot have forked; torch refuses
-CUDA in a forked child anyway, as it does in DataLoader workers). A process connected to Ray
-gets the spawned server too (:func:`fork_unsafe`): Ray's gRPC threads do not survive a fork,
+CUDA in a forked child anyway, as it does in DataLoader workers). A process that has imported
+Ray gets the spawned server too (:func:`fork_unsafe`): gRPC's threads do not survive a fork,
 and workers forked from such a copy died of SIGSEGV as they started.
 """
 
@@ -80,11 +80,12 @@ SPAWN_ENV = "MULTIPROC_FORKSERVER"
 
 
 def fork_unsafe() -> str | None:
-    """Why this process must not be copied into a fork server, or None: it is connected to
-    Ray (whose gRPC threads a forked copy would be left without, mid-call)."""
-    ray = sys.modules.get("ray")
-    if ray is not None and getattr(ray, "is_initialized", lambda: False)():
-        return "this process is connected to Ray"
+    """Why this process must not be copied into a fork server, or None: it has loaded gRPC
+    (Ray's transport), whose threads and locks a forked copy is left without mid-call, connected
+    or not (they outlive ``ray.shutdown()``)."""
+    for module in ("ray", "grpc"):
+        if module in sys.modules:
+            return f"this process has imported {module}"
     return None
 
 

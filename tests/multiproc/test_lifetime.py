@@ -150,9 +150,8 @@ with Executor(ExecutorSpec((StageSpec("read", "source", read, workers=1),
 """
 
 
-# A process connected to Ray, as far as the server's choice sees it.
-_RAY = "import sys, types; sys.modules['ray'] = types.ModuleType('ray')\n" \
-    "sys.modules['ray'].is_initialized = lambda: True\n"  # fmt: skip
+# A process that has imported Ray, as far as the server's choice sees it.
+_RAY = "import sys, types; sys.modules['ray'] = types.ModuleType('ray')\n"
 
 
 @pytest.mark.parametrize(
@@ -161,7 +160,7 @@ _RAY = "import sys, types; sys.modules['ray'] = types.ModuleType('ray')\n" \
 def test_the_fork_server_is_forked_from_its_owner_and_holds_none_of_its_files(mode, inherits):
     # Forked (the default), the server and its workers have what this process imported
     # (nothing to import again, pages shared); MULTIPROC_FORKSERVER=spawn starts a clean one,
-    # and so does a process connected to Ray (its gRPC threads do not survive a fork).
+    # and so does a process that imported Ray (its gRPC threads do not survive a fork).
     env = "" if mode != "ray" else _RAY
     env += f"import os; os.environ['MULTIPROC_FORKSERVER'] = {'' if mode == 'ray' else mode!r}\n"
     result = _subproc.run(env + _SERVER)
