@@ -48,7 +48,7 @@ class Workers:
         st.slots.add(slot)
         n_alive = max(1, self._n_active(stage) + 1)
         args = (
-            self._stage_bytes[stage],
+            [self._stage_bytes[stage]],  # emptied by the worker (worker._Worker)
             wid,
             slot,
             index,

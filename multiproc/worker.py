@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import logging
-import multiprocessing as mp
 import os
 import signal
 import sys
@@ -47,7 +46,7 @@ class _Worker(Emitter, Chain):
     def __init__(
         self,
         conn,
-        stage_bytes: bytes,
+        stage_box: list[bytes],
         wid: int,
         slot: int,
         index: int,
@@ -59,7 +58,10 @@ class _Worker(Emitter, Chain):
         chain: tuple[bytes, ...] = (),
     ):
         self.conn = conn
-        self.stage = cloudpickle.loads(stage_bytes)
+        # The stage's pickle comes in a list emptied here: a tuple of arguments stays alive on
+        # the stack of the process's run() for the worker's whole life, and a map-style
+        # dataset's pickle can be as large as the dataset.
+        self.stage = cloudpickle.loads(stage_box.pop())
         self.wid = wid
         self.index = index
         self.counters = stats.CounterTable(stats_name, n_slots, create=False)
@@ -446,11 +448,8 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
     try:
         w = _Worker(conn, *args)
         if not is_thread:
-            # The stage's pickle (a map-style dataset's tensors, say) is garbage once unpickled,
-            # but the process object keeps its arguments for the worker's whole life; and glibc
-            # keeps the freed blocks (up to 32 MiB each) for reuse a worker never makes.
-            args = ()
-            mp.current_process()._args = ()
+            # glibc keeps freed blocks (up to 32 MiB each: the unpickling's own buffers) for
+            # reuse a worker never makes.
             _trim_heap()
         w.thread_worker = is_thread
         w.loop()
