@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from . import arena, handles, lifetime, policy, stats
+from . import arena, buffers, handles, lifetime, policy, stats
 from . import protocol as P
 from . import spec as spec_mod
 from .errors import (
@@ -62,7 +62,17 @@ class Executor(Router, Workers, Fusion, Faults):
         if not isinstance(spec, ExecutorSpec):
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
         self.spec = spec
-        self._stage_bytes = [check_picklable(s) for s in spec.stages]
+        self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
+        # Large arrays of the stage pickles go to one shared file the workers map (buffers.py).
+        self._buffers = buffers.BufferFile(f"ttp_{self._tag}_pickled")
+        try:
+            self._stage_bytes = [check_picklable(s, self._buffers) for s in spec.stages]
+        except BaseException:
+            self._buffers.close()
+            if self._buffers.created:
+                arena.remove_segment(self._buffers.name)
+            raise
+        self._buffers.close()
         if not _swept.is_set():
             _swept.set()
             stale = arena.sweep_stale_segments()
@@ -77,7 +87,6 @@ class Executor(Router, Workers, Fusion, Faults):
         self._names = [s.name for s in spec.stages]
         self._init_fusion()
         self._timeouts = {i: s.timeout_s for i, s in enumerate(spec.stages) if s.timeout_s}
-        self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._commands: collections.deque = collections.deque()
@@ -88,7 +97,7 @@ class Executor(Router, Workers, Fusion, Faults):
         self._workers: dict[int, handles.WorkerHandle] = {}
         self._by_seg: dict[str, int] = {}
         self._seg_refs: collections.Counter = collections.Counter()
-        self._segments: set[str] = set()
+        self._segments: set[str] = {self._buffers.name} if self._buffers.created else set()
         self._cache = arena.MappingCache()
         # Everything to give back, reachable by the finalizer from the first resource on: a
         # Ctrl-C anywhere below still releases what was made before it.

@@ -7,11 +7,14 @@ import pickletools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, get_args
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 
 import cloudpickle
 
 from .errors import SpecError
+
+if TYPE_CHECKING:
+    from .buffers import BufferFile
 
 MiB = 1 << 20
 
@@ -306,10 +309,11 @@ def fusion_host(fused: Sequence[bool], j: int) -> int:
     return j
 
 
-def check_picklable(stage: StageSpec) -> bytes:
-    """Pickle a stage for process workers, or raise SpecError naming the stage."""
+def check_picklable(stage: StageSpec, buffers: BufferFile | None = None) -> bytes:
+    """Pickle a stage for process workers, or raise SpecError naming the stage; with
+    ``buffers``, its large arrays are written there (:mod:`multiproc.buffers`)."""
     try:
-        return cloudpickle.dumps(stage)
+        return buffers.dumps(stage) if buffers is not None else cloudpickle.dumps(stage)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise SpecError(
             f"stage {stage.name!r}: its function does not pickle for process workers ({e}); "

@@ -209,3 +209,35 @@ def test_process_memory_counts_this_process_and_skips_gone_ones():
     assert telemetry.resident_bytes([os.getpid(), -1]) == pytest.approx(
         process_bytes(os.getpid()), rel=0.2
     )
+
+
+class _Table:
+    """A map holding a 64 MiB array, as a map-style dataset holds its tensors."""
+
+    def __init__(self):
+        self.table = np.ones(64 * MiB, dtype=np.uint8)
+
+    def __call__(self, x):
+        return x + int(self.table[x % 1000])
+
+
+def test_the_large_arrays_workers_share_count_once_as_their_memory_not_as_buffers():
+    pipe = Pipeline.from_source(_Ids(), buffer_bytes=1 << 20).map(
+        _Table(), name="udf", workers=2, max_workers=2, buffer_bytes=1 << 20
+    )
+    with pipe.loader() as loader:
+        it = iter(loader)
+        next(it)
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            loader.observe()
+            reading = loader.tunable.meter.memory.last
+            if len(reading.worker_bytes) >= 3:  # the source's worker and both udf workers
+                break
+            assert time.monotonic() < deadline, f"workers seen: {reading.worker_bytes}"
+            time.sleep(0.1)  # polling with a deadline: nothing signals a worker's start
+        # Each udf worker maps the array: its own memory does not hold a copy.
+        assert all(n < 48 * MiB for n in reading.worker_bytes.values()), reading.worker_bytes
+        assert reading.processes_bytes >= 64 * MiB  # the shared file, once
+        assert reading.buffers_bytes < 64 * MiB  # the channels' arenas alone (1 MiB budgets)
+        it.close()

@@ -5,7 +5,9 @@
 * every process of the pipeline: the workers named in the executor's snapshot and their
   parent, the fork server, each by proportional set size less its shared-memory mappings
   (``Pss - Pss_Shmem`` from ``/proc/<pid>/smaps_rollup``): pages the fork server and its
-  workers share count once, split between them, and the arenas are not counted here;
+  workers share count once, split between them, and the arenas are not counted here; the
+  file of the large arrays their stage pickles hold (:mod:`multiproc.buffers`), which they
+  map, counts here once;
 * the arenas: the ``/dev/shm`` segments the workers map, by the pages the kernel backs
   (``st_blocks``, so a sparse arena counts what was written, and pages a shrunk budget still
   holds count too);
@@ -36,6 +38,7 @@ SELF_CGROUP = Path("/proc/self/cgroup")
 # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is unlimited.
 _UNLIMITED = 1 << 60
 _SHM_PREFIX = "/dev/shm/ttp_"
+_PICKLED_SUFFIX = "_pickled"  # multiproc.buffers' files (Executor names them ttp_<tag>_pickled)
 
 
 # ---------------------------------------------------------------------------- cgroup
@@ -228,7 +231,8 @@ class MemoryReading:
     Attributes:
         used_bytes: buffers + processes + consumer: ``Observation.memory_used_bytes``.
         buffers_bytes: bytes backing the arenas.
-        processes_bytes: the workers' and the fork server's memory, arenas excluded.
+        processes_bytes: the workers' and the fork server's memory, arenas excluded, with the
+            file of their stages' large arrays.
         consumer_bytes: what the consumer's process holds for the pipeline.
         stage_bytes: per stage name, what its workers hold (``StageStats.memory_bytes``).
         worker_bytes: per worker pid, what it holds.
@@ -352,9 +356,12 @@ class MemoryProbe:
             stage_bytes[stage.name] = held
         # The fork server (the workers' parent, never this process) belongs to the pipeline.
         servers = sum(process_bytes(p) or 0 for p in parents - {me, 0, 1} - set(worker_bytes))
-        buffers = segment_bytes(segments)
+        # The large arrays of the stages' pickles, one file the workers share
+        # (multiproc.buffers): what the workers hold, counted once, not a channel's buffer.
+        pickled = {p for p in segments if p.endswith(_PICKLED_SUFFIX)}
+        buffers = segment_bytes(segments - pickled)
         consumer = int(self._consumer()) if self._consumer is not None else 0
-        processes = sum(worker_bytes.values()) + servers
+        processes = sum(worker_bytes.values()) + servers + segment_bytes(pickled)
         cg = cgroup_memory(*self._cgroup)
         return MemoryReading(
             used_bytes=buffers + processes + consumer,

@@ -206,18 +206,49 @@ class Blob:
         self.data = bytes(n)
 
 
-class BigBuffers:
-    """A map holding ``mib`` MiB of array: returns how many of the worker's memory mappings
-    hold at least that much of its own (the array's, and any copy of it kept alive)."""
+def private_mappings(mib: int) -> int:
+    """How many of this process's memory mappings hold at least ``mib`` MiB of its own
+    (written, not shared) pages."""
+    n = 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                n += int(line.split()[1]) >= (mib << 10)
+    return n
 
-    def __init__(self, mib: int):
+
+class BigBuffers:
+    """A map holding ``mib`` MiB in ``data`` (bytes, or a numpy array): returns how many of
+    the worker's mappings hold that much of its own (see :func:`private_mappings`)."""
+
+    def __init__(self, mib: int, array: bool = False):
         self.mib = mib
-        self.data = np.ones(mib << 20, dtype=np.uint8)
+        self.data = np.ones(mib << 20, dtype=np.uint8) if array else b"\1" * (mib << 20)
 
     def __call__(self, x):
-        n = 0
-        with open("/proc/self/smaps") as f:
-            for line in f:
-                if line.startswith("Private_Dirty:"):
-                    n += int(line.split()[1]) >= (self.mib << 10)
-        return n
+        return private_mappings(self.mib)
+
+
+class Views:
+    """A map over tensors and arrays that view each other as the consumer built them: returns
+    what a worker sees of them, and writes to its copy (which no other process may see)."""
+
+    def __init__(self):
+        base = torch.arange(1 << 19, dtype=torch.float32)  # 2 MiB
+        self.base = base
+        self.rows = base.view(-1, 8)  # a view of base
+        self.cols = base.view(-1, 8)[:, 2]  # strided, offset
+        self.tail = base[1000:]
+        self.ints = torch.arange(1 << 18, dtype=torch.int64).view(512, 512).t()  # 2 MiB
+        self.f = np.asfortranarray(np.arange(1 << 18, dtype=np.float64).reshape(512, 512))
+        self.strided = np.arange(1 << 19, dtype=np.int32)[::2]  # not contiguous, 1 MiB
+        self.small = torch.arange(10)  # stays in the pickle
+
+    def __call__(self, x):
+        self.rows[0, 1] = -1.0  # must show through base, cols and tail only in this worker
+        return (
+            float(self.base[1]), float(self.cols[3]), float(self.tail[0]),
+            int(self.ints[3, 5]), bool(self.ints.is_contiguous()), float(self.f[3, 5]),
+            bool(self.f.flags.f_contiguous), int(self.strided[7]), int(self.small[9]),
+            self.base.untyped_storage().data_ptr() == self.tail.untyped_storage().data_ptr(),
+        )  # fmt: skip

@@ -1,0 +1,170 @@
+"""Large arrays in a stage's pickle, written once and shared by the stage's workers.
+
+A stage function travels to every worker process pickled, with what it holds: a map-style
+dataset's tensors unpickled in each worker are a private copy per worker (26 MB per worker for
+200,000 rows of 32 floats). :func:`dumps` pickles a stage with every CPU tensor storage and
+every numpy array of at least :data:`MIN_BYTES` written into one file in ``/dev/shm`` instead,
+and the workers map that file copy-on-write (``MAP_PRIVATE``): its pages are shared until a
+worker writes one, as the pages of a forked DataLoader worker's dataset are. The values are a
+snapshot taken when the stage was pickled, as the pickle's own bytes would be; tensors that
+view one storage in this process view one region of the file, so they share memory in a worker
+as they do here.
+
+The file is named after the executor (``ttp_<pid>_...``), so the executor removes it with its
+other segments when it closes and the stale-segment sweep removes it after a crash. Tensors
+that need gradients, are not on the CPU or not strided (sparse, quantized), and arrays of Python
+objects pickle as usual.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import weakref
+from typing import Any
+
+import cloudpickle
+import numpy as np
+
+from . import arena, lifetime
+
+MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file each is no gain
+_ALIGN = mmap.PAGESIZE
+
+# This process's mappings of buffer files, by name: every array unpickled from one file views
+# one mapping, released once no array views it.
+_maps: weakref.WeakValueDictionary[str, mmap.mmap] = weakref.WeakValueDictionary()
+
+
+class BufferFile:
+    """The shared file of one executor's stage pickles; written by :meth:`dumps`."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.path = os.path.join(arena.SHM_DIR, name)
+        self.size = 0
+        self._fd = -1
+        self._regions: dict[tuple[int, int], int] = {}  # (data address, bytes) -> offset
+
+    @property
+    def created(self) -> bool:
+        """Whether any array was written (the file exists)."""
+        return self.size > 0
+
+    def dumps(self, obj: Any) -> bytes:
+        """``obj`` pickled by cloudpickle, its large arrays written to the file."""
+        out = io.BytesIO()
+        _Pickler(out, self).dump(obj)
+        return out.getvalue()
+
+    def close(self) -> None:
+        """Stop writing (the file stays until :func:`multiproc.arena.remove_segment`)."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _write(self, key: tuple[int, int], data: np.ndarray) -> int:
+        offset = self._regions.get(key)
+        if offset is not None:
+            return offset
+        if self._fd < 0:
+            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
+            self._fd = os.open(self.path, flags, 0o600)
+            lifetime.track(self.name)
+        offset = -(-self.size // _ALIGN) * _ALIGN
+        view = memoryview(data.reshape(-1).view(np.uint8))
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self._fd, view[done:], offset + done)
+        self.size = offset + len(view)
+        self._regions[key] = offset
+        return offset
+
+    def reduce(self, obj: Any) -> tuple | None:
+        """The reduction of a large array to a region of the file, or None."""
+        if type(obj) is np.ndarray:
+            return self._reduce_array(obj)
+        torch = _torch()
+        if torch is not None and type(obj) is torch.Tensor:
+            return self._reduce_tensor(torch, obj)
+        return None
+
+    def _reduce_array(self, a: np.ndarray) -> tuple | None:
+        if a.nbytes < MIN_BYTES or a.dtype.hasobject:
+            return None
+        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+        data = np.asarray(a, order=order)
+        key = (data.__array_interface__["data"][0], data.nbytes)
+        if data is not a:
+            key = (-len(self._regions) - 1, 0)  # a copy made here: no other array views it
+        offset = self._write(key, data.reshape(-1, order=order))
+        return _array, (self.name, offset, a.dtype, a.shape, order)
+
+    def _reduce_tensor(self, torch: Any, t: Any) -> tuple | None:
+        if (
+            t.device.type != "cpu"
+            or t.layout != torch.strided
+            or t.requires_grad
+            or t.is_quantized
+            or t.is_conj()
+            or t.is_neg()
+        ):
+            return None
+        storage = t.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes < MIN_BYTES:
+            return None
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+        offset = self._write((storage.data_ptr(), nbytes), whole)
+        geometry = (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
+        return _tensor, (self.name, offset, nbytes, t.dtype, *geometry)
+
+
+class _Pickler(cloudpickle.CloudPickler):
+    def __init__(self, file: io.BytesIO, out: BufferFile):
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._out = out
+
+    def reducer_override(self, obj: Any) -> Any:
+        reduced = self._out.reduce(obj)
+        if reduced is not None:
+            return reduced
+        return super().reducer_override(obj)
+
+
+def _torch() -> Any:
+    import sys
+
+    return sys.modules.get("torch")  # a tensor exists only where torch is imported
+
+
+def _mapping(name: str) -> mmap.mmap:
+    mm = _maps.get(name)
+    if mm is None:
+        fd = os.open(os.path.join(arena.SHM_DIR, name), os.O_RDONLY)
+        try:
+            # Copy-on-write: a worker that writes an array changes its own copy of the page.
+            mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+        finally:
+            os.close(fd)
+        _maps[name] = mm
+    return mm
+
+
+def _array(name: str, offset: int, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    flat = np.frombuffer(_mapping(name), dtype=dtype, count=count, offset=offset)
+    return flat.reshape(shape, order=order)
+
+
+def _tensor(
+    name: str, offset: int, nbytes: int, dtype: Any, storage_offset: int, size: tuple,
+    stride: tuple,
+) -> Any:  # fmt: skip
+    import torch
+
+    raw = np.frombuffer(_mapping(name), dtype=np.uint8, count=nbytes, offset=offset)
+    storage = torch.from_numpy(raw).untyped_storage()
+    return torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)
