@@ -19,6 +19,7 @@ from .errors import (
 )
 from .executor import Executor
 from .faults import Busy
+from .offload import Offload
 from .reducers import Batcher, Shuffler
 from .spec import ExecutorSpec, Reducer, Skipped, StageSpec
 from .stats import Snapshot, StageSnapshot, WorkerStats
@@ -33,6 +34,7 @@ __all__ = [
     "ExecutorClosedError",
     "ExecutorError",
     "ExecutorSpec",
+    "Offload",
     "Reducer",
     "RemoteTraceback",
     "Shuffler",

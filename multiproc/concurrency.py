@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from . import offload
+
 DEFAULT_MAX_CONCURRENCY = 64
 
 
@@ -50,6 +52,7 @@ class CallPool:
         self.set_width(width)
         self.cpu_ns = 0
         self.not_items = 0  # see not_an_item
+        self.calls = [0, 0, 0, 0, 0]  # remote calls: multiproc.offload.CallSums's sums
         self._lock = threading.Lock()
         self._threads: ThreadPoolExecutor | None = None
 
@@ -92,6 +95,27 @@ class CallPool:
         stage whose function forwards its work); the worker adds it to its ``cpu_ns``."""
         with self._lock:
             self.cpu_ns += ns
+
+    def add_remote_call(self, nbytes: int, wait_ns: int) -> None:
+        """Count one call this worker forwarded to a remote runtime: ``nbytes`` moved both
+        ways, and ``wait_ns`` of its wall time beyond the remote function's own (the worker
+        sums them in its counters, :class:`multiproc.offload.CallSums`)."""
+        x, y = offload.call_point(nbytes, wait_ns)
+        with self._lock:
+            c = self.calls
+            c[0] += 1
+            c[1] += x
+            c[2] += y
+            c[3] += x * x
+            c[4] += x * y
+
+    def take_calls(self) -> list[int] | None:
+        """The remote calls' sums since the last call (and reset them); None when none."""
+        if not self.calls[0]:
+            return None
+        with self._lock:
+            out, self.calls = self.calls, [0, 0, 0, 0, 0]
+        return out
 
     def add_not_items(self, n: int) -> None:
         with self._lock:

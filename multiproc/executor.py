@@ -29,7 +29,7 @@ from collections.abc import Iterator, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
-from . import arena, buffers, handles, lifetime, policy, stats
+from . import arena, buffers, handles, lifetime, offload, policy, stats
 from . import protocol as P
 from . import spec as spec_mod
 from .errors import (
@@ -66,7 +66,16 @@ class Executor(Router, Workers, Fusion, Faults):
         # Large arrays of the stage pickles go to one shared file the workers map (buffers.py).
         self._buffers = buffers.BufferFile(f"ttp_{self._tag}_pickled")
         try:
-            self._stage_bytes = [check_picklable(s, self._buffers) for s in spec.stages]
+            # A stage with an offload: its local workers' spec, and its offload workers' own.
+            self._stage_bytes = [
+                check_picklable(offload.local_spec(s) if s.offload else s, self._buffers)
+                for s in spec.stages
+            ]
+            self._offload_bytes = {
+                i: check_picklable(offload.offload_spec(s), self._buffers)
+                for i, s in enumerate(spec.stages)
+                if s.offload is not None
+            }
         except BaseException:
             self._buffers.close()
             if self._buffers.created:
@@ -117,7 +126,13 @@ class Executor(Router, Workers, Fusion, Faults):
         res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", MAX_SLOTS, create=True)
         self._counters = res.counters
         self._stages = [
-            StageState(i, s.workers, s.buffer_bytes, s.concurrency)
+            StageState(
+                i,
+                s.workers,
+                s.buffer_bytes,
+                s.concurrency,
+                remote=s.offload.workers if s.offload else 0,
+            )  # fmt: skip
             for i, s in enumerate(spec.stages)
         ]
         self._run: Run | None = None
@@ -141,8 +156,9 @@ class Executor(Router, Workers, Fusion, Faults):
         res.router = self._thread
         with self._lock:
             for st in self._stages:
-                for _ in range(0 if self._fused[st.index] else st.target):
-                    self._spawn(st.index)
+                if not self._fused[st.index]:
+                    for k in range(st.target):
+                        self._spawn(st.index, remote=k >= st.target - st.remote)
         self._thread.start()
 
     # ---------------------------------------------------------------- public API
@@ -171,8 +187,17 @@ class Executor(Router, Workers, Fusion, Faults):
         self._wake()
         return self._iterate(self._run)
 
-    def resize(self, stage: str | int, n: int) -> None:
-        """Set a stage's worker count (within its bounds) while running."""
+    def resize(self, stage: str | int, n: int, remote: int | None = None) -> None:
+        """Set a stage's worker count (within its bounds) while running.
+
+        Args:
+            stage: the stage's name or index.
+            n: its workers, of both kinds.
+            remote: of ``n``, how many are offload workers (a stage with an ``offload``,
+                :mod:`multiproc.offload`; at most ``offload.max_workers``). None keeps the
+                current count (at most ``n``). Each kind starts or retires its own workers;
+                what a retiring one holds it finishes, nothing is lost or run twice.
+        """
         i = self._stage_index(stage)
         s = self.spec.stages[i]
         if not isinstance(n, int) or isinstance(n, bool):
@@ -181,7 +206,10 @@ class Executor(Router, Workers, Fusion, Faults):
             raise SpecError(
                 f"resize(): stage {s.name!r}: n must be in [{s.min_workers}, {s.max_workers}], got {n}"
             )
-        self._command(("resize", i, n))
+        why = offload.remote_problem(s.offload, n, remote)
+        if why is not None:
+            raise SpecError(f"resize(): stage {s.name!r}: {why}")
+        self._command(("resize", i, n, remote))
 
     def set_budget(self, stage: str | int, budget_bytes: int) -> None:
         """Set the byte budget of a stage's outbound channel while running."""
@@ -216,6 +244,12 @@ class Executor(Router, Workers, Fusion, Faults):
         """The stage's target worker count."""
         return self._stages[self._stage_index(stage)].target
 
+    def remote_workers(self, stage: str | int) -> int:
+        """Of the stage's target worker count, its offload workers (:mod:`multiproc.offload`;
+        0 for a stage without an offload)."""
+        st = self._stages[self._stage_index(stage)]
+        return min(st.remote, st.target)
+
     def budget(self, stage: str | int) -> int:
         return self._stages[self._stage_index(stage)].budget
 
@@ -243,14 +277,19 @@ class Executor(Router, Workers, Fusion, Faults):
             stages = []
             fusable = self.fusable()
             for st in self._stages:
+                live = [h for h in self._workers.values() if h.stage == st.index and h.alive()]
+                far_slots = {h.slot for h in live if h.remote}
+                name = self._names[st.index]
                 rows = [
-                    stats.read_row(self._names[st.index], slot, self._counters.row(slot), now)
+                    stats.read_row(name, slot, self._counters.row(slot), now, slot in far_slots)
                     for slot in sorted(st.slots)
                 ]
                 if st.retired is not None:
-                    rows.append(stats.read_row(self._names[st.index], -1, st.retired, now))
+                    rows.append(stats.read_row(name, -1, st.retired, now))
+                far = [r for r in rows if r.remote]
+                if st.retired_remote is not None:
+                    far.append(stats.read_row(name, -1, st.retired_remote, now, True))
                 rows += self._fused_rows(st.index, now)
-                live = [h for h in self._workers.values() if h.stage == st.index and h.alive()]
                 used = sum(self._seg_refs[h.seg_name] for h in live)
                 queued = len(st.ready)
                 stages.append(
@@ -279,6 +318,9 @@ class Executor(Router, Workers, Fusion, Faults):
                         fused=self._fused[st.index],
                         fusable=fusable[st.index],
                         placement=self.spec.stages[st.index].placement,
+                        remote_workers=sum(h.remote and h.state != WS.RETIRING for h in live),
+                        remotable=self.spec.stages[st.index].offload is not None,
+                        **stats.remote_totals(far, rows),
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)

@@ -154,6 +154,8 @@ class StageState:
     out_counter: int = 0
     slots: set = field(default_factory=set)
     retired: Any = None  # counters of workers that are gone, summed
+    remote: int = 0  # of ``target``, offload workers (multiproc.offload)
+    retired_remote: Any = None  # the part of ``retired`` that offload workers counted
     skipped: int = 0  # items dropped under on_error="skip"
     last_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=3))
 

@@ -195,6 +195,7 @@ class WorkerHandle:
     slot: int
     seg_name: str
     thread: bool
+    remote: bool = False  # an offload worker (multiproc.offload)
     conn: object = None
     proc: object = None
     pid: int = 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import arena, handles, policy, stats
+from . import arena, handles, offload, policy, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -28,7 +28,7 @@ MAX_SLOTS = 1024  # workers ever started by one executor (counter slots are reus
 class Workers:
     """Worker lifecycle of the executor (see the module docstring)."""
 
-    def _spawn(self, stage: int) -> None:
+    def _spawn(self, stage: int, remote: bool = False) -> None:
         s = self.spec.stages[stage]
         st = self._stages[stage]
         wid = next(self._wids)
@@ -41,14 +41,16 @@ class Workers:
         self._segments.add(seg_name)
         index = sum(1 for h in self._workers.values() if h.stage == stage)
         h = handles.WorkerHandle(
-            wid, stage, index, slot, seg_name, thread=s.worker_type == "thread"
-        )
+            wid, stage, index, slot, seg_name, thread=remote or s.worker_type == "thread",
+            remote=remote,
+        )  # fmt: skip
         self._by_seg[seg_name] = wid
         self._workers[wid] = h
         st.slots.add(slot)
         n_alive = max(1, self._n_active(stage) + 1)
         args = (
-            [self._stage_bytes[stage]],  # emptied by the worker (worker._Worker)
+            # In a list the worker empties (worker._Worker).
+            [self._offload_bytes[stage] if remote else self._stage_bytes[stage]],
             wid,
             slot,
             index,
@@ -69,12 +71,15 @@ class Workers:
             self._send(h, P.Concurrency(st.concurrency))
         self._rebudget(stage)
 
-    def _active(self, stage: int) -> list[handles.WorkerHandle]:
-        """The stage's workers that take work (starting or ready; not retiring)."""
+    def _active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
+        """The stage's workers that take work (starting or ready; not retiring): all, or
+        only its offload workers (``remote`` True) or only its local ones (False)."""
         return [
             h
             for h in self._workers.values()
-            if h.stage == stage and h.state in (WS.STARTING, WS.READY)
+            if h.stage == stage
+            and h.state in (WS.STARTING, WS.READY)
+            and (remote is None or h.remote == remote)
         ]
 
     def _n_active(self, stage: int) -> int:
@@ -88,18 +93,28 @@ class Workers:
         for h in active:
             self._send(h, P.Budget(share))
 
-    def _resize(self, stage: int, n: int) -> None:
+    def _resize(self, stage: int, n: int, remote: int | None = None) -> None:
         st = self._stages[stage]
         st.target = n
+        if remote is not None:
+            st.remote = remote
+        st.remote = min(st.remote, n)
         if self._fused[stage]:
             return  # its host runs it; the target is kept for when it is split again
-        active = self._active(stage)
-        for _ in range(n - len(active)):
-            self._spawn(stage)
-        if len(active) > n:
-            for h in policy.to_retire(active, len(active) - n):
-                h.state = WS.RETIRING
-                self._send(h, P.Retire())
+        local, far = self._active(stage, False), self._active(stage, True)
+        plan = offload.split(len(local), len(far), n, st.remote)
+        retired = False
+        for active, kind, is_remote in ((local, plan[0], False), (far, plan[1], True)):
+            for _ in range(kind.start):
+                self._spawn(stage, remote=is_remote)
+            if kind.retire:
+                retired = True
+                # Each kind retires its own: a frame a retiring worker holds is finished by
+                # it, and the frames queued go to whichever worker of the stage is free.
+                for h in policy.to_retire(active, kind.retire):
+                    h.state = WS.RETIRING
+                    self._send(h, P.Retire())
+        if retired:
             self._rebudget(stage)
 
     def _on_gone(self, h: handles.WorkerHandle, died: bool, why: str = "") -> None:
@@ -164,7 +179,7 @@ class Workers:
                     f"deaths in this stage exceed max_restarts={self.spec.max_restarts}"
                 )
             if prev != WS.RETIRING and not self._closed:
-                self._spawn(h.stage)
+                self._spawn(h.stage, remote=h.remote)
 
     def _retire_slot(self, h: handles.WorkerHandle) -> None:
         """Fold a finished worker's counters into its stage's totals and reuse its slot."""
@@ -181,6 +196,12 @@ class Workers:
                 add[c] = 0
             st.retired += add
         st.retired[stats.PID] = 0
+        if h.remote:
+            if st.retired_remote is None:
+                st.retired_remote = row.copy()
+            else:
+                st.retired_remote += row
+            st.retired_remote[stats.PID] = st.retired_remote[stats.STARTED_NS] = 0
         row[:] = 0
         st.slots.discard(h.slot)
         self._free_slots.append(h.slot)

@@ -376,7 +376,7 @@ class Router:
             while self._commands:
                 cmd = self._commands.popleft()
                 if cmd[0] == "resize":
-                    self._resize(cmd[1], cmd[2])
+                    self._resize(cmd[1], cmd[2], cmd[3])
                 elif cmd[0] == "budget":
                     self._stages[cmd[1]].budget = cmd[2]
                     self._rebudget(cmd[1])

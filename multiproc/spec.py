@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args
 import cloudpickle
 
 from .errors import SpecError
+from .offload import Offload
 
 if TYPE_CHECKING:
     from .buffers import BufferFile
@@ -139,6 +140,10 @@ class StageSpec:
         placement: where the function does its work: ``"local"`` (in the worker), or the name
             of a runtime it forwards each call to (``"ray"``); the executor runs the stage
             alike and reports it in :class:`~multiproc.stats.StageSnapshot`.
+        offload: let some of the stage's workers forward its frames to a remote runtime
+            (:mod:`multiproc.offload`): ``Executor.resize(stage, n, remote=m)`` runs ``m`` of
+            its ``n`` workers as offload threads. A stateless stage (map, flat_map or
+            batch_map) that is never fused; ``workers`` counts both kinds.
     """
 
     name: str
@@ -160,6 +165,7 @@ class StageSpec:
     max_concurrency: int = 64
     fused: bool = False
     placement: str = "local"
+    offload: Offload | None = None
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
@@ -206,9 +212,28 @@ class StageSpec:
             raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if not valid_max_errors(self.max_errors):
             raise SpecError(f"{where}: max_errors {MAX_ERRORS_ARE}, got {self.max_errors!r}")
+        if self.offload is not None:
+            self._check_offload(where)
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or t <= 0):
             raise SpecError(f"{where}: timeout_s must be None or a number > 0, got {t!r}")
+
+    def _check_offload(self, where: str) -> None:
+        off = self.offload
+        if not isinstance(off, Offload):
+            raise SpecError(f"{where}: offload must be an Offload or None, got {off!r}")
+        why = off.problem()
+        if why is not None:
+            raise SpecError(f"{where}: {why}")
+        if self.kind not in FUSABLE_INTO:
+            raise SpecError(f"{where}: only map, flat_map and batch_map stages offload workers")
+        if self.fused:
+            raise SpecError(f"{where}: a fused stage runs no workers of its own to offload")
+        if off.workers > self.workers:
+            raise SpecError(
+                f"{where}: offload.workers ({off.workers}) > workers ({self.workers}): the "
+                "offload workers are some of the stage's workers"
+            )
 
     @property
     def stateful(self) -> bool:
@@ -291,6 +316,9 @@ def fuse_blocker(host: StageSpec, stage: StageSpec) -> str | None:
         return f"stage {host.name!r} is {host.kind}: only stateless stages host others"
     if stage.kind not in FUSABLE_INTO:
         return f"stage {stage.name!r} is {stage.kind}: only stateless stages fuse"
+    for s in (host, stage):
+        if s.offload is not None:
+            return f"stage {s.name!r} offloads workers (a fused group runs on the host)"
     if host.worker_type != stage.worker_type:
         return (
             f"stages {host.name!r} and {stage.name!r} run in different worker types "

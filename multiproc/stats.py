@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .arena import Segment
+from .offload import CallSums
 
 # Counter columns.
 (
@@ -43,7 +44,11 @@ MAX_FUSED = 8
 FUSED = 18
 F_ITEMS_IN, F_ITEMS_OUT, F_BUSY_NS, F_CPU_NS, F_ERRORS = range(5)
 FUSED_WIDTH = 5
-N_COUNTERS = FUSED + MAX_FUSED * FUSED_WIDTH + 3
+# Remote calls an offload worker made (multiproc.offload.CallSums): count, sums of x, y, x*x
+# and x*y.
+CALLS = FUSED + MAX_FUSED * FUSED_WIDTH + 3
+CALL_N, CALL_SX, CALL_SY, CALL_SXX, CALL_SXY = range(CALLS, CALLS + 5)
+N_COUNTERS = CALLS + 5
 
 
 def fused_col(d: int, field: int) -> int:
@@ -94,6 +99,8 @@ class WorkerStats:
     cpu_ns: int = 0
     runq_ns: int = 0
     hop_ns: int = 0
+    remote: bool = False  # an offload worker (multiproc.offload); its retired sum, slot -1
+    calls: CallSums = CallSums()  # the remote calls it made
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,12 @@ class StageSnapshot:
     not cross one; its host encodes the group's output). A stage
     whose ``placement`` is not ``"local"`` forwards its work elsewhere (one remote worker per
     local worker); ``cpu_ns`` then includes the remote workers' CPU, as they report it.
+
+    A stage with an offload (:mod:`multiproc.offload`) reports, of ``workers``, how many are
+    offload workers (``remote_workers``; ``remotable`` says it has an offload), and those
+    workers' own counters apart (``remote_items_in``, ``remote_items_out``,
+    ``remote_busy_ns``, ``remote_blocked_out_ns``, ``remote_cpu_ns``: parts of the totals);
+    ``calls`` sums the remote calls any of its workers reported.
     """
 
     name: str
@@ -135,6 +148,14 @@ class StageSnapshot:
     fusable: bool = False  # set_fused(stage, True) would be accepted now
     placement: str = "local"  # where the function does its work (StageSpec.placement)
     hop_ns: int = 0  # time decoding inputs and encoding outputs (see the docstring)
+    remote_workers: int = 0
+    remotable: bool = False
+    remote_items_in: int = 0
+    remote_items_out: int = 0
+    remote_busy_ns: int = 0
+    remote_blocked_out_ns: int = 0
+    remote_cpu_ns: int = 0
+    calls: CallSums = CallSums()
 
 
 @dataclass(frozen=True)
@@ -157,7 +178,9 @@ class Snapshot:
         raise KeyError(f"no stage named {name!r}; stages: {[s.name for s in self.stages]}")
 
 
-def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats:
+def read_row(
+    stage: str, slot: int, row: np.ndarray, now_ns: int, remote: bool = False
+) -> WorkerStats:
     r = row.copy()
     return WorkerStats(
         stage=stage,
@@ -179,7 +202,22 @@ def read_row(stage: str, slot: int, row: np.ndarray, now_ns: int) -> WorkerStats
         cpu_ns=int(r[CPU_NS]),
         runq_ns=int(r[RUNQ_NS]),
         hop_ns=int(r[HOP_NS]),
+        remote=remote,
+        calls=CallSums(*(int(r[c]) for c in range(CALL_N, CALL_SXY + 1))),
     )
+
+
+def remote_totals(far: list[WorkerStats], rows: list[WorkerStats]) -> dict:
+    """A stage snapshot's offload fields: the offload workers' rows ``far`` summed, and the
+    remote calls of all its ``rows``."""
+    return {
+        "remote_items_in": sum(r.items_in for r in far),
+        "remote_items_out": sum(r.items_out for r in far),
+        "remote_busy_ns": sum(r.busy_ns for r in far),
+        "remote_blocked_out_ns": sum(r.blocked_out_ns for r in far),
+        "remote_cpu_ns": sum(r.cpu_ns for r in far),
+        "calls": CallSums.total([r.calls for r in rows]),
+    }
 
 
 def read_fused(stage: str, row: np.ndarray, d: int) -> WorkerStats:

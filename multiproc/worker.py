@@ -229,6 +229,9 @@ class _Worker(Emitter, Chain):
         fused stages' functions took (counted as theirs)."""
         self.row[stats.BUSY_NS] += _ns() - t0 - self.chain_ns
         self.row[stats.CPU_NS] += _cpu_ns() - c0 - self.chain_cpu_ns + self.calls.take_cpu_ns()
+        calls = self.calls.take_calls()
+        if calls is not None:
+            self.row[stats.CALL_N : stats.CALL_SXY + 1] += calls
         self.chain_ns = self.chain_cpu_ns = 0
         self.runq.update(self.row)
 

@@ -42,6 +42,7 @@ from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reduce
 from .errors import PipelineError
 from .loader import Loader
 from .remote import INSTALL_HINT, PLACEMENTS, RayMap, check_ray_options, ray_installed
+from .remote_mixed import auto_offload
 from .sources import as_source
 from .stages import (
     DEFAULT_BUFFER_BYTES,
@@ -133,7 +134,7 @@ class Pipeline:
         concurrency: int = 1,
         max_concurrency: int | None = None,
         fused: bool = False,
-        placement: Literal["local", "ray"] = "local",
+        placement: Literal["local", "ray", "auto"] = "local",
         ray_options: Mapping[str, Any] | None = None,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
@@ -162,11 +163,18 @@ class Pipeline:
                 count actors). Order, exactly-once delivery, resume and errors are as for
                 local stages; an actor that dies costs its frame one re-run on a new actor.
                 Needs ``pip install torchtune-pipe[ray]``; see :mod:`torchtune_pipe.remote`.
+                Or ``auto``: the stage starts local (``workers`` of ``worker_type``) and the
+                tuner may move some of its workers onto the Ray cluster this process is
+                connected to and back (``Allocation.remote``), each remote one a thread
+                forwarding frames to an actor of its own; without Ray, or not connected when
+                the loader starts, it runs local only, with no error. See
+                :mod:`torchtune_pipe.remote_mixed`.
             ray_options: the actors' ``ActorClass.options(...)`` (default ``{"num_cpus":
                 1}``), e.g. ``{"num_cpus": 2, "resources": {"feature_node": 1}}``.
 
         Example:
             >>> pipe.map(featurize, workers=4, placement="ray")              # doctest: +SKIP
+            >>> pipe.map(featurize, workers=2, placement="auto")             # doctest: +SKIP
         """
         method = f"map({name!r})" if name else "map()"
         if not callable(fn):
@@ -280,6 +288,10 @@ class Pipeline:
                 # One remote call per frame: a thread worker per actor (remote.py).
                 remote = RayMap(map_fn(st), st.name, st.ray_options or {}, init=st.init)
                 fn, kind, common["init"] = remote, "batch_map", remote.start
+            elif st.placement == "auto":
+                # Local workers, and offload workers on Ray once some move (remote_mixed.py).
+                fn, common["placement"] = MapTagged(map_fn(st)), "local"
+                common["offload"] = auto_offload(st, map_fn(st))
             elif st.kind == "map":
                 fn = MapTagged(map_fn(st))
             else:
@@ -378,9 +390,9 @@ def _with_placement(method: str, stage: Stage, placement: Any, ray_options: Any)
         raise PipelineError(f"{method}: placement must be one of {PLACEMENTS}, got {placement!r}")
     if placement == "local":
         if ray_options is not None:
-            raise PipelineError(f"{method}: ray_options needs placement='ray'")
+            raise PipelineError(f"{method}: ray_options needs placement='ray' or 'auto'")
         return stage
-    if not ray_installed():
+    if placement == "ray" and not ray_installed():
         raise PipelineError(f"{method}: placement='ray' needs Ray: {INSTALL_HINT}")
     options = check_ray_options(method, ray_options)
     # The stage calls its actor once per frame and reports the frame's failure as a whole.
@@ -392,9 +404,11 @@ def _with_placement(method: str, stage: Stage, placement: Any, ray_options: Any)
     ):
         if value != need:
             raise PipelineError(
-                f"{method}: placement='ray' needs {arg}={need!r}, got {value!r} (a remote "
-                "stage sends each frame to its actor in one call)"
+                f"{method}: placement={placement!r} needs {arg}={need!r}, got {value!r} (a "
+                "remote worker sends each frame to its actor in one call)"
             )
+    if placement == "auto":  # its local workers keep their worker_type
+        return dataclasses.replace(stage, placement="auto", ray_options=options)
     return dataclasses.replace(stage, placement="ray", ray_options=options, worker_type="thread")
 
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ from .errors import PipelineError, RemoteStageError
 
 log = logging.getLogger(__name__)
 
-PLACEMENTS = ("local", "ray")
+PLACEMENTS = ("local", "ray", "auto")
 INSTALL_HINT = "pip install torchtune-pipe[ray]"
 ACTOR_PREFIX = "ttp:"  # names of the actors remote stages start: ttp:<stage>:<id>
 # Ray reserves a CPU per actor unless told otherwise: one actor does one worker's work.
@@ -55,6 +56,14 @@ _INIT_LOCK = threading.Lock()
 def ray_installed() -> bool:
     """Whether ``ray`` can be imported (without importing it)."""
     return importlib.util.find_spec("ray") is not None
+
+
+def connected() -> bool:
+    """Whether this process is connected to a Ray cluster, without importing ``ray`` (a
+    process that never imported it is not connected): where a ``placement="auto"`` stage may
+    place workers."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
 
 
 def cluster_cpus() -> float:
@@ -117,13 +126,17 @@ class _Runner:
 
         return str(ray.get_runtime_context().get_node_id())
 
-    def run(self, packed: tuple) -> tuple[tuple, int]:
-        """``fn`` over the packed items, the outputs packed, and the CPU time it took on the
-        actor (ns)."""
+    def run(self, packed: tuple) -> tuple[tuple, int, int]:
+        """``fn`` over the packed items, the outputs packed, the CPU time it took on the
+        actor (ns) and the wall time of ``fn`` alone (ns: what the call cost beyond it is the
+        network's, ``CallPool.add_remote_call``)."""
         c0 = time.thread_time_ns()
         fn = self.fn
-        out = _pack([fn(x) for x in _unpack(packed)])
-        return out, time.thread_time_ns() - c0
+        xs = _unpack(packed)
+        t0 = time.perf_counter_ns()
+        ys = [fn(x) for x in xs]
+        fn_ns = time.perf_counter_ns() - t0
+        return _pack(ys), time.thread_time_ns() - c0, fn_ns
 
 
 class RayMap:
@@ -139,6 +152,12 @@ class RayMap:
         options: ``ActorClass.options(...)`` for every actor (``num_cpus``, ``resources``,
             ``scheduling_strategy``, ``runtime_env``...).
         init: the stage's ``init(stage_name, worker_index)``, run on each actor as it starts.
+        ends_not_items: count the unit ends a frame carries as bookkeeping, not items
+            (``concurrency.not_an_item``), as the stage's local workers do: for a stage whose
+            workers are split between host and cluster (``placement="auto"``).
+
+    Each call is reported to the worker (``CallPool.add_remote_call``): the bytes sent and
+    received, and the call's wall time less the function's own on the actor.
     """
 
     def __init__(
@@ -147,8 +166,10 @@ class RayMap:
         stage: str,
         options: Mapping[str, Any],
         init: Callable[[str, int], None] | None = None,
+        ends_not_items: bool = False,
     ):
         self.fn = fn
+        self.ends_not_items = ends_not_items
         self.stage = stage
         self.options = dict(options)
         self._fn_bytes = cloudpickle.dumps(fn)
@@ -169,11 +190,16 @@ class RayMap:
 
     def __call__(self, items: list) -> list:
         work = [i for i, (u, k, _) in enumerate(items) if not (u >= 0 and k < 0)]
+        calls = concurrency.current()
+        if self.ends_not_items and len(work) < len(items):
+            calls.add_not_items(len(items) - len(work))
         if not work:
             return items
-        packed, cpu_ns = self._run(_pack([items[i][2] for i in work]), items, work)
+        xs = _pack([items[i][2] for i in work])
+        (packed, cpu_ns, fn_ns), wall_ns = self._run(xs, items, work)
+        calls.add_remote_call(_nbytes(xs) + _nbytes(packed), wall_ns - fn_ns)
         outs = _unpack(packed)
-        concurrency.current().add_cpu_ns(cpu_ns)
+        calls.add_cpu_ns(cpu_ns)
         done = list(items)
         for i, y in zip(work, outs, strict=True):
             u, k, _ = items[i]
@@ -189,7 +215,9 @@ class RayMap:
                 if self._ready is not None:
                     self._wait_ready(ray)
                 # Blocks until the actor answers or Ray reports it dead (RayActorError).
-                return ray.get(self._actor.run.remote(xs))
+                t0 = time.perf_counter_ns()
+                out = ray.get(self._actor.run.remote(xs))
+                return out, time.perf_counter_ns() - t0
             except ray.exceptions.RayTaskError as e:
                 raise _unwrap(e, self._name)  # noqa: B904 (the actor's traceback is its cause)
             except ray.exceptions.RayActorError as e:
@@ -259,6 +287,11 @@ def _pack(xs: list) -> tuple[bytes, tuple[int, ...], Any]:
     blob = np.empty(sum(sizes), dtype=np.uint8)
     serialize.copy_into(memoryview(blob), buffers)
     return header, sizes, blob
+
+
+def _nbytes(packed: tuple[bytes, tuple[int, ...], Any]) -> int:
+    """Bytes a packed frame moves."""
+    return len(packed[0]) + sum(packed[1])
 
 
 def _unpack(packed: tuple[bytes, tuple[int, ...], Any]) -> list:

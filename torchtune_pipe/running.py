@@ -45,16 +45,15 @@ class RunningPipeline:
         ``max_buffer_bytes``); calls in flight per worker where the allocation leaves them open
         follow the measured rule (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
 
-        ``allocation.remote`` is honoured as far as the executor places workers: a stage's
-        placement is fixed when it is built, so a ``placement="ray"`` stage runs all its
-        workers remote (``allocation.workers`` of it are Ray actors) and a local stage none.
-        Splitting one stage's workers between host and cluster is not supported live (every
-        live stage reports ``remotable`` False, so :class:`~torchtune_pipe.tuning.safety.
-        Guarded` keeps each stage's placement).
+        ``allocation.remote`` is honoured as far as the executor places workers: a
+        ``placement="auto"`` stage connected to Ray (``remotable``) runs ``remote[i]`` of its
+        ``workers[i]`` on the cluster (at most its ``max_workers``), moving workers between
+        host and cluster; a ``placement="ray"`` stage runs all its workers remote
+        (``allocation.workers`` of it are Ray actors) and a local stage none.
 
         Raises:
-            ValueError: when ``allocation.remote`` asks a stage for another placement than
-                the one it was built with.
+            ValueError: when ``allocation.remote`` asks a stage that is not remotable for
+                another placement than the one it was built with.
         """
         from .tuning.concurrency import plan_concurrency
 
@@ -62,6 +61,8 @@ class RunningPipeline:
         a = plan_concurrency(obs, allocation)
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
+            if st.offload is not None:
+                continue  # remotable: any split
             want = a.workers[i] if st.placement != "local" else 0
             if a.remote and min(a.remote[i], a.workers[i]) != want:
                 raise ValueError(
@@ -75,7 +76,17 @@ class RunningPipeline:
                 if f != now[j]:
                     ex.set_fused(j, f)  # SpecError names why a stage cannot fuse
         for i, st in enumerate(ex.spec.stages):
-            if a.workers[i] != ex.workers(i):
+            if st.offload is not None:
+                # Empty: each stage keeps its placement (all remote stays all remote, else
+                # its remote count, at most its workers; base.Allocation).
+                now = ex.remote_workers(i)
+                want = a.remote[i] if a.remote else now
+                if not a.remote and now and now == ex.workers(i):
+                    want = a.workers[i]
+                remote = min(want, a.workers[i], st.offload.max_workers)
+                if a.workers[i] != ex.workers(i) or remote != ex.remote_workers(i):
+                    ex.resize(i, a.workers[i], remote=remote)
+            elif a.workers[i] != ex.workers(i):
                 ex.resize(i, a.workers[i])
             if a.concurrency[i] != ex.concurrency(i):
                 ex.set_concurrency(i, a.concurrency[i])
@@ -90,10 +101,15 @@ class RunningPipeline:
         ex = self.executor
         n = len(ex.spec.stages)
         fused = ex.fused()
+        remote = tuple(
+            ex.workers(i) if s.placement != "local" else ex.remote_workers(i)
+            for i, s in enumerate(ex.spec.stages)
+        )
         return Allocation(
             tuple(ex.workers(i) for i in range(n)),
             tuple(ex.budget(i) for i in range(n)),
             fused=fused if any(fused) else (),
+            remote=remote if any(remote) else (),
         )
 
 
@@ -179,7 +195,7 @@ def start_executor(
     ]
     # Through a list, not a bound method: the probe must not keep the loader alive.
     probe = MemoryProbe(functools.partial(_prefetched_bytes, prefetch_slot))
-    remote = any(s.placement != "local" for s in spec.stages)
+    remote = any(s.placement != "local" or s.offload is not None for s in spec.stages)
     meter = telemetry.Meter(
         lambda: ex.snapshot(per_worker=True), machine, bounds, clock, memory_limit_bytes, probe,
         cluster=_remote.cluster_cpus if remote else None,

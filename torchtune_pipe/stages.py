@@ -56,9 +56,11 @@ class Stage:
         fused: (map stages) start with ``fn`` running in the previous stage's workers, on
             their outputs, with no hop between them; the tuner may split or fuse it while
             running (see :mod:`multiproc.fusion`).
-        placement: (map stages) ``local``, or ``ray``: ``fn`` runs on Ray actors, one per
-            worker (:mod:`torchtune_pipe.remote`).
-        ray_options: the actors' ``ActorClass.options(...)`` (``placement="ray"``).
+        placement: (map stages) ``local``; ``ray``: ``fn`` runs on Ray actors, one per
+            worker (:mod:`torchtune_pipe.remote`); or ``auto``: local workers, some of which
+            the tuner may move onto a connected Ray cluster (:mod:`torchtune_pipe.remote_mixed`).
+        ray_options: the actors' ``ActorClass.options(...)`` (``placement="ray"`` or
+            ``"auto"``).
     """
 
     name: str
@@ -80,7 +82,7 @@ class Stage:
     concurrency: int = 1
     max_concurrency: int = 1
     fused: bool = False
-    placement: Literal["local", "ray"] = "local"
+    placement: Literal["local", "ray", "auto"] = "local"
     ray_options: Mapping[str, Any] | None = None
 
     @property

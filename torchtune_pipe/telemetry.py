@@ -22,9 +22,10 @@ from pathlib import Path
 
 import psutil
 
-from multiproc import Snapshot, StageSnapshot
+from multiproc import Snapshot
 
 from . import memory as _memory
+from ._remote_stats import network, placement_stats
 from .tuning.base import Observation, StageStats, fusion_host, waits_on_io
 
 log = logging.getLogger(__name__)
@@ -205,8 +206,12 @@ def observe(
     A stage whose ``placement`` is not ``"local"`` (``placement="ray"``) runs every worker
     remote: ``remote_workers`` is its workers, ``remote_items_per_s`` its items, and
     ``net_s_per_item`` its workers' wall time per item less their CPU per item (the actor's
-    included): the call's round trip and the bytes' time. ``bytes_per_item`` is what the
-    stage's outputs measured (0 where they were not), ``items_per_call`` its items per frame.
+    included): the call's round trip and the bytes' time. A ``placement="auto"`` stage
+    connected to Ray is ``remotable``: the same fields from its offload workers' own counters
+    (0 while none runs remote). ``bytes_per_item`` is what the stage's outputs measured (0
+    where they were not), ``items_per_call`` its items per frame. ``rpc_s`` and
+    ``network_bytes_per_s`` are fitted to the interval's remote calls (a line of each call's
+    wait beyond its function's time over its bytes, :func:`~torchtune_pipe._remote_stats.network`); 0 without any.
     """
     dt_ns = max(1, cur.t_ns - prev.t_ns)
     dt = dt_ns / 1e9
@@ -258,7 +263,7 @@ def observe(
                 memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
                 fused=s.fused,
                 fusable=s.fusable,
-                **_placement_stats(s, p, out, busy_ns, cpu_ns, dt),
+                **placement_stats(s, p, out, busy_ns, cpu_ns, dt),
             )
         )
     if consumer_items is not None:
@@ -270,6 +275,7 @@ def observe(
         used = memory.used_bytes
     if memory_limit_bytes is None:
         memory_limit_bytes = used + machine.memory_available_bytes
+    rpc_s, bandwidth = network(cur, before)
     return Observation(
         stages=tuple(stages),
         throughput=max(0, delivered) / dt,
@@ -282,6 +288,8 @@ def observe(
         t=t,
         oom=used > memory_limit_bytes or _killed_for_memory(prev, cur, memory_before, memory),
         cluster_cpus=cluster_cpus,
+        rpc_s=rpc_s,
+        network_bytes_per_s=bandwidth,
     )
 
 
@@ -307,27 +315,6 @@ def _runqueue_shares(cur: Snapshot, before: dict, fused: tuple[bool, ...]) -> li
             for j in group:
                 out[j] = q * busy[j] // total
     return out
-
-
-def _placement_stats(
-    s: StageSnapshot, p: StageSnapshot | None, out: int, busy_ns: int, cpu_ns: int, dt: float
-) -> dict:
-    """A stage's remote and network fields (:func:`observe`)."""
-    bytes_out = s.bytes_out - (p.bytes_out if p is not None else 0)
-    frames = sum(w.frames_in for w in s.per_worker)
-    items = sum(w.items_in for w in s.per_worker)
-    fields = {
-        "bytes_per_item": bytes_out / out if out > 0 and bytes_out > 0 else 0.0,
-        "items_per_call": items / frames if frames > 0 and items >= frames else 1.0,
-    }
-    if s.placement == "local":
-        return fields
-    return {
-        **fields,
-        "remote_workers": s.workers,
-        "remote_items_per_s": max(0, out) / dt,
-        "net_s_per_item": max(0.0, (busy_ns - cpu_ns) / 1e9 / out) if out > 0 else 0.0,
-    }
 
 
 def _killed_for_memory(

@@ -252,3 +252,72 @@ class Views:
             bool(self.f.flags.f_contiguous), int(self.strided[7]), int(self.small[9]),
             self.base.untyped_storage().data_ptr() == self.tail.untyped_storage().data_ptr(),
         )  # fmt: skip
+
+
+def tag_local(x):
+    return (x, "local")
+
+
+def remote_fail_on_13(x):
+    if x == 13:
+        raise KeyError(f"bad id {x} on the remote side")
+    return x
+
+
+class FakeRemote:
+    """A remote runtime without a cluster, for offload tests: each worker's copy starts a
+    server thread (its "actor") that maps a frame's items; the worker sends it the frame,
+    waits for the answer and reports the call (``add_remote_call``). Outputs are
+    ``(x, "remote")``."""
+
+    THREAD = "fake-remote"
+
+    def __init__(self, fn):
+        self.fn = fn
+        self._jobs = None
+        self._server = None
+
+    def __getstate__(self):
+        return {"fn": self.fn, "_jobs": None, "_server": None}
+
+    def start(self, stage, index):
+        import queue
+        import threading
+
+        self._jobs = queue.SimpleQueue()
+        self._server = threading.Thread(target=self._serve, name=self.THREAD, daemon=True)
+        self._server.start()
+
+    def _serve(self):
+        while (job := self._jobs.get()) is not None:
+            items, box = job
+            t0 = time.perf_counter_ns()
+            try:
+                box["out"] = [(x, "remote") for x in map(self.fn, items)]
+            except Exception as e:
+                box["error"] = e
+            box["fn_ns"] = time.perf_counter_ns() - t0
+            box["done"].set()
+
+    def __call__(self, items):
+        import pickle
+        import threading
+
+        from multiproc import concurrency
+
+        box = {"done": threading.Event()}
+        t0 = time.perf_counter_ns()
+        self._jobs.put((items, box))
+        box["done"].wait()
+        wait = time.perf_counter_ns() - t0 - box["fn_ns"]
+        if "error" in box:
+            raise box["error"]
+        nbytes = len(pickle.dumps(items)) + len(pickle.dumps(box["out"]))
+        concurrency.current().add_remote_call(nbytes, wait)
+        return box["out"]
+
+    def on_worker_exit(self):
+        if self._server is not None:
+            self._jobs.put(None)
+            self._server.join(5.0)
+            self._server = None

@@ -27,6 +27,8 @@ from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
 STEPS = 3
 # Fields measured on one side only, with the default the other side reports (base.py).
 LIVE_ONLY = {"items_in_per_s": 0.0, "runqueue": None, "idle": False}
+# The network's fields are measured live from remote calls only: a local pipeline reports
+# their default (tests/test_remote_mixed.py checks them on a cluster).
 SIM_ONLY = {"latency_s": 0.0, "network_bytes_per_s": 0.0, "rpc_s": 0.0}
 SIM_ONLY_STAGE = {"hop_cpu_s_per_item": 0.0}
 
@@ -196,7 +198,8 @@ def test_every_tuner_runs_on_a_real_pipeline_and_the_fields_mean_the_same():
                 for st in obs.stages:
                     for k, default in SIM_ONLY_STAGE.items():
                         assert getattr(st, k) == default, k
-                    # Local stages: no remote workers, none movable; no cluster.
+                    # Local stages: no remote workers, none movable (only a placement="auto"
+                    # stage connected to Ray is); no cluster.
                     assert st.remote_workers == 0 and not st.remotable
                 assert obs.cluster_cpus == 0.0
         deadline = time.monotonic() + 10

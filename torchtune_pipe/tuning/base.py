@@ -30,8 +30,8 @@ class StageStats:
     time are per worker, averaged over the stage's workers. Three fields are measured live
     only and keep their default in the simulator: ``items_in_per_s`` (0), ``runqueue``
     (None) and ``idle`` (False); ``hop_cpu_s_per_item`` is simulator-only (0 live), and
-    ``remotable`` is False live; a tuner must read those defaults as "not measured", never as
-    "zero" (``tests/tuning/test_seam.py`` checks both sides).
+    live only a ``placement="auto"`` stage connected to Ray is ``remotable``; a tuner must
+    read those defaults as "not measured", never as "zero" (``tests/tuning/test_seam.py`` checks both sides).
 
     Attributes:
         name: stage name.
@@ -90,16 +90,18 @@ class StageStats:
         fusable: the stage may be fused into the previous stage now (stateless, runs where
             that one runs, and the group it would join is not at its longest).
         remote_workers: of ``workers``, how many run on the cluster (count, 0..workers): each
-            a worker whose stage function runs on one cluster CPU (live: a Ray actor of a
-            ``placement="ray"`` stage, all its workers) and whose local side only sends and
+            a worker whose stage function runs on one cluster CPU (live: a Ray actor, of a
+            ``placement="ray"`` stage all its workers, of a ``placement="auto"`` stage the
+            executor's offload workers) and whose local side only sends and
             receives (no share of the host's cores beyond ``hop_cpu_s_per_item``, no worker
             memory: ``memory_bytes`` is the local workers'). The rest run on the host.
         remotable: the tuner may move the stage's workers between host and cluster (a
             stateless map stage; never a source, shuffle or batch). Fusion and remote workers
             exclude each other: a fused stage, or one hosting a fused stage, runs none (the
-            guard drops them). Live False (the executor cannot move a worker between
-            placements: a ``placement="ray"`` stage keeps every worker remote, a local stage
-            every worker local).
+            guard drops them). Live: a ``placement="auto"`` stage while the process is
+            connected to Ray (its workers move with ``Allocation.remote``); a
+            ``placement="ray"`` stage keeps every worker remote, a local stage every worker
+            local.
         remote_items_per_s: items the stage's remote workers emitted per second (items/s,
             part of ``items_per_s``; 0 without remote workers).
         bytes_per_item: bytes of one item the stage emits, as it crosses a channel or the
@@ -160,10 +162,10 @@ def waits_on_io(cpu_s: float, busy_s: float) -> bool:
 class Observation:
     """A snapshot of a pipeline and the machine it runs on, as a tuner sees it.
 
-    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s``,
-    ``network_bytes_per_s`` and ``rpc_s`` are simulator-only (0 live: the loader does not time
-    items end to end, nor the network apart from a remote stage's wait per item); a tuner must
-    read 0 as "not measured".
+    One meaning on both sides of the seam (see :class:`StageStats`). ``latency_s`` is
+    simulator-only (0 live: the loader does not time items end to end); ``network_bytes_per_s``
+    and ``rpc_s`` are measured live only from remote calls (0 for a pipeline that made none in
+    the interval); a tuner must read 0 as "not measured".
 
     Attributes:
         stages: per-stage stats in pipeline order (source first).
@@ -198,9 +200,13 @@ class Observation:
             runs (the host's own share of it included, as Ray counts it), else 0. Simulator:
             the schedule's count. Each remote worker takes one (``Allocation.remote``).
         network_bytes_per_s: bandwidth between the host and the cluster, in bytes/s, shared
-            by every remote worker (0: not measured; live it is not, a tuner takes its prior).
+            by every remote worker (0: not measured, a tuner takes its prior). Live: the slope
+            of a least-squares line of the interval's remote calls' wait (call time less the
+            function's own time on the actor) over their bytes both ways; 0 when their sizes
+            do not tell it apart from the round trip.
         rpc_s: seconds one remote call costs besides its bytes (its round trip), shared by the
-            items of the call (0: not measured; a tuner takes its prior).
+            items of the call (0: not measured; a tuner takes its prior). Live: that line's
+            value at 0 bytes (the mean wait when the line is not measured).
     """
 
     stages: tuple[StageStats, ...]
