@@ -221,23 +221,26 @@ class _Table:
         return x + int(self.table[x % 1000])
 
 
+def _read_range(unit):
+    yield from range(unit * 100, unit * 100 + 100)
+
+
 def test_the_large_arrays_workers_share_count_once_as_their_memory_not_as_buffers():
-    pipe = Pipeline.from_source(_Ids(), buffer_bytes=1 << 20).map(
-        _Table(), name="udf", workers=2, max_workers=2, buffer_bytes=1 << 20
+    from multiproc import Executor, ExecutorSpec, StageSpec
+
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _read_range, buffer_bytes=1 << 20),
+            StageSpec("udf", "map", _Table(), workers=2, buffer_bytes=1 << 20),
+        )
     )
-    with pipe.loader() as loader:
-        it = iter(loader)
-        next(it)
-        deadline = time.monotonic() + DEADLINE_S
-        while True:
-            loader.observe()
-            reading = loader.tunable.meter.memory.last
-            if len(reading.worker_bytes) >= 3:  # the source's worker and both udf workers
-                break
-            assert time.monotonic() < deadline, f"workers seen: {reading.worker_bytes}"
-            time.sleep(0.1)  # polling with a deadline: nothing signals a worker's start
-        # Each udf worker maps the array: its own memory does not hold a copy.
-        assert all(n < 48 * MiB for n in reading.worker_bytes.values()), reading.worker_bytes
-        assert reading.processes_bytes >= 64 * MiB  # the shared file, once
-        assert reading.buffers_bytes < 64 * MiB  # the channels' arenas alone (1 MiB budgets)
-        it.close()
+    probe = MemoryProbe(min_interval_s=0.0)
+    with Executor(spec) as ex:
+        assert len(list(ex.run(range(4)))) == 400
+        reading = probe.read(ex.snapshot(per_worker=True))
+        pids = {w.pid for s in ex.snapshot(per_worker=True).stages for w in s.per_worker}
+    # What each worker holds leaves the file out (tests/multiproc/test_buffers.py: no worker
+    # holds a copy); the probe counts it once, with the processes.
+    assert set(reading.worker_bytes) <= pids
+    assert reading.processes_bytes >= 64 * MiB + sum(reading.worker_bytes.values())
+    assert reading.buffers_bytes < 64 * MiB  # the channels' arenas alone (1 MiB budgets)
