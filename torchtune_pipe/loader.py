@@ -433,6 +433,9 @@ class Loader:
         """Read inline from now on (this epoch's rest and every later one): stop tuning,
         close the workers."""
         log.info("Loader: reading in the calling thread from now on: %s", why)
+        loop, self._tuning = self._tuning, None
+        if loop is not None:
+            loop.stop(raise_error=False)  # before the event: the log ends with the switch
         if self.tuning_log:
             try:
                 write_event(
@@ -440,9 +443,6 @@ class Loader:
                 )
             except OSError as e:  # the tuning loop has reported the path already
                 log.warning("Loader: cannot write to tuning_log %r: %s", self.tuning_log, e)
-        loop, self._tuning = self._tuning, None
-        if loop is not None:
-            loop.stop(raise_error=False)
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.stop()

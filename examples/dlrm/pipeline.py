@@ -72,8 +72,10 @@ class DLRMPipelineConfig:
         buffer_bytes: initial outbound buffer budget of every stage.
         on_error: ``raise`` on a malformed row, or ``skip`` it (counted and logged).
         placement: where the feature stages (``features``, ``augment``, ``extra_cost``) run:
-            ``local`` worker processes, or ``ray`` actors on the Ray cluster this process is
-            connected to (``ray.init(...)`` first; ``pip install torchtune-pipe[ray]``).
+            ``local`` worker processes, ``ray`` actors on the Ray cluster this process is
+            connected to (``ray.init(...)`` first; ``pip install torchtune-pipe[ray]``), or
+            ``auto``: local workers the tuner may move onto that cluster and back
+            (``Pipeline.map(placement="auto")``).
         ray_max_workers: with ``placement="ray"``, the most actors a feature stage may have
             (a tuner's resize beyond the cluster's room would wait for an actor that never
             starts); None: ``max_workers``.
@@ -97,9 +99,10 @@ class DLRMPipelineConfig:
     ray_max_workers: int | None = None
 
     def __post_init__(self) -> None:
-        if self.placement not in ("local", "ray"):
+        if self.placement not in ("local", "ray", "auto"):
             raise ValueError(
-                f"DLRMPipelineConfig: placement must be 'local' or 'ray', got {self.placement!r}"
+                "DLRMPipelineConfig: placement must be 'local', 'ray' or 'auto', got "
+                f"{self.placement!r}"
             )
         for name in ("batch_size", "chunk_rows", "chunk_bytes", "shuffle_chunks", "workers"):
             value = getattr(self, name)
@@ -188,6 +191,8 @@ def build_pipeline(
     if config.placement == "ray":
         top = min(config.max_workers, config.ray_max_workers or config.max_workers)
         feature_knobs.update(placement="ray", max_workers=top, workers=min(config.workers, top))
+    elif config.placement == "auto":
+        feature_knobs.update(placement="auto")
     pipe = pipe.map(Features(tuple(config.table_sizes)), name="features", **feature_knobs)
     if config.noise_std > 0:
         pipe = pipe.map(AddNoise(config.noise_std, config.seed), name="augment", **feature_knobs)

@@ -14,6 +14,7 @@ Usage::
     python -m examples.dlrm.train --tuner intune --time-budget-s 90
     python -m examples.dlrm.train --data 'criteo/day_*.gz' --val-data criteo/day_23.gz --epochs 1
     python -m examples.dlrm.train --ray --tuner heuristic   # feature stages on Ray actors
+    python -m examples.dlrm.train --ray auto                # the tuner splits them
 """
 
 from __future__ import annotations
@@ -107,9 +108,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ray",
-        action="store_true",
+        nargs="?",
+        const="ray",
+        choices=("ray", "auto"),
         help="run the feature stages on Ray actors: on the cluster RAY_ADDRESS names, "
-        "else on a local one started here (pip install torchtune-pipe[ray])",
+        "else on a local one started here (pip install torchtune-pipe[ray]); '--ray auto': "
+        "start them local and let the tuner move workers onto the cluster and back",
     )
     args = p.parse_args(argv)
     for name in ("rows", "val_rows", "batch_size", "chunk_rows", "epochs"):
@@ -340,7 +344,7 @@ def _placement(args: argparse.Namespace) -> dict[str, Any]:
     nodes = sum(1 for n in ray.nodes() if n.get("Alive"))
     print(f"Ray: feature stages on {nodes} node(s), {cpus} CPU(s)", flush=True)
     remote_stages = 1 + (args.noise_std > 0) + (args.extra_cost_ns > 0)
-    return {"placement": "ray", "ray_max_workers": max(1, cpus // remote_stages)}
+    return {"placement": args.ray, "ray_max_workers": max(1, cpus // remote_stages)}
 
 
 def _check_weights(tuner: str, n_stages: int) -> None:

@@ -113,6 +113,9 @@ def test_the_feature_stages_can_run_on_ray_actors():
     where = {s.name: (s.placement, s.max_workers) for s in pipe.stages}
     assert where == {"read": ("local", 32), "features": ("ray", 3),
                      "extra_cost": ("ray", 3), "batch": ("local", 32)}  # fmt: skip
-    assert train.parse_args(["--ray"]).ray and not train.parse_args([]).ray
+    assert train.parse_args(["--ray"]).ray == "ray" and not train.parse_args([]).ray
+    assert train.parse_args(["--ray", "auto"]).ray == "auto"
+    auto = build_pipeline(__file__, DLRMPipelineConfig(placement="auto"), shuffle=False)
+    assert {s.name: s.placement for s in auto.stages}["features"] == "auto"
     with pytest.raises(ValueError, match="placement must be"):
         DLRMPipelineConfig(placement="gpu")
