@@ -10,9 +10,12 @@ snapshot taken when the stage was pickled, as the pickle's own bytes would be; t
 view one storage in this process view one region of the file, so they share memory in a worker
 as they do here.
 
-The file is named after the executor (``ttp_<pid>_...``), so the executor removes it with its
-other segments when it closes and the stale-segment sweep removes it after a crash. Tensors
-that need gradients, are not on the CPU or not strided (sparse, quantized), and arrays of Python
+The pipeline then holds two copies of such an array (this process's own and the file's) where
+it held one per worker. An array goes to the file only while ``/dev/shm`` keeps room for it and
+as much again for the channels (:func:`_room_for`), else it travels in the pickle. The file is
+named after the executor (``ttp_<pid>_...``), so the executor removes it with its other
+segments when it closes and the stale-segment sweep removes it after a crash. Tensors that
+need gradients, are not on the CPU or not strided (sparse, quantized), and arrays of Python
 objects pickle as usual.
 """
 
@@ -31,6 +34,7 @@ import numpy as np
 from . import arena, lifetime
 
 MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file each is no gain
+ROOM_LEFT_BYTES = 256 << 20  # /dev/shm left free past an array written (see _room_for)
 _ALIGN = mmap.PAGESIZE
 
 # This process's mappings of buffer files, by name: every array unpickled from one file views
@@ -46,12 +50,13 @@ class BufferFile:
         self.path = os.path.join(arena.SHM_DIR, name)
         self.size = 0
         self._fd = -1
+        self._created = False
         self._regions: dict[tuple[int, int], int] = {}  # (data address, bytes) -> offset
 
     @property
     def created(self) -> bool:
-        """Whether any array was written (the file exists)."""
-        return self.size > 0
+        """Whether the file exists (an array was written to it, or was to be)."""
+        return self._created
 
     def dumps(self, obj: Any) -> bytes:
         """``obj`` pickled by cloudpickle, its large arrays written to the file."""
@@ -65,19 +70,26 @@ class BufferFile:
             os.close(self._fd)
             self._fd = -1
 
-    def _write(self, key: tuple[int, int], data: np.ndarray) -> int:
+    def _write(self, key: tuple[int, int], data: np.ndarray) -> int | None:
         offset = self._regions.get(key)
         if offset is not None:
             return offset
+        if not _room_for(data.nbytes):
+            return None
         if self._fd < 0:
             flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
             self._fd = os.open(self.path, flags, 0o600)
+            self._created = True
             lifetime.track(self.name)
         offset = -(-self.size // _ALIGN) * _ALIGN
         view = memoryview(data.reshape(-1).view(np.uint8))
         done = 0
-        while done < len(view):
-            done += os.pwrite(self._fd, view[done:], offset + done)
+        try:
+            while done < len(view):
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError:  # /dev/shm filled up meanwhile: this one travels in the pickle
+            os.ftruncate(self._fd, self.size)
+            return None
         self.size = offset + len(view)
         self._regions[key] = offset
         return offset
@@ -100,6 +112,8 @@ class BufferFile:
         if data is not a:
             key = (-len(self._regions) - 1, 0)  # a copy made here: no other array views it
         offset = self._write(key, data.reshape(-1, order=order))
+        if offset is None:
+            return None
         return _array, (self.name, offset, a.dtype, a.shape, order)
 
     def _reduce_tensor(self, torch: Any, t: Any) -> tuple | None:
@@ -118,6 +132,8 @@ class BufferFile:
             return None
         whole = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
         offset = self._write((storage.data_ptr(), nbytes), whole)
+        if offset is None:
+            return None
         geometry = (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
         return _tensor, (self.name, offset, nbytes, t.dtype, *geometry)
 
@@ -132,6 +148,17 @@ class _Pickler(cloudpickle.CloudPickler):
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)
+
+
+def _room_for(nbytes: int) -> bool:
+    """Whether ``/dev/shm`` has room for ``nbytes`` more with as much again left for the
+    channels' arenas (a container's is often 64 MiB): an array that does not fit travels in
+    the pickle, as it would without this module."""
+    try:
+        st = os.statvfs(arena.SHM_DIR)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize >= 2 * nbytes + ROOM_LEFT_BYTES
 
 
 def _torch() -> Any:

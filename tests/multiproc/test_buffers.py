@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -83,3 +84,13 @@ def test_the_executor_removes_the_file_when_a_stage_fails_to_pickle():
     with pytest.raises(Exception, match="'m'.*pickle"):
         Executor(spec)
     assert set(os.listdir(arena.SHM_DIR)) <= before
+
+
+def test_without_room_in_dev_shm_arrays_travel_in_the_pickle(monkeypatch):
+    monkeypatch.setattr(buffers, "_room_for", lambda nbytes: False)
+    out = buffers.BufferFile(f"ttp_{os.getpid()}_test_{os.urandom(3).hex()}")
+    big = np.arange(1 << 18, dtype=np.float64)
+    data = out.dumps(big)
+    out.close()
+    assert not out.created and len(data) > big.nbytes
+    assert np.array_equal(pickle.loads(data), big)
