@@ -138,6 +138,20 @@ class BufferFile:
         return _tensor, (self.name, offset, nbytes, t.dtype, *geometry)
 
 
+def dumps_light(obj: Any) -> bytes:
+    """``obj`` pickled as :meth:`BufferFile.dumps` pickles it, but with nothing written for
+    its large arrays (a pickle never to be loaded): whether it pickles, and the modules it
+    names (:func:`multiproc.spec.imported_modules`), without copying a dataset's tensors."""
+    out = io.BytesIO()
+    _Pickler(out, _Unwritten("ttp_unwritten")).dump(obj)
+    return out.getvalue()
+
+
+class _Unwritten(BufferFile):
+    def _write(self, key: tuple[int, int], data: np.ndarray) -> int | None:
+        return 0
+
+
 class _Pickler(cloudpickle.CloudPickler):
     def __init__(self, file: io.BytesIO, out: BufferFile):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)

@@ -31,10 +31,9 @@ import pickle
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-import cloudpickle
 from torch.utils.data import default_collate
 
-from multiproc import ExecutorSpec, StageSpec
+from multiproc import ExecutorSpec, StageSpec, buffers
 from multiproc.spec import EXECUTOR_KIND, MAX_ERRORS_ARE, valid_max_errors
 
 from ._inline import run_inline
@@ -420,7 +419,7 @@ def _with_max_errors(method: str, stage: Stage, max_errors: Any) -> Stage:
 
 def _check_pickles(method: str, arg: str, fn: Any) -> None:
     try:
-        cloudpickle.dumps(fn)
+        buffers.dumps_light(fn)  # without copying the large arrays fn holds
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise PipelineError(
             f"{method}: {arg} does not pickle for process workers ({e}); make it picklable or "

@@ -156,9 +156,7 @@ def warm_workers(pipeline: StageChain) -> None:
     """Start the worker fork server now, importing what the stages' functions need (the
     modules their pickles name, and the source's), so the first ``iter()`` finds it warm: a
     training script builds its loader, then its model, then iterates."""
-    import cloudpickle
-
-    from multiproc import handles
+    from multiproc import buffers, handles
     from multiproc.spec import imported_modules
 
     source = getattr(pipeline.source, "dataset", pipeline.source)
@@ -166,7 +164,7 @@ def warm_workers(pipeline: StageChain) -> None:
     for st in pipeline.stages:
         if st.fn is not None:
             try:
-                modules += imported_modules(cloudpickle.dumps(st.fn))
+                modules += imported_modules(buffers.dumps_light(st.fn))
             except Exception:
                 pass  # reported, naming the stage, when the executor pickles it
     handles.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))

@@ -94,3 +94,13 @@ def test_without_room_in_dev_shm_arrays_travel_in_the_pickle(monkeypatch):
     out.close()
     assert not out.created and len(data) > big.nbytes
     assert np.array_equal(pickle.loads(data), big)
+
+
+def test_a_light_pickle_names_the_same_modules_without_the_arrays_data():
+    from multiproc.spec import imported_modules
+
+    fn = _fns.BigBuffers(8, array=True)
+    light = buffers.dumps_light(fn)
+    assert len(light) < 1 << 16  # not the 8 MiB
+    assert set(imported_modules(light)) >= {"tests.multiproc._fns", "numpy"}
+    assert not any(n.startswith("ttp_unwritten") for n in os.listdir(arena.SHM_DIR))
