@@ -172,7 +172,9 @@ class RayMap:
         self.ends_not_items = ends_not_items
         self.stage = stage
         self.options = dict(options)
-        self._fn_bytes = cloudpickle.dumps(fn)
+        # Pickled for the actor when this copy starts its first one: a copy travels to every
+        # worker with ``fn`` (whose arrays, a dataset's, the executor shares), not twice.
+        self._fn_bytes: bytes | None = None
         self._init_bytes = cloudpickle.dumps(init) if init is not None else None
         self._index = 0
         self._actor: Any = None
@@ -181,7 +183,7 @@ class RayMap:
 
     def __getstate__(self) -> dict:
         # Each worker's copy starts its own actor: a handle never travels with the function.
-        return {**self.__dict__, "_actor": None, "_ready": None, "_name": ""}
+        return {**self.__dict__, "_actor": None, "_ready": None, "_name": "", "_fn_bytes": None}
 
     def start(self, stage: str, index: int) -> None:
         """Start this worker's actor (without waiting for it): the worker's ``init``."""
@@ -257,6 +259,8 @@ class RayMap:
             if not ray.is_initialized():
                 ray.init()
         self._name = f"{ACTOR_PREFIX}{self.stage}:{uuid.uuid4().hex[:12]}"
+        if self._fn_bytes is None:
+            self._fn_bytes = cloudpickle.dumps(self.fn)
         cls = ray.remote(_Runner)
         self._actor = cls.options(name=self._name, max_restarts=0, **self.options).remote(
             self._fn_bytes, self._init_bytes, self.stage, self._index
