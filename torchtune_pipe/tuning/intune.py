@@ -47,6 +47,7 @@ import torch
 from .base import Allocation, Observation, fuse_fusable, fusion_host
 from .baselines import HeuristicTuner
 from .dqn import DQNAgent, DQNConfig
+from .intune_cluster import mask_split_moves, moves_split
 from .intune_space import (
     ACTIONS_PER_STAGE,
     BUFFER_GROW_MIN_FILL,
@@ -336,7 +337,7 @@ class InTuneTuner:
             known_hops=self._hops,
         )  # fmt: skip
         state = self.encoder.encode(obs, current, self._last, planned)
-        mask = self.actions.mask(obs, current, self.memory, planned)
+        mask = mask_split_moves(self.actions.mask(obs, current, self.memory, planned), obs, current)
         for index, left in list(self._tabu.items()):
             mask[index] = False
             if left <= 1:
@@ -367,7 +368,9 @@ class InTuneTuner:
         if changes_workers(p.current, self._alloc):
             self._before = (p.current, p.obs.throughput)
         ran = tuple(s.fused for s in p.obs.stages)
-        self._settling = (self._alloc.fused or ran) != ran
+        self._settling = (self._alloc.fused or ran) != ran or moves_split(
+            p.obs, p.current, self._alloc
+        )
         self._in_effect, self._settled_for = False, 0
         return self._alloc
 
