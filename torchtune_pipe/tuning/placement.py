@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 from .base import Observation, waits_on_io
 from .cluster import network_of, remote_cost
-from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE
+from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE, SPARE_CORES
 
 # Remote workers planned per unit of measured need, at most (module docstring).
 REMOTE_HEADROOM = 1.05
@@ -162,7 +162,9 @@ class _Budget:
         self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
         self.cluster = math.floor(obs.cluster_cpus + 1e-9)
         self.bandwidth = network_of(obs)[1]
-        self.cpus = max(obs.cpus, allowance)
+        # The guard lets charges pass the cores by SPARE_CORES once anything was measured
+        # (safety.oversubscribe_factor), and a split is planned from a measurement.
+        self.cpus = max(obs.cpus + SPARE_CORES, allowance)
 
     def workers(self, t: float, f: Sequence[float]) -> tuple[list[int], list[int]]:
         local, remote = [], []
