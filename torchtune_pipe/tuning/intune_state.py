@@ -10,7 +10,6 @@ import math
 import torch
 
 from .base import Allocation, Observation
-from .cluster import local_total, remote_of
 from .intune_space import WORKER_DELTAS, Action, clip, distance
 from .planner import Plan
 from .safety import is_io_bound, oversubscribe_factor
@@ -67,7 +66,7 @@ def transition_reward(
 class StateEncoder:
     """Turns observations into scale-free state vectors for one pipeline length.
 
-    Per stage: local workers (remote ones take no host core) and CPU actually used as fractions of ``cpus``, busy, blocked-in and
+    Per stage: workers and CPU actually used as fractions of ``cpus``, busy, blocked-in and
     blocked-out fractions, buffer bytes as a fraction of the memory limit, buffer fill, an
     I/O-bound flag, an at-max-workers flag and the last action's worker and buffer change
     on that stage. Global: throughput relative to the best and to the first throughput since
@@ -117,16 +116,12 @@ class StateEncoder:
         mem = max(1, obs.memory_limit_bytes)
         x = obs.throughput
         feats: list[float] = []
-        # The host as the network was trained on it: a remote worker takes no host core, so
-        # workers and the free-CPU feature count local workers (without a cluster, all).
-        remote = remote_of(alloc, obs)
         for i, st in enumerate(obs.stages):
             w = alloc.workers[i]
-            here = w - remote[i]
             moved = last is not None and last.stage == i
             feats += [
-                here / cpus,
-                here * st.busy / cpus,
+                w / cpus,
+                w * st.busy / cpus,
                 st.busy,
                 st.blocked_in,
                 st.blocked_out,
@@ -146,7 +141,7 @@ class StateEncoder:
             if self.first > 0
             else 0.0,
             clip((x - self.prev) / best, -1, 1),
-            clip((cap - local_total(alloc, obs)) / cpus, -1, 1),
+            clip((cap - sum(alloc.workers)) / cpus, -1, 1),
             clip(1.0 - obs.memory_used_bytes / mem, 0, 1),
             clip(sum(alloc.buffer_bytes) / mem, 0, 1),
             clip(obs.consumer_step_s * x, 0, CONSUMER_LOAD_MAX),
