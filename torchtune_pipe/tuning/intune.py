@@ -29,6 +29,10 @@ less ``CHANGE_COST`` for a move; ``-1`` on an OOM, which ends the episode. The r
 simulator's oracle offline and the best throughput seen since the CPU count last changed
 online.
 
+With a cluster the split between host and cluster is the plan's (:mod:`~.intune_cluster`):
+the network's worker moves on a stage that runs remote workers are masked, and an action that
+moves workers between host and cluster is judged once they have started.
+
 The tuner proposes; :class:`~.safety.Guarded` applies the hard limits to what it proposes. Why
 the plan, the undo, the guard and the buffer floor: CONTRIBUTING.md, "The InTune learner";
 the measurements: BENCHMARKS.md.

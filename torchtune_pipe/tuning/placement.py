@@ -6,12 +6,28 @@ also take workers there. Per delivered item, stage ``i`` costs on the host ``g_i
 ``u_i`` of a local worker's time when made locally, and ``h_i`` of host CPU (its hop), ``v_i``
 of a remote worker's time (its CPU on the cluster plus the network's wait) and ``b_i`` bytes on
 the link when made remotely (:func:`~.cluster.remote_cost`). For a target rate ``T``, a share
-``f_i`` of its items goes remote: ``ceil(headroom * T * f_i * v_i)`` remote workers (one
-cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones. Remote workers get
-the same headroom: in ``benchmarks/cluster_sim.py`` a smaller one (for a frame's items varying
-less per call than one item) lost up to 7% of the best static split's throughput on large
-clusters, and dropping it where a small cluster could not hold it lost more on 8-16 CPUs
-(a stage's items still vary one by one).
+``f_i`` of its items goes remote: ``ceil(REMOTE_HEADROOM * T * f_i * v_i)`` remote workers
+(one cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones.
+
+Three rules decide what a split costs, each from ``benchmarks/cluster_sim.py`` (BENCHMARKS.md,
+"Two budgets"):
+
+* The kinds split a stage's items by their capacities (a free worker takes the next item; the
+  simulator's blend does the same), not by the planned share: the host's CPU, the charged
+  cores and the link are counted at the share the rounded workers serve
+  (:func:`served_share`). A stage the cluster can hold wholly moves wholly: one local worker
+  kept for a sliver of its items takes a core's worth of them from the host's own stages (the
+  planner kept 1 of 8 UDF workers on the host on ``netflix_like``, 0.91-0.92 of the best
+  split, and 1 of 12 parse and sparse-hash workers on the DLRM-like pipeline).
+* Workers that hold no host core, remote ones and local ones that wait on I/O
+  (:func:`~.base.waits_on_io`), are planned with ``REMOTE_HEADROOM`` (1.05), the rest with
+  ``headroom`` (1.2). Remote CPUs are paid, and a waiting worker is bounded by the local worker
+  cap (a count) rather than by CPU: with 1.2 on both, the DLRM-like pipeline paid 29-32 CPUs
+  where the best split needs 27.5, and its I/O-bound read took the slots its cheap map needed
+  to stay local (that map then ran 2+2 and its remote half filled the link).
+* The charged cores may pass the host's by ``SPARE_CORES``, as the guard lets them
+  (:func:`~.safety.oversubscribe_factor`): without it a 16-CPU cluster's split left a
+  bottleneck stage a local worker short (0.92-0.96 of the best split).
 
 :func:`place` finds the highest ``T`` (bisection) for which some split fits every budget: the
 host's cores (CPU and the charged floors, as the plan charges them), the cluster's CPUs, the
