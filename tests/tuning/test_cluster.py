@@ -13,6 +13,14 @@ from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
 from torchtune_pipe.tuning.cluster import remote_cost, remote_of
 from torchtune_pipe.tuning.intune import InTuneTuner
 from torchtune_pipe.tuning.oracle import best_static
+from torchtune_pipe.tuning.placement import (
+    REMOTE_HEADROOM,
+    Station,
+    capacity,
+    local_headroom,
+    remote_headroom,
+    served_share,
+)
 from torchtune_pipe.tuning.planner import plan
 from torchtune_pipe.tuning.plumber import plan as plumber_plan
 from torchtune_pipe.tuning.safety import (
@@ -177,3 +185,37 @@ def test_the_oracle_searches_the_split():
         best_static(sim.evaluate, 3, 4, hi, cluster_cpus=-1)
     with pytest.raises(ValueError, match="remotable needs 3 entries"):
         best_static(sim.evaluate, 3, 4, hi, cluster_cpus=8, remotable=(True,))
+
+
+# -- the planner's split (tuning/placement.py) --------------------------------------------
+
+
+def test_items_split_by_the_kinds_capacities():
+    s = Station(0, g=1e-5, u=1e-5, floor=0.5, lo=1, hi=64, idle=False, h=1e-6, v=2e-5)
+    # One local worker makes as much as two remote ones, whatever share it was planned for.
+    assert served_share(s, 1, 2) == pytest.approx(0.5)
+    assert served_share(s, 0, 2) == 1.0
+    assert served_share(s, 3, 0) == 0.0
+
+
+def test_remote_and_waiting_workers_are_planned_with_the_smaller_headroom():
+    cpu = Station(0, g=1e-5, u=1e-5, floor=0.5, lo=1, hi=64, idle=False, h=1e-6, v=2e-5)
+    io = Station(1, g=1e-6, u=4e-5, floor=0.1, lo=1, hi=64, idle=False)
+    assert remote_headroom(1.2) == REMOTE_HEADROOM < 1.2
+    assert local_headroom(cpu, 1.2) == 1.2
+    assert local_headroom(io, 1.2) == REMOTE_HEADROOM  # waits on I/O: holds no core
+    assert capacity(cpu, 0, 10, 1.2) == pytest.approx(10 / (REMOTE_HEADROOM * 2e-5))
+    assert capacity(cpu, 2, 0, 1.2) == pytest.approx(2 / (1.2 * 1e-5))
+
+
+def test_the_planner_moves_a_stage_wholly_when_the_cluster_holds_it():
+    # No local UDF worker kept for a sliver of its items: it would take a core's worth of
+    # them (the kinds split items by capacity) from the host's own stages.
+    obs = _measured(_sim(cluster=32), Allocation((1, 3, 1), BUF))
+    p = plan(obs, obs.allocation(), fusion=False)
+    assert p is not None
+    assert p.allocation.remote[1] == p.allocation.workers[1] > 0
+    # A cluster too small for the need: the rest stays on the host.
+    small = _measured(_sim(cluster=8), Allocation((1, 3, 1), BUF))
+    q = plan(small, small.allocation(), fusion=False)
+    assert q is not None and q.allocation.remote[1] == 8 < q.allocation.workers[1]

@@ -29,6 +29,10 @@ less ``CHANGE_COST`` for a move; ``-1`` on an OOM, which ends the episode. The r
 simulator's oracle offline and the best throughput seen since the CPU count last changed
 online.
 
+With a cluster the split between host and cluster is the plan's (:mod:`~.intune_cluster`):
+the network's worker moves on a stage that runs remote workers are masked, and an action that
+moves workers between host and cluster is judged once they have started.
+
 The tuner proposes; :class:`~.safety.Guarded` applies the hard limits to what it proposes. Why
 the plan, the undo, the guard and the buffer floor: CONTRIBUTING.md, "The InTune learner";
 the measurements: BENCHMARKS.md.
@@ -47,6 +51,7 @@ import torch
 from .base import Allocation, Observation, fuse_fusable, fusion_host
 from .baselines import HeuristicTuner
 from .dqn import DQNAgent, DQNConfig
+from .intune_cluster import mask_split_moves, moves_split
 from .intune_space import (
     ACTIONS_PER_STAGE,
     BUFFER_GROW_MIN_FILL,
@@ -336,7 +341,7 @@ class InTuneTuner:
             known_hops=self._hops,
         )  # fmt: skip
         state = self.encoder.encode(obs, current, self._last, planned)
-        mask = self.actions.mask(obs, current, self.memory, planned)
+        mask = mask_split_moves(self.actions.mask(obs, current, self.memory, planned), obs, current)
         for index, left in list(self._tabu.items()):
             mask[index] = False
             if left <= 1:
@@ -367,7 +372,9 @@ class InTuneTuner:
         if changes_workers(p.current, self._alloc):
             self._before = (p.current, p.obs.throughput)
         ran = tuple(s.fused for s in p.obs.stages)
-        self._settling = (self._alloc.fused or ran) != ran
+        self._settling = (self._alloc.fused or ran) != ran or moves_split(
+            p.obs, p.current, self._alloc
+        )
         self._in_effect, self._settled_for = False, 0
         return self._alloc
 

@@ -6,12 +6,28 @@ also take workers there. Per delivered item, stage ``i`` costs on the host ``g_i
 ``u_i`` of a local worker's time when made locally, and ``h_i`` of host CPU (its hop), ``v_i``
 of a remote worker's time (its CPU on the cluster plus the network's wait) and ``b_i`` bytes on
 the link when made remotely (:func:`~.cluster.remote_cost`). For a target rate ``T``, a share
-``f_i`` of its items goes remote: ``ceil(headroom * T * f_i * v_i)`` remote workers (one
-cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones. Remote workers get
-the same headroom: in ``benchmarks/cluster_sim.py`` a smaller one (for a frame's items varying
-less per call than one item) lost up to 7% of the best static split's throughput on large
-clusters, and dropping it where a small cluster could not hold it lost more on 8-16 CPUs
-(a stage's items still vary one by one).
+``f_i`` of its items goes remote: ``ceil(REMOTE_HEADROOM * T * f_i * v_i)`` remote workers
+(one cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones.
+
+Three rules decide what a split costs, each from ``benchmarks/cluster_sim.py`` (BENCHMARKS.md,
+"Two budgets"):
+
+* The kinds split a stage's items by their capacities (a free worker takes the next item; the
+  simulator's blend does the same), not by the planned share: the host's CPU, the charged
+  cores and the link are counted at the share the rounded workers serve
+  (:func:`served_share`). A stage the cluster can hold wholly moves wholly: one local worker
+  kept for a sliver of its items takes a core's worth of them from the host's own stages (the
+  planner kept 1 of 8 UDF workers on the host on ``netflix_like``, 0.91-0.92 of the best
+  split, and 1 of 12 parse and sparse-hash workers on the DLRM-like pipeline).
+* Workers that hold no host core, remote ones and local ones that wait on I/O
+  (:func:`~.base.waits_on_io`), are planned with ``REMOTE_HEADROOM`` (1.05), the rest with
+  ``headroom`` (1.2). Remote CPUs are paid, and a waiting worker is bounded by the local worker
+  cap (a count) rather than by CPU: with 1.2 on both, the DLRM-like pipeline paid 29-32 CPUs
+  where the best split needs 27.5, and its I/O-bound read took the slots its cheap map needed
+  to stay local (that map then ran 2+2 and its remote half filled the link).
+* The charged cores may pass the host's by ``SPARE_CORES``, as the guard lets them
+  (:func:`~.safety.oversubscribe_factor`): without it a 16-CPU cluster's split left a
+  bottleneck stage a local worker short (0.92-0.96 of the best split).
 
 :func:`place` finds the highest ``T`` (bisection) for which some split fits every budget: the
 host's cores (CPU and the charged floors, as the plan charges them), the cluster's CPUs, the
@@ -30,10 +46,12 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .base import Observation
+from .base import Observation, waits_on_io
 from .cluster import network_of, remote_cost
-from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE
+from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE, SPARE_CORES
 
+# Remote workers planned per unit of measured need, at most (module docstring).
+REMOTE_HEADROOM = 1.05
 # A stage moves only where its host CPU per item falls by more than this share.
 MOVE_MIN_GAIN = 0.1
 _BISECT_STEPS = 40
@@ -89,10 +107,31 @@ def remote_terms(obs: Observation, i: int, r: float) -> tuple[float, float, floa
     return cost.hop_cpu_s * r, (cpu + cost.net_s + cost.hop_cpu_s) * r, cost.net_bytes * r
 
 
+def remote_headroom(headroom: float) -> float:
+    """The headroom remote workers are planned with: at most ``REMOTE_HEADROOM``."""
+    return min(headroom, max(1.0, REMOTE_HEADROOM))
+
+
+def local_headroom(s: Station, headroom: float) -> float:
+    """The headroom ``s``'s local workers are planned with: ``remote_headroom`` for a station
+    whose workers wait on I/O (they hold no core either; the local worker cap, a count, is
+    what bounds them), else ``headroom``."""
+    return remote_headroom(headroom) if waits_on_io(s.g, s.u) else headroom
+
+
 def capacity(s: Station, local: int, remote: int, headroom: float) -> float:
     """Delivered items per second ``local`` and ``remote`` workers of ``s`` plan for."""
-    rate = local / (headroom * s.u) if s.u > 0 else math.inf
-    return rate + (remote / (headroom * s.v) if remote and s.v > 0 else 0.0)
+    rate = local / (local_headroom(s, headroom) * s.u) if s.u > 0 else math.inf
+    far = remote_headroom(headroom)
+    return rate + (remote / (far * s.v) if remote and s.v > 0 else 0.0)
+
+
+def served_share(s: Station, local: int, remote: int) -> float:
+    """The share of ``s``'s items its ``remote`` workers make next to ``local`` ones: the
+    kinds split items by their capacities (a free worker takes the next item)."""
+    far = remote / s.v if remote and s.v > 0 else 0.0
+    near = local / s.u if s.u > 0 else math.inf
+    return far / (far + near) if far > 0 else 0.0
 
 
 def rate_of(
@@ -108,7 +147,7 @@ def rate_of(
     rate, host = consumer, 0.0
     for s, n, m in zip(stations, local, remote, strict=True):
         cap = capacity(s, n, m, headroom)
-        f = (cap - n / (headroom * s.u)) / cap if 0 < cap < math.inf and s.u > 0 else 0.0
+        f = served_share(s, n, m) if n > 0 else (1.0 if m > 0 else 0.0)
         host += (1 - f) * s.g + f * s.h
         if not s.idle:
             rate = min(rate, cap)
@@ -135,10 +174,13 @@ class _Budget:
 
     def __init__(self, obs, stations, headroom, per_worker_bytes, memory_left, allowance):
         self.obs, self.st, self.headroom = obs, stations, headroom
+        self.far = remote_headroom(headroom)
         self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
         self.cluster = math.floor(obs.cluster_cpus + 1e-9)
         self.bandwidth = network_of(obs)[1]
-        self.cpus = max(obs.cpus, allowance)
+        # The guard lets charges pass the cores by SPARE_CORES once anything was measured
+        # (safety.oversubscribe_factor), and a split is planned from a measurement.
+        self.cpus = max(obs.cpus + SPARE_CORES, allowance)
 
     def workers(self, t: float, f: Sequence[float]) -> tuple[list[int], list[int]]:
         local, remote = [], []
@@ -147,8 +189,9 @@ class _Budget:
                 local.append(s.lo)
                 remote.append(0)
                 continue
-            nr = math.ceil(self.headroom * t * fi * s.v - 1e-9) if fi > 0 else 0
-            nl = math.ceil(self.headroom * t * (1.0 - fi) * s.u - 1e-9) if fi < 1 else 0
+            nr = math.ceil(self.far * t * fi * s.v - 1e-9) if fi > 0 else 0
+            near = local_headroom(s, self.headroom)
+            nl = math.ceil(near * t * (1.0 - fi) * s.u - 1e-9) if fi < 1 else 0
             nl = min(s.hi, max(max(0, s.lo - nr), nl))
             local.append(nl)
             remote.append(min(nr, s.hi - nl))
@@ -157,6 +200,13 @@ class _Budget:
     def fits(self, t: float, f: Sequence[float]) -> bool:
         local, remote = self.workers(t, f)
         st = self.st
+        # Items split between a station's kinds by their capacities, not by the planned
+        # shares: a local worker rounded up to one takes its whole capacity's share of items
+        # (and of the host's CPU) however small the share it was planned for.
+        f = [
+            served_share(s, n, m) if n > 0 < m else fi
+            for s, fi, n, m in zip(st, f, local, remote, strict=True)
+        ]
         host = t * sum((1 - fi) * s.g + fi * s.h for s, fi in zip(st, f, strict=True))
         charged = sum(
             n * max(s.floor, min(1.0, t * (1 - fi) * s.g / n))
@@ -209,7 +259,15 @@ class _Budget:
         return None
 
     def _most(self, t: float, f: list[float], k: int) -> float:
-        """The largest share of station ``k`` the cluster and the link leave room for."""
+        """The largest share of station ``k`` the cluster and the link leave room for (1:
+        all of it, no local worker left)."""
+        f[k] = 1.0
+        _, remote = self.workers(t, f)
+        if (
+            sum(remote) <= self.cluster
+            and t * sum(fi * s.b for s, fi in zip(self.st, f, strict=True)) <= self.bandwidth
+        ):
+            return 1.0
         lo, hi = 0.0, 1.0
         for _ in range(_SHARE_STEPS):
             mid = (lo + hi) / 2
