@@ -77,8 +77,10 @@ class BufferFile:
         if not _room_for(data.nbytes):
             return None
         if self._fd < 0:
-            flags = os.O_CREAT | os.O_EXCL | os.O_RDWR
-            self._fd = os.open(self.path, flags, 0o600)
+            try:
+                self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            except OSError:  # no /dev/shm to write to: every array travels in the pickle
+                return None
             self._created = True
             lifetime.track(self.name)
         offset = -(-self.size // _ALIGN) * _ALIGN
@@ -95,12 +97,16 @@ class BufferFile:
         return offset
 
     def reduce(self, obj: Any) -> tuple | None:
-        """The reduction of a large array to a region of the file, or None."""
-        if type(obj) is np.ndarray:
-            return self._reduce_array(obj)
-        torch = _torch()
-        if torch is not None and type(obj) is torch.Tensor:
-            return self._reduce_tensor(torch, obj)
+        """The reduction of a large array to a region of the file, or None (then it pickles
+        as usual: also for an array whose memory cannot be read as bytes here)."""
+        try:
+            if type(obj) is np.ndarray:
+                return self._reduce_array(obj)
+            torch = _torch()
+            if torch is not None and type(obj) is torch.Tensor:
+                return self._reduce_tensor(torch, obj)
+        except (RuntimeError, TypeError, ValueError):
+            return None
         return None
 
     def _reduce_array(self, a: np.ndarray) -> tuple | None:

@@ -104,3 +104,13 @@ def test_a_light_pickle_names_the_same_modules_without_the_arrays_data():
     assert len(light) < 1 << 16  # not the 8 MiB
     assert set(imported_modules(light)) >= {"tests.multiproc._fns", "numpy"}
     assert not any(n.startswith("ttp_unwritten") for n in os.listdir(arena.SHM_DIR))
+
+
+def test_without_a_dev_shm_to_write_to_arrays_travel_in_the_pickle(tmp_path):
+    out = buffers.BufferFile("ttp_nowhere")
+    out.path = str(tmp_path / "missing" / "ttp_nowhere")  # its directory does not exist
+    big = torch.arange(1 << 18, dtype=torch.float64)
+    data = out.dumps([big, big[10:]])
+    out.close()
+    back = pickle.loads(data)
+    assert not out.created and torch.equal(back[0], big) and torch.equal(back[1], big[10:])
