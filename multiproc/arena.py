@@ -14,6 +14,7 @@ A payload is either inline (small frames travel inside the control message) or a
 from __future__ import annotations
 
 import bisect
+import contextlib
 import mmap
 import os
 import weakref
@@ -52,7 +53,10 @@ class Segment:
         self.name = name
         self.path = os.path.join(SHM_DIR, name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        fd = os.open(self.path, flags, 0o600)
+        with lifetime.uninterrupted() if create else contextlib.nullcontext():
+            fd = os.open(self.path, flags, 0o600)
+            if create:
+                lifetime.track(name)  # with its creation: Ctrl-C cannot land between them
         try:
             if create:
                 # Sparse: pages are only backed by memory once written, so a segment sized
@@ -64,8 +68,6 @@ class Segment:
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        if create:
-            lifetime.track(name)
         self.view = memoryview(self.mm)
 
     def release(self, start: int, size: int) -> None:
@@ -121,18 +123,35 @@ def unlink_segment(name: str) -> None:
 def create_segment(name: str, size: int) -> None:
     """Create a sparse segment of ``size`` bytes, registered with the resource tracker so it
     is unlinked even if this process is killed; remove it with :func:`remove_segment`."""
-    fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    with lifetime.uninterrupted():  # created and registered, or neither (Ctrl-C)
+        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        lifetime.track(name)
     try:
         os.ftruncate(fd, size)
     finally:
         os.close(fd)
-    lifetime.track(name)
 
 
 def remove_segment(name: str) -> None:
-    """Unlink a segment made by :func:`create_segment` (or ``Segment(create=True)``)."""
-    unlink_segment(name)
+    """Unlink a segment made by :func:`create_segment` (or ``Segment(create=True)``); one
+    never made (its creation was interrupted) or already removed is left alone."""
+    try:
+        os.unlink(os.path.join(SHM_DIR, name))
+    except FileNotFoundError:
+        return
     lifetime.untrack(name)
+
+
+def remove_segments(prefix: str) -> list[str]:
+    """Remove every segment of this process named ``prefix...`` (see :func:`remove_segment`):
+    those an interrupted start made but did not record. Returns the names removed."""
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    for name in names:
+        remove_segment(name)
+    return names
 
 
 class Allocator:

@@ -78,11 +78,12 @@ class BufferFile:
             return None
         if self._fd < 0:
             try:
-                self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                with lifetime.uninterrupted():  # created and registered, or neither
+                    self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                    self._created = True
+                    lifetime.track(self.name)
             except OSError:  # no /dev/shm to write to: every array travels in the pickle
                 return None
-            self._created = True
-            lifetime.track(self.name)
         offset = -(-self.size // _ALIGN) * _ALIGN
         view = memoryview(data.reshape(-1).view(np.uint8))
         done = 0

@@ -110,7 +110,9 @@ class Executor(Router, Workers, Fusion, Faults):
         self._cache = arena.MappingCache()
         # Everything to give back, reachable by the finalizer from the first resource on: a
         # Ctrl-C anywhere below still releases what was made before it.
-        self._res = handles.Resources(os.getpid(), self._workers, self._segments, self._cache)
+        self._res = handles.Resources(
+            os.getpid(), self._workers, self._segments, self._cache, prefix=f"ttp_{self._tag}_"
+        )
         self._finalizer = weakref.finalize(self, self._res.release)
         try:
             self._start()

@@ -328,6 +328,7 @@ class Resources:
     workers: dict
     segments: set
     cache: object
+    prefix: str = ""  # every segment of the executor is named so (removed at the end)
     stop: threading.Event = field(default_factory=threading.Event)
     counters: object = None
     wake_r: int = -1
@@ -390,6 +391,8 @@ class Resources:
         if self.counters is not None:
             self.counters.close(unlink=True)
             self.counters = None
+        if self.prefix:  # what an interrupted start created but did not record
+            arena.remove_segments(self.prefix)
         with self.wake_lock:
             for fd in (self.wake_r, self.wake_w):
                 if fd >= 0:

@@ -37,8 +37,8 @@ class Workers:
         slot = self._free_slots.pop()
         seg_name = f"ttp_{self._tag}_w{wid}"
         size = s.max_buffer_bytes
+        self._segments.add(seg_name)  # first: removed at close even if Ctrl-C lands below
         arena.create_segment(seg_name, size)
-        self._segments.add(seg_name)
         index = sum(1 for h in self._workers.values() if h.stage == stage)
         h = handles.WorkerHandle(
             wid, stage, index, slot, seg_name, thread=remote or s.worker_type == "thread",

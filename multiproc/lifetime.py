@@ -19,12 +19,14 @@ Three ways the owner stops without running ``close()``, and what covers each:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import select
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from multiprocessing import resource_tracker
 
 _PR_SET_PDEATHSIG = 1
@@ -34,6 +36,17 @@ _RTYPE = "shared_memory"  # the tracker unlinks these with shm_unlink, i.e. /dev
 def is_owner(pid: int) -> bool:
     """Whether this process is ``pid`` (False in a child forked from it)."""
     return os.getpid() == pid
+
+
+@contextlib.contextmanager
+def uninterrupted() -> Iterator[None]:
+    """SIGINT held back (in this thread) until the block ends: a segment created and
+    registered with the tracker in it is both or neither, whenever Ctrl-C lands."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def track(name: str) -> None:
