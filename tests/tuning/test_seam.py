@@ -87,7 +87,9 @@ def _check_stage(st: StageStats, side: str) -> None:
     assert 0.0 <= st.remote_items_per_s <= st.items_per_s * 1.5 + 1e-9, where
     if st.remote_workers == 0:
         assert st.remote_items_per_s == st.net_s_per_item == st.hop_cpu_s_per_item == 0.0
-    assert 0.0 <= st.net_s_per_item < 1.0 and 0.0 <= st.hop_cpu_s_per_item < 1.0, where
+    # Seconds, not nanoseconds; a remote item's wait includes its actor's wait for a CPU,
+    # which on a loaded 2-core machine running its actors too can pass a second.
+    assert 0.0 <= st.net_s_per_item < 60.0 and 0.0 <= st.hop_cpu_s_per_item < 1.0, where
     assert st.bytes_per_item >= 0.0 and st.items_per_call >= 1.0, where
 
 
