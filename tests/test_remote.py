@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import collections
 import os
-import subprocess
-import sys
 import time
 
 import psutil
@@ -23,6 +21,7 @@ from torchtune_pipe.map_dataset import MapDatasetSource
 from torchtune_pipe.tuning.base import Allocation
 from torchtune_pipe.tuning.safety import Guarded
 
+from . import _subproc
 from .conftest import is_ray_process
 
 ray = pytest.importorskip("ray")
@@ -144,8 +143,7 @@ def test_nothing_imports_ray_until_a_remote_stage_runs():
         "Pipeline.from_source(range(4)).map(abs, placement='ray').spec()\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    done = _subproc.run(code)
     assert done.returncode == 0, done.stderr[-2000:]
 
 

@@ -5,9 +5,6 @@ alive and every CPU free; the suite's fixture checks our processes and segments)
 from __future__ import annotations
 
 import collections
-import os
-import subprocess
-import sys
 
 import pytest
 
@@ -17,6 +14,7 @@ from torchtune_pipe.tuning.base import Allocation
 from torchtune_pipe.tuning.intune import InTuneTuner
 from torchtune_pipe.tuning.safety import Guarded
 
+from . import _subproc
 from .test_remote import _actors, _poll, _source, cluster, ray_cluster, spin  # noqa: F401
 from .tuning.test_seam import _check
 
@@ -36,8 +34,7 @@ def test_without_a_connected_cluster_auto_runs_local_and_imports_no_ray():
         "    assert obs.cluster_cpus == 0 and obs.rpc_s == 0\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    done = _subproc.run(code)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
