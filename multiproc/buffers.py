@@ -34,6 +34,7 @@ import numpy as np
 from . import arena, lifetime
 
 MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file each is no gain
+FILE_SUFFIX = "_pickled"  # an executor's file is ttp_<tag>_pickled (memory.py counts it apart)
 ROOM_LEFT_BYTES = 256 << 20  # /dev/shm left free past an array written (see _room_for)
 _ALIGN = mmap.PAGESIZE
 

@@ -64,7 +64,7 @@ class Executor(Router, Workers, Fusion, Faults):
         self.spec = spec
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
         # Large arrays of the stage pickles go to one shared file the workers map (buffers.py).
-        self._buffers = buffers.BufferFile(f"ttp_{self._tag}_pickled")
+        self._buffers = buffers.BufferFile(f"ttp_{self._tag}{buffers.FILE_SUFFIX}")
         try:
             # A stage with an offload: its local workers' spec, and its offload workers' own.
             self._stage_bytes = [

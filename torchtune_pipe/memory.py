@@ -32,13 +32,13 @@ from pathlib import Path
 import psutil
 
 from multiproc import Snapshot
+from multiproc.buffers import FILE_SUFFIX
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 SELF_CGROUP = Path("/proc/self/cgroup")
 # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1; anything this large is unlimited.
 _UNLIMITED = 1 << 60
 _SHM_PREFIX = "/dev/shm/ttp_"
-_PICKLED_SUFFIX = "_pickled"  # multiproc.buffers' files (Executor names them ttp_<tag>_pickled)
 
 
 # ---------------------------------------------------------------------------- cgroup
@@ -358,7 +358,7 @@ class MemoryProbe:
         servers = sum(process_bytes(p) or 0 for p in parents - {me, 0, 1} - set(worker_bytes))
         # The large arrays of the stages' pickles, one file the workers share
         # (multiproc.buffers): what the workers hold, counted once, not a channel's buffer.
-        pickled = {p for p in segments if p.endswith(_PICKLED_SUFFIX)}
+        pickled = {p for p in segments if p.endswith(FILE_SUFFIX)}
         buffers = segment_bytes(segments - pickled)
         consumer = int(self._consumer()) if self._consumer is not None else 0
         processes = sum(worker_bytes.values()) + servers + segment_bytes(pickled)
