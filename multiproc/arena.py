@@ -25,7 +25,7 @@ import numpy as np
 
 from . import lifetime, serialize
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = lifetime.SHM_DIR
 ALIGN = 64
 # Frames whose serialized size is below this travel inline in the control message.
 INLINE_MAX_BYTES = 16 * 1024

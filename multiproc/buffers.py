@@ -1,26 +1,39 @@
-"""Large arrays in a stage's pickle, written once and shared by the stage's workers.
+"""Large arrays in a stage's pickle, held once and shared by the stage's workers.
 
 A stage function travels to every worker process pickled, with what it holds: a map-style
 dataset's tensors unpickled in each worker are a private copy per worker (26 MB per worker for
-200,000 rows of 32 floats). :func:`dumps` pickles a stage with every CPU tensor storage and
-every numpy array of at least :data:`MIN_BYTES` written into one file in ``/dev/shm`` instead,
-and the workers map that file copy-on-write (``MAP_PRIVATE``): its pages are shared until a
-worker writes one, as the pages of a forked DataLoader worker's dataset are. The values are a
-snapshot taken when the stage was pickled, as the pickle's own bytes would be; tensors that
-view one storage in this process view one region of the file, so they share memory in a worker
-as they do here.
+200,000 rows of 32 floats). :meth:`BufferFile.dumps` pickles a stage with every CPU tensor
+storage and every numpy array of at least :data:`MIN_BYTES` replaced by a reference to memory
+the workers already have or can map, in this order:
 
-The pipeline then holds two copies of such an array (this process's own and the file's) where
-it held one per worker. An array goes to the file only while ``/dev/shm`` keeps room for it and
-as much again for the channels (:func:`_room_for`), else it travels in the pickle. The file is
-named after the executor (``ttp_<pid>_...``), so the executor removes it with its other
-segments when it closes and the stale-segment sweep removes it after a crash. Tensors that
-need gradients, are not on the CPU or not strided (sparse, quantized), and arrays of Python
-objects pickle as usual.
+- **The fork server's copy.** The fork server is forked from this process
+  (:mod:`multiproc.handles`), so it holds this process's memory as it was then, and every worker
+  it forks holds the same pages: an array that existed when the server was forked is in its
+  memory at the same address, and its workers can view it there without a byte copied. An array
+  is referred to that way only when the server's bytes at its address, read from
+  ``/proc/<pid>/mem`` when the stage is pickled, equal this process's bytes now (an array
+  written to since the fork, or made after it, fails the comparison), and only in an anonymous
+  private mapping (not a file the bytes could change in). The server keeps those pages as they
+  are: it runs nothing but its loop, and its garbage collector is frozen, so nothing it
+  inherited is freed. A worker checks that its parent is that server before it views them.
+- **A file in /dev/shm** that the workers map copy-on-write (``MAP_PRIVATE``): for arrays the
+  server does not hold (made after it was forked, changed since, or a server spawned as a new
+  interpreter). The pipeline then holds two copies of such an array (this process's and the
+  file's). An array goes to the file only while ``/dev/shm`` keeps room for it and as much again
+  for the channels (:func:`_room_for`), else it travels in the pickle. The file is named after
+  the executor (``ttp_<pid>_...``), so the executor removes it with its other segments when it
+  closes and the stale-segment sweep removes it after a crash.
+
+Either way a worker's pages are shared until it writes one, as the pages of a forked DataLoader
+worker's dataset are; the values are a snapshot taken when the stage was pickled, as the
+pickle's own bytes would be; tensors that view one storage in this process view one region in
+a worker, so they share memory there as they do here. Tensors that need gradients, are not on
+the CPU or not strided (sparse, quantized), and arrays of Python objects pickle as usual.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import mmap
 import os
@@ -37,6 +50,9 @@ MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file eac
 FILE_SUFFIX = "_pickled"  # an executor's file is ttp_<tag>_pickled (memory.py counts it apart)
 ROOM_LEFT_BYTES = 256 << 20  # /dev/shm left free past an array written (see _room_for)
 _ALIGN = mmap.PAGESIZE
+# Bytes of the fork server's memory read and compared at a time: buffers kept small, so that
+# freeing them leaves glibc's heap as it was (a large freed block raises its mmap threshold).
+_CHUNK = 256 << 10
 
 # This process's mappings of buffer files, by name: every array unpickled from one file views
 # one mapping, released once no array views it.
@@ -59,10 +75,17 @@ class BufferFile:
         """Whether the file exists (an array was written to it, or was to be)."""
         return self._created
 
-    def dumps(self, obj: Any) -> bytes:
-        """``obj`` pickled by cloudpickle, its large arrays written to the file."""
+    def dumps(self, obj: Any, server: int | None = None) -> bytes:
+        """``obj`` pickled by cloudpickle, its large arrays referred to in the memory of fork
+        server ``server`` (a pid; only for a pickle loaded by that server's children) where it
+        holds them unchanged, else written to the file."""
         out = io.BytesIO()
-        _Pickler(out, self).dump(obj)
+        held = _ServerMemory(server) if server is not None else None
+        try:
+            _Pickler(out, self, held).dump(obj)
+        finally:
+            if held is not None:
+                held.close()
         return out.getvalue()
 
     def close(self) -> None:
@@ -98,20 +121,31 @@ class BufferFile:
         self._regions[key] = offset
         return offset
 
-    def reduce(self, obj: Any) -> tuple | None:
-        """The reduction of a large array to a region of the file, or None (then it pickles
-        as usual: also for an array whose memory cannot be read as bytes here)."""
+    def _place(
+        self, key: tuple[int, int], data: np.ndarray, held: _ServerMemory | None
+    ) -> tuple | None:
+        """Where a worker finds ``data`` (flat bytes; ``key``: its address and size here, or
+        a negative address for a copy made here): the server's memory or the file, or None."""
+        if held is not None and key[0] >= 0 and held.holds(key[0], data):
+            return ("server", held.pid, key[0])
+        offset = self._write(key, data)
+        return None if offset is None else ("file", self.name, offset)
+
+    def reduce(self, obj: Any, held: _ServerMemory | None = None) -> tuple | None:
+        """The reduction of a large array to memory a worker has (``held``: the fork server's,
+        see the module docstring) or to a region of the file, or None (then it pickles as
+        usual: also for an array whose memory cannot be read as bytes here)."""
         try:
             if type(obj) is np.ndarray:
-                return self._reduce_array(obj)
+                return self._reduce_array(obj, held)
             torch = _torch()
             if torch is not None and type(obj) is torch.Tensor:
-                return self._reduce_tensor(torch, obj)
+                return self._reduce_tensor(torch, obj, held)
         except (RuntimeError, TypeError, ValueError):
             return None
         return None
 
-    def _reduce_array(self, a: np.ndarray) -> tuple | None:
+    def _reduce_array(self, a: np.ndarray, held: _ServerMemory | None) -> tuple | None:
         if a.nbytes < MIN_BYTES or a.dtype.hasobject:
             return None
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
@@ -119,12 +153,12 @@ class BufferFile:
         key = (data.__array_interface__["data"][0], data.nbytes)
         if data is not a:
             key = (-len(self._regions) - 1, 0)  # a copy made here: no other array views it
-        offset = self._write(key, data.reshape(-1, order=order))
-        if offset is None:
+        where = self._place(key, data.reshape(-1, order=order).view(np.uint8), held)
+        if where is None:
             return None
-        return _array, (self.name, offset, a.dtype, a.shape, order)
+        return _array, (where, a.dtype, a.shape, order)
 
-    def _reduce_tensor(self, torch: Any, t: Any) -> tuple | None:
+    def _reduce_tensor(self, torch: Any, t: Any, held: _ServerMemory | None) -> tuple | None:
         if (
             t.device.type != "cpu"
             or t.layout != torch.strided
@@ -139,11 +173,11 @@ class BufferFile:
         if nbytes < MIN_BYTES:
             return None
         whole = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        offset = self._write((storage.data_ptr(), nbytes), whole)
-        if offset is None:
+        where = self._place((storage.data_ptr(), nbytes), whole, held)
+        if where is None:
             return None
         geometry = (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
-        return _tensor, (self.name, offset, nbytes, t.dtype, *geometry)
+        return _tensor, (where, nbytes, t.dtype, *geometry)
 
 
 def dumps_light(obj: Any) -> bytes:
@@ -161,12 +195,13 @@ class _Unwritten(BufferFile):
 
 
 class _Pickler(cloudpickle.CloudPickler):
-    def __init__(self, file: io.BytesIO, out: BufferFile):
+    def __init__(self, file: io.BytesIO, out: BufferFile, held: _ServerMemory | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._out = out
+        self._held = held
 
     def reducer_override(self, obj: Any) -> Any:
-        reduced = self._out.reduce(obj)
+        reduced = self._out.reduce(obj, self._held)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)
@@ -189,6 +224,98 @@ def _torch() -> Any:
     return sys.modules.get("torch")  # a tensor exists only where torch is imported
 
 
+class _ServerMemory:
+    """The fork server's memory as this process compares it with its own (read-only)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd = -1
+        self._spans: list[tuple[int, int]] | None = None
+        self._checked: dict[tuple[int, int], bool] = {}
+
+    def holds(self, address: int, data: np.ndarray) -> bool:
+        """Whether the server holds ``data`` (flat bytes at ``address`` here) at the same
+        address, byte for byte, in its anonymous private memory."""
+        key = (address, data.nbytes)
+        if key not in self._checked:
+            try:
+                self._checked[key] = self._same(address, data)
+            except OSError:  # no server, or its memory cannot be read here: the file it is
+                self._checked[key] = False
+        return self._checked[key]
+
+    def _same(self, address: int, data: np.ndarray) -> bool:
+        if self._spans is None:
+            self._spans = private_spans(self.pid)
+        n = data.nbytes
+        if not _within(self._spans, address, n):
+            return False
+        if self._fd < 0:
+            self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
+        buf = np.empty(min(n, _CHUNK), dtype=np.uint8)
+        equal = np.empty(len(buf), dtype=bool)
+        done = 0
+        while done < n:
+            k = min(_CHUNK, n - done)
+            if os.preadv(self._fd, [memoryview(buf)[:k]], address + done) != k:
+                return False
+            if not np.equal(buf[:k], data[done : done + k], out=equal[:k]).all():
+                return False
+            done += k
+        return True
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def private_spans(pid: int | str = "self") -> list[tuple[int, int]]:
+    """The address ranges of process ``pid``'s anonymous private writable memory (the heap and
+    anonymous mappings), adjacent ones joined."""
+    spans: list[tuple[int, int]] = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            path = parts[5].strip() if len(parts) > 5 else ""
+            if parts[1] != "rw-p" or path not in ("", "[heap]"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            if spans and spans[-1][1] == lo:
+                spans[-1] = (spans[-1][0], hi)
+            else:
+                spans.append((lo, hi))
+    return spans
+
+
+def _within(spans: list[tuple[int, int]], address: int, n: int) -> bool:
+    return any(lo <= address and address + n <= hi for lo, hi in spans)
+
+
+def _server_bytes(pid: int, address: int, nbytes: int) -> np.ndarray:
+    """The ``nbytes`` at ``address`` this process inherited from fork server ``pid``."""
+    if os.getppid() != pid:
+        raise RuntimeError(
+            f"multiproc.buffers: an array of this stage is in the memory of fork server {pid}, "
+            f"but this process was started by {os.getppid()}; the executor pickles its stages "
+            f"again for a new fork server"
+        )
+    if not _within(private_spans(), address, nbytes):
+        raise RuntimeError(
+            f"multiproc.buffers: the {nbytes} bytes of an array at {address:#x}, inherited from "
+            f"fork server {pid}, are not mapped in this worker"
+        )
+    # Copy-on-write as every inherited page is: a worker that writes changes its own copy.
+    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
+
+
+def _bytes(where: tuple, nbytes: int) -> np.ndarray:
+    if where[0] == "server":
+        return _server_bytes(where[1], where[2], nbytes)
+    _, name, offset = where
+    return np.frombuffer(_mapping(name), dtype=np.uint8, count=nbytes, offset=offset)
+
+
 def _mapping(name: str) -> mmap.mmap:
     mm = _maps.get(name)
     if mm is None:
@@ -202,18 +329,16 @@ def _mapping(name: str) -> mmap.mmap:
     return mm
 
 
-def _array(name: str, offset: int, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
+def _array(where: tuple, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
-    flat = np.frombuffer(_mapping(name), dtype=dtype, count=count, offset=offset)
-    return flat.reshape(shape, order=order)
+    raw = _bytes(where, count * np.dtype(dtype).itemsize)
+    return raw.view(dtype).reshape(shape, order=order)
 
 
 def _tensor(
-    name: str, offset: int, nbytes: int, dtype: Any, storage_offset: int, size: tuple,
-    stride: tuple,
-) -> Any:  # fmt: skip
+    where: tuple, nbytes: int, dtype: Any, storage_offset: int, size: tuple, stride: tuple
+) -> Any:
     import torch
 
-    raw = np.frombuffer(_mapping(name), dtype=np.uint8, count=nbytes, offset=offset)
-    storage = torch.from_numpy(raw).untyped_storage()
+    storage = torch.from_numpy(_bytes(where, nbytes)).untyped_storage()
     return torch.empty(0, dtype=dtype).set_(storage, storage_offset, size, stride)

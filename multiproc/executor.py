@@ -31,7 +31,6 @@ from typing import Any
 
 from . import arena, buffers, handles, lifetime, offload, policy, stats
 from . import protocol as P
-from . import spec as spec_mod
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
@@ -62,15 +61,14 @@ class Executor(Router, Workers, Fusion, Faults):
         if not isinstance(spec, ExecutorSpec):
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
         self.spec = spec
+        # Segments are named ttp_<pid>_...: the fork server sweeps that prefix (lifetime.py).
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
-        # Large arrays of the stage pickles go to one shared file the workers map (buffers.py).
+        # Large arrays of the stage pickles: in the fork server's memory, or in one shared
+        # file the workers map (buffers.py).
         self._buffers = buffers.BufferFile(f"ttp_{self._tag}{buffers.FILE_SUFFIX}")
+        self._preload = self._start_server()
         try:
-            # A stage with an offload: its local workers' spec, and its offload workers' own.
-            self._stage_bytes = [
-                check_picklable(offload.local_spec(s) if s.offload else s, self._buffers)
-                for s in spec.stages
-            ]
+            self._pickle_stages()
             self._offload_bytes = {
                 i: check_picklable(offload.offload_spec(s), self._buffers)
                 for i, s in enumerate(spec.stages)
@@ -87,12 +85,6 @@ class Executor(Router, Workers, Fusion, Faults):
             stale = arena.sweep_stale_segments()
             if stale:
                 log.info("removed %d shared-memory segments of dead processes", len(stale))
-        # The modules a worker imports to unpickle its stage (the stage functions', and
-        # whatever they reference, however wrapped): the fork server imports them once
-        # instead of every new worker importing them (what a resize costs).
-        self._preload = tuple(
-            dict.fromkeys(m for b in self._stage_bytes for m in spec_mod.imported_modules(b))
-        )
         self._names = [s.name for s in spec.stages]
         self._init_fusion()
         self._timeouts = {i: s.timeout_s for i, s in enumerate(spec.stages) if s.timeout_s}

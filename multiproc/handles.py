@@ -21,6 +21,7 @@ and workers forked from such a copy died of SIGSEGV as they started.
 
 from __future__ import annotations
 
+import gc
 import io
 import multiprocessing as mp
 import os
@@ -36,7 +37,6 @@ from multiprocessing import (
     forkserver,
     popen_forkserver,
     reduction,
-    resource_tracker,
     spawn,
     util,
 )
@@ -50,6 +50,7 @@ from .frames import WorkerState
 _PRELOAD = ["multiproc.worker", "torch", "numpy", "cloudpickle"]
 _ctx_lock = threading.Lock()
 _ctx = None
+_forked_pid: int | None = None  # the fork server this process forked (ensure_server)
 
 
 def context(preload: tuple[str, ...] = ()):
@@ -99,7 +100,6 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
         return
     fs = forkserver._forkserver
     with fs._lock:
-        resource_tracker.ensure_running()  # one tracker, shared with the workers
         if fs._forkserver_pid is not None:
             pid, _ = os.waitpid(fs._forkserver_pid, os.WNOHANG)
             if not pid:
@@ -116,16 +116,23 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
             listener.listen()
             # Every client owns the write end of "alive"; the server ends when all are gone.
             alive_r, alive_w = os.pipe()
+            owner = os.getpid()
             try:
                 pid = os.fork()
                 if pid == 0:  # the server
-                    code = 1
                     try:
+                        # Outlives a SIGTERM sent to the whole group, as the resource tracker
+                        # does, to sweep the owner's segments when it is gone (multiproc.lifetime).
+                        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                        signal.signal(signal.SIGINT, signal.SIG_IGN)
                         _close_fds_but((0, 1, 2, listener.fileno(), alive_r))
+                        # What this process held stays as it is: no collection of the server
+                        # or of a worker frees it (multiproc.buffers reads arrays from it).
+                        gc.freeze()
                         forkserver.main(listener.fileno(), alive_r, modules)
-                        code = 0
                     finally:
-                        os._exit(code)
+                        lifetime.sweep_when_gone(owner)
+                        os._exit(0)
             except BaseException:
                 os.close(alive_w)
                 raise
@@ -134,6 +141,17 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
         fs._forkserver_address = address
         fs._forkserver_alive_fd = alive_w
         fs._forkserver_pid = pid
+        global _forked_pid
+        _forked_pid = pid
+        lifetime.swept_by(pid)
+
+
+def forked_server() -> int | None:
+    """The pid of the fork server when this process forked it (its memory is a copy of this
+    process's at the fork, :mod:`multiproc.buffers`), else None (not started yet, started by
+    the process this one was forked from, or multiprocessing's spawned one)."""
+    pid = forkserver._forkserver._forkserver_pid
+    return pid if pid is not None and pid == _forked_pid and lifetime.sweeper() == pid else None
 
 
 def _close_fds_but(keep: tuple[int, ...]) -> None:
@@ -171,12 +189,40 @@ class _NoMainPopen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        self.sentinel, w = _connect(self._fds)
         _parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
             f.write(buf.getbuffer())
         self.pid = forkserver.read_signed(self.sentinel)
+
+
+def _connect(fds: list[int]) -> tuple[int, int]:
+    """multiprocessing's ``connect_to_new_process``, but a worker of the server this process
+    forked gets no resource tracker: the server removes what the tracker would (this
+    process's segments, :func:`multiproc.lifetime.track`), and a tracker is one more process.
+    The worker's tracker descriptor writes to ``/dev/null``."""
+    fs = forkserver._forkserver
+    if forked_server() is None or hasattr(fs, "_forkserver_authkey"):
+        return forkserver.connect_to_new_process(fds)  # spawned server, or a newer protocol
+    if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
+        raise ValueError("too many fds")
+    with socket.socket(socket.AF_UNIX) as client:
+        client.connect(fs._forkserver_address)
+        parent_r, child_w = os.pipe()
+        child_r, parent_w = os.pipe()
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            reduction.sendfds(client, [child_r, child_w, fs._forkserver_alive_fd, null, *fds])
+            return parent_r, parent_w
+        except BaseException:
+            os.close(parent_r)
+            os.close(parent_w)
+            raise
+        finally:
+            os.close(child_r)
+            os.close(child_w)
+            os.close(null)
 
 
 class _WorkerProcess(ForkServerProcess):

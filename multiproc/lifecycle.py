@@ -12,13 +12,14 @@ from __future__ import annotations
 import logging
 import time
 
-from . import arena, handles, offload, policy, stats
+from . import arena, buffers, handles, offload, policy, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
     WorkerDiedError,
 )
 from .frames import WorkerState as WS
+from .spec import check_picklable, imported_modules
 
 log = logging.getLogger("multiproc.executor")
 
@@ -48,6 +49,8 @@ class Workers:
         self._workers[wid] = h
         st.slots.add(slot)
         n_alive = max(1, self._n_active(stage) + 1)
+        if not h.thread:
+            self._check_server()
         args = (
             # In a list the worker empties (worker._Worker).
             [self._offload_bytes[stage] if remote else self._stage_bytes[stage]],
@@ -70,6 +73,55 @@ class Workers:
         if st.concurrency != s.concurrency:
             self._send(h, P.Concurrency(st.concurrency))
         self._rebudget(stage)
+
+    def _start_server(self) -> tuple[str, ...]:
+        """The modules a worker imports to unpickle its stage (the stage functions', and
+        whatever they reference, however wrapped): the fork server imports them once instead
+        of every new worker importing them (what a resize costs). Starts the server with them
+        now where a stage runs process workers: forked now, it holds the stages' arrays
+        (:mod:`multiproc.buffers`) and sweeps the segments made next (:mod:`multiproc.lifetime`)."""
+        stages = [offload.local_spec(s) if s.offload else s for s in self.spec.stages]
+        try:
+            light = [buffers.dumps_light(s) for s in stages]
+        except Exception:  # check_picklable names the stage that does not pickle, next
+            return ()
+        preload = tuple(dict.fromkeys(m for b in light for m in imported_modules(b)))
+        if any(s.worker_type == "process" for s in stages):
+            handles.ensure_server(preload)
+        return preload
+
+    def _pickle_stages(self) -> None:
+        """Pickle each stage for its local workers (a stage with an offload: its local
+        workers' spec); a process stage's large arrays are referred to in the fork server's
+        memory where it holds them (:mod:`multiproc.buffers`)."""
+        self._server = handles.forked_server()
+        self._stage_bytes = [
+            check_picklable(
+                offload.local_spec(s) if s.offload else s,
+                self._buffers,
+                self._server if s.worker_type == "process" else None,
+            )
+            for s in self.spec.stages
+        ]
+
+    def _check_server(self) -> None:
+        """Before a process worker starts: the stage pickles refer to the memory of the fork
+        server running now, else (it ended, and another was started) they are made again."""
+        if self._server is None:
+            return
+        handles.ensure_server(self._preload)
+        if handles.forked_server() == self._server:
+            return
+        log.warning(
+            "the fork server %d ended; stages pickled again for its successor", self._server
+        )
+        self._pickle_stages()
+        self._buffers.close()
+        if self._buffers.created:
+            self._segments.add(self._buffers.name)
+        self._chains = [
+            tuple(self._stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(self._chain_len)
+        ]
 
     def _active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring): all, or

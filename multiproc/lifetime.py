@@ -10,9 +10,12 @@ Three ways the owner stops without running ``close()``, and what covers each:
 - **It is killed** (SIGTERM from a scheduler, SIGKILL, the OOM killer). Workers die with it:
   :func:`die_with_owner` (run in every worker) sets ``PR_SET_PDEATHSIG`` towards the fork
   server, which exits as soon as the owner does, and watches the owner itself through a
-  pidfd. Segments are registered with multiprocessing's resource tracker (:func:`track`),
-  a process that ignores SIGINT/SIGTERM and, once the last process holding its pipe has
-  exited, unlinks whatever is still registered.
+  pidfd. Segments (:func:`track`) are removed by the fork server the owner forked
+  (:mod:`multiproc.handles`): it ignores SIGINT/SIGTERM, and when the owner is gone it
+  unlinks every segment named after the owner's pid (:func:`sweep_when_gone`) before it
+  exits. Where no such server runs (not started yet, or spawned as a new interpreter), a
+  segment is registered with multiprocessing's resource tracker instead, a process that
+  does the same for what is registered with it.
 - **It drops the executor** without closing it: the router thread holds the executor weakly,
   so an unreferenced executor is collected and its finalizer stops everything.
 """
@@ -26,10 +29,12 @@ import select
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from multiprocessing import resource_tracker
 
 _PR_SET_PDEATHSIG = 1
+SHM_DIR = "/dev/shm"
 _RTYPE = "shared_memory"  # the tracker unlinks these with shm_unlink, i.e. /dev/shm/<name>
 
 
@@ -49,14 +54,67 @@ def uninterrupted() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
+# The fork server this process forked, which sweeps its segments when it ends (the pid of
+# this process recorded with it: a child forked from this one has no such server).
+_sweeper: tuple[int, int] | None = None
+_with_tracker: set[str] = set()  # segments registered with the resource tracker
+
+
+def swept_by(server_pid: int) -> None:
+    """Fork server ``server_pid``, forked by this process, sweeps its segments from now on."""
+    global _sweeper
+    _sweeper = (os.getpid(), server_pid)
+
+
+def sweeper() -> int | None:
+    """The pid of the fork server that sweeps this process's segments, or None."""
+    return _sweeper[1] if _sweeper is not None and _sweeper[0] == os.getpid() else None
+
+
+def segment_prefix(pid: int) -> str:
+    """How the names of process ``pid``'s segments start (executors name them so)."""
+    return f"ttp_{pid}_"
+
+
 def track(name: str) -> None:
-    """Have the resource tracker unlink segment ``name`` if this process dies holding it."""
+    """Have segment ``name`` unlinked if this process dies holding it: by the fork server it
+    forked (a segment named with :func:`segment_prefix`), else by the resource tracker."""
+    if sweeper() is not None and name.startswith(segment_prefix(os.getpid())):
+        return
     resource_tracker.register("/" + name, _RTYPE)
+    _with_tracker.add(name)
 
 
 def untrack(name: str) -> None:
-    """The segment was unlinked here; the tracker forgets it (call once per :func:`track`)."""
-    resource_tracker.unregister("/" + name, _RTYPE)
+    """The segment was unlinked here; whatever would unlink it forgets it (call once per
+    :func:`track`)."""
+    if name in _with_tracker:
+        _with_tracker.discard(name)
+        resource_tracker.unregister("/" + name, _RTYPE)
+
+
+def sweep_when_gone(owner: int, wait_s: float = 5.0) -> None:
+    """In the fork server, as it ends: if its owner is gone, unlink the owner's segments.
+
+    The server ends when no process holds its "alive" pipe, i.e. once the owner has closed
+    its files on the way out; the owner is gone once this process is reparented, moments
+    later. A server that ends while its owner lives (an error) leaves the segments alone.
+    """
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == owner:
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.005)  # reparenting comes with the owner's exit: no event to wait on here
+    prefix = segment_prefix(owner)
+    try:
+        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except OSError:
+        return
+    for n in names:
+        try:
+            os.unlink(os.path.join(SHM_DIR, n))
+        except OSError:
+            pass
 
 
 def die_with_owner(owner_pid: int) -> None:

@@ -337,11 +337,14 @@ def fusion_host(fused: Sequence[bool], j: int) -> int:
     return j
 
 
-def check_picklable(stage: StageSpec, buffers: BufferFile | None = None) -> bytes:
+def check_picklable(
+    stage: StageSpec, buffers: BufferFile | None = None, server: int | None = None
+) -> bytes:
     """Pickle a stage for process workers, or raise SpecError naming the stage; with
-    ``buffers``, its large arrays are written there (:mod:`multiproc.buffers`)."""
+    ``buffers``, its large arrays are referred to in fork server ``server``'s memory or
+    written there (:mod:`multiproc.buffers`)."""
     try:
-        return buffers.dumps(stage) if buffers is not None else cloudpickle.dumps(stage)
+        return buffers.dumps(stage, server) if buffers is not None else cloudpickle.dumps(stage)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         raise SpecError(
             f"stage {stage.name!r}: its function does not pickle for process workers ({e}); "

@@ -444,6 +444,7 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
         # Ctrl-C goes to the whole process group; the consumer decides what happens, and the
         # executor stops workers. A worker dying of SIGINT would look like a crash.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it
         if owner_pid:
             lifetime.die_with_owner(owner_pid)
     w = None

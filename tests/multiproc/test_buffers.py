@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import os
 import pickle
 
@@ -11,10 +12,13 @@ import torch
 
 from multiproc import Executor, ExecutorSpec, StageSpec, arena, buffers
 
+from .. import _subproc
 from . import _fns
 
 
 def _run(fn, n=4):
+    # This session's fork server was forked before ``fn`` was made: the arrays go to the file
+    # (the server's memory is tested in a fresh interpreter, below).
     spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", fn)))
     with Executor(spec) as ex:
         name = ex._buffers.name
@@ -22,6 +26,70 @@ def _run(fn, n=4):
         out = list(ex.run([(0, n)]))
     assert not os.path.exists(os.path.join(arena.SHM_DIR, name))  # removed with the executor
     return out
+
+
+def test_arrays_older_than_the_fork_server_are_viewed_in_its_memory_the_rest_in_the_file():
+    # A fresh interpreter: its first executor forks the fork server after the arrays exist.
+    r = _subproc.run(_FROM_SERVER, timeout_s=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
+    # Nothing in /dev/shm, each worker views the consumer's own addresses, shares the pages.
+    assert lines["server"] == "file=False shared=True private=0", r.stdout
+    assert ast.literal_eval(lines["views"]) == {_VIEWS}, r.stdout
+    # Changed after the server was forked: the values of the moment it pickled, not the server's.
+    assert lines["changed"] == "file=True cols3=7.0", r.stdout
+    assert lines["thread"] == "file=True total=4096.0", r.stdout  # threads: never the server's
+    # The server ended (killed): the stages are pickled again for the next one.
+    assert lines["restarted"] == "sums=[4096.0, 4096.0, 4096.0]", r.stdout
+
+
+_VIEWS = (-1.0, 26.0, 1000.0, 5 * 512 + 3, False, 3 * 512 + 5, True, 14, 9, True)
+_FROM_SERVER = """
+import os, signal, time
+import multiprocessing.forkserver as fs
+import numpy as np
+from multiproc import Executor, ExecutorSpec, StageSpec
+from tests.multiproc import _fns
+
+def run(fn, kind="process", n=4):
+    spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range),
+                         StageSpec("m", "map", fn, worker_type=kind)))
+    with Executor(spec) as ex:
+        return ex._buffers.created, list(ex.run([(0, n)]))
+
+class Where:
+    def __init__(self):
+        self.data = np.ones(48 << 20, dtype=np.uint8)
+        self.here = self.data.__array_interface__["data"][0]
+    def __call__(self, x):
+        same = self.data.__array_interface__["data"][0] == self.here
+        return same, _fns.private_mappings(48), int(self.data[::4096].sum())
+
+class Sum:
+    def __init__(self):
+        self.data = np.ones(1 << 20, dtype=np.float32)
+    def __call__(self, x):
+        return float(self.data[::256].sum())
+
+views, where, thread_sum, again = _fns.Views(), Where(), Sum(), Sum()
+created, out = run(where)
+assert {o[2] for o in out} == {(48 << 20) // 4096}, out
+print("server", f"file={created} shared={all(o[0] for o in out)} private={max(o[1] for o in out)}")
+created, out = run(views)  # its strided array is a copy made when pickling: the file
+print("views", set(out))
+views.base[26] = 7.0  # cols[3]
+created, out = run(views)
+print("changed", f"file={created} cols3={out[0][1]}")
+created, out = run(thread_sum, kind="thread")
+print("thread", f"file={created} total={out[0]}")
+spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range),
+                     StageSpec("m", "map", again, workers=1)))
+with Executor(spec) as ex:
+    it = ex.run([(0, 1), (1, 2), (2, 3)])
+    first = next(it)
+    os.kill(fs._forkserver._forkserver_pid, signal.SIGKILL)
+    print("restarted", f"sums={[first, *it]}")
+"""
 
 
 def test_workers_see_the_consumers_views_with_their_sharing_and_write_only_their_own_copy():
@@ -105,6 +173,11 @@ def test_a_light_pickle_names_the_same_modules_without_the_arrays_data():
     assert len(light) < 1 << 16  # not the 8 MiB
     assert set(imported_modules(light)) >= {"tests.multiproc._fns", "numpy"}
     assert not any(n.startswith("ttp_unwritten") for n in os.listdir(arena.SHM_DIR))
+
+
+def test_a_process_not_forked_by_the_server_refuses_to_view_its_memory():
+    with pytest.raises(RuntimeError, match="fork server 1, but this process was started by"):
+        buffers._server_bytes(1, 4096, 1 << 20)
 
 
 def test_without_a_dev_shm_to_write_to_arrays_travel_in_the_pickle(tmp_path):

@@ -32,15 +32,42 @@ it = ex.run([(0, 100), (100, 200)])
 deadline = time.monotonic() + 20
 while ex.snapshot().stage("udf").items_in == 0 and time.monotonic() < deadline:
     time.sleep(0.01)
+import multiprocessing.resource_tracker as rt
+assert rt._resource_tracker._pid is None, "the fork server sweeps: no resource tracker"
 print("ready", flush=True)
 next(it)
 """
 
 
+_THREADS = """
+import time
+import multiprocessing.resource_tracker as rt
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+def read(unit):
+    yield from range(*unit)
+
+ex = Executor(ExecutorSpec((StageSpec("read", "source", read, worker_type="thread"),
+                            StageSpec("m", "map", abs, worker_type="thread"))))
+it = ex.run([(0, 100)])
+next(it)
+assert rt._resource_tracker._pid is not None, "no fork server: the tracker sweeps"
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_killed_owner_of_thread_workers_leaves_no_segment():
+    """No fork server runs (thread workers only): the resource tracker unlinks the segments."""
+    _, err, left, segs = _subproc.leftovers(_THREADS, "ready", signal.SIGKILL)
+    assert not left, left
+    assert not segs, f"segments left 5 s after SIGKILL: {sorted(segs)}"
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
 def test_killed_owner_leaves_no_process_and_no_segment(sig):
-    """Killed while a UDF spins: the workers, the fork server and the resource tracker end,
-    and the tracker unlinks every segment, with no other executor starting."""
+    """Killed while a UDF spins: the workers and the fork server end, and the fork server
+    unlinks every segment (no resource tracker runs), with no other executor starting."""
     _, err, left, segs = _subproc.leftovers(_BUSY, "ready", sig)
     assert not left, f"still running 5 s after {sig.name}: {left}"
     assert not segs, f"segments left 5 s after {sig.name}: {sorted(segs)}"
