@@ -129,6 +129,9 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
                         # What this process held stays as it is: no collection of the server
                         # or of a worker frees it (multiproc.buffers reads arrays from it).
                         gc.freeze()
+                        # Free heap pages it drops are not kept as old copies when the owner
+                        # writes them again.
+                        _worker._trim_heap()
                         forkserver.main(listener.fileno(), alive_r, modules)
                     finally:
                         lifetime.sweep_when_gone(owner)
@@ -201,7 +204,8 @@ def _connect(fds: list[int]) -> tuple[int, int]:
     """multiprocessing's ``connect_to_new_process``, but a worker of the server this process
     forked gets no resource tracker: the server removes what the tracker would (this
     process's segments, :func:`multiproc.lifetime.track`), and a tracker is one more process.
-    The worker's tracker descriptor writes to ``/dev/null``."""
+    The worker's tracker descriptor writes to ``/dev/null``: what a stage function registers
+    there itself (a ``SharedMemory`` it creates) is its own to unlink."""
     fs = forkserver._forkserver
     if forked_server() is None or hasattr(fs, "_forkserver_authkey"):
         return forkserver.connect_to_new_process(fds)  # spawned server, or a newer protocol

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from multiproc import Executor, ExecutorSpec, StageSpec
+from multiproc import Executor, ExecutorSpec, StageSpec, handles
 
 from .. import _subproc
 from . import _fns
@@ -204,3 +204,23 @@ def test_a_worker_lets_go_of_its_stages_pickle_once_it_runs():
     )
     with Executor(spec) as ex:
         assert set(ex.run([(0, 4)])) == {1}
+
+
+def _ignores(pid: int, sig: int) -> bool:
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigIgn:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+def test_the_fork_server_ignores_sigterm_and_its_workers_do_not():
+    """The server outlives a SIGTERM sent to the whole group, to sweep the segments once the
+    owner is gone; a worker must still die of one."""
+    import multiprocessing.forkserver as fs
+
+    spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range, workers=1),))
+    with Executor(spec) as ex:
+        assert list(ex.run([(0, 3)])) == [0, 1, 2]
+        worker = next(h.pid for h in ex._workers.values() if not h.thread)
+        assert not _ignores(worker, signal.SIGTERM)
+        if handles.forked_server() is not None:  # not multiprocessing's spawned server
+            assert _ignores(fs._forkserver._forkserver_pid, signal.SIGTERM)
