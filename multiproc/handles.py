@@ -9,9 +9,10 @@ construction, before the executor starts any thread), not spawned as a new inter
 multiprocessing does: a spawned one imports torch again (a second or more before the first
 worker can start) and holds its own copy of everything it imports (~75 MiB of torch), where a
 forked one shares this process's pages until either writes them, and the workers it forks share
-them too. Only the forking thread lives on in the server; it closes every inherited file
-descriptor but its own, runs nothing of this process but the server loop, and imports what the
-stages need that this process has not imported. ``MULTIPROC_FORKSERVER=spawn`` (read when the
+them too. Only the forking thread lives on in the server; the fork waits for other threads'
+imports to end, and the server closes every inherited file descriptor but its own
+(:mod:`multiproc.forking`), runs nothing of this process but the server loop, and imports what
+the stages need that this process has not imported. ``MULTIPROC_FORKSERVER=spawn`` (read when the
 server starts) keeps multiprocessing's spawned server instead: for a process whose state must
 not be copied at all (e.g. one that holds a CUDA context it cannot have forked; torch refuses
 CUDA in a forked child anyway, as it does in DataLoader workers). A process that has imported
@@ -31,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from multiprocessing import (
     connection,
@@ -42,7 +44,7 @@ from multiprocessing import (
 )
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
 
-from . import arena, lifetime
+from . import arena, forking, lifetime
 from . import protocol as P
 from . import worker as _worker
 from .frames import WorkerState
@@ -118,14 +120,15 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
             alive_r, alive_w = os.pipe()
             owner = os.getpid()
             try:
-                pid = os.fork()
+                pid = forking.fork_between_imports()
                 if pid == 0:  # the server
                     try:
                         # Outlives a SIGTERM sent to the whole group, as the resource tracker
                         # does, to sweep the owner's segments when it is gone (multiproc.lifetime).
                         signal.signal(signal.SIGTERM, signal.SIG_IGN)
                         signal.signal(signal.SIGINT, signal.SIG_IGN)
-                        _close_fds_but((0, 1, 2, listener.fileno(), alive_r))
+                        forking.close_fds_but((0, 1, 2, listener.fileno(), alive_r))
+                        forking.forget_imports_in_flight()
                         # What this process held stays as it is: no collection of the server
                         # or of a worker frees it (multiproc.buffers reads arrays from it).
                         gc.freeze()
@@ -133,6 +136,9 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
                         # writes them again.
                         _worker._trim_heap()
                         forkserver.main(listener.fileno(), alive_r, modules)
+                    except Exception:  # its clients see only EOF: say why here
+                        print("multiproc: the fork server failed", file=sys.stderr)
+                        traceback.print_exc()
                     finally:
                         lifetime.sweep_when_gone(owner)
                         os._exit(0)
@@ -155,21 +161,6 @@ def forked_server() -> int | None:
     the process this one was forked from, or multiprocessing's spawned one)."""
     pid = forkserver._forkserver._forkserver_pid
     return pid if pid is not None and pid == _forked_pid and lifetime.sweeper() == pid else None
-
-
-def _close_fds_but(keep: tuple[int, ...]) -> None:
-    """Close every file descriptor of this process but ``keep`` (a forked server must not
-    hold the parent's pipes and sockets open: their readers would never see them close)."""
-    try:
-        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
-    except OSError:
-        fds = list(range(3, os.sysconf("SC_OPEN_MAX")))
-    for fd in fds:
-        if fd not in keep:
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 class _NoMainPopen(popen_forkserver.Popen):

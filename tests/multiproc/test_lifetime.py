@@ -224,3 +224,45 @@ def test_the_fork_server_ignores_sigterm_and_its_workers_do_not():
         assert not _ignores(worker, signal.SIGTERM)
         if handles.forked_server() is not None:  # not multiprocessing's spawned server
             assert _ignores(fs._forkserver._forkserver_pid, signal.SIGTERM)
+
+
+_IMPORTING = """
+import os, sys, tempfile, threading, time
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+d = tempfile.mkdtemp()
+with open(os.path.join(d, "slow_module.py"), "w") as f:
+    f.write("import threading, time\\n"
+            "if threading.current_thread().name == 'importer':\\n"
+            "    time.sleep(0.5)  # still being imported when the fork server is forked\\n"
+            "VALUE = 7\\n")
+sys.path.insert(0, d)
+importer = threading.Thread(target=__import__, args=("slow_module",), name="importer")
+importer.start()
+while "slow_module" not in sys.modules:
+    time.sleep(0.001)
+
+def read(unit):
+    import slow_module
+    yield from (x * slow_module.VALUE for x in range(*unit))
+
+with Executor(ExecutorSpec((StageSpec("read", "source", read, workers=2),))) as ex:
+    print(sorted(ex.run([(0, 3), (3, 6)])), flush=True)
+importer.join()
+"""
+
+
+@pytest.mark.parametrize("wait_s", [None, 0.0])
+def test_a_module_another_thread_is_importing_does_not_hang_the_workers(wait_s):
+    """The fork server is forked while another thread is inside an import: a worker that
+    imports that module must get it whole, not wait for a lock no thread will release. The
+    fork waits for the import to end; without that wait (0 s) the server forgets the half-run
+    module and a worker imports it afresh."""
+    head = (
+        ""
+        if wait_s is None
+        else f"from multiproc import forking\nforking.IMPORT_WAIT_S = {wait_s}\n"
+    )
+    r = _subproc.run(head + _IMPORTING, timeout_s=30)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip() == str([0, 7, 14, 21, 28, 35]), r.stdout
