@@ -271,11 +271,7 @@ def train(args: argparse.Namespace) -> TrainResult:
 
     def on_change(change: AllocationChange) -> None:
         stage_names[:] = change.stages
-        parts = [
-            f"{n}={w}w/{b / MiB:.0f}MiB"
-            for n, w, b in zip(change.stages, change.allocation.workers,
-                               change.allocation.buffer_bytes, strict=True)
-        ]  # fmt: skip
+        parts = describe_allocation(change.stages, change.allocation)
         print(f"  allocation @ step {change.step}: {' '.join(parts)}", flush=True)
 
     tuning = TuningCallback(tuner, interval_s=args.interval_s, on_change=on_change)
@@ -365,17 +361,31 @@ def _mean(xs: Sequence[float]) -> float:
     return statistics.fmean(xs) if xs else 0.0
 
 
+def describe_allocation(stages: Sequence[str], a: Allocation) -> list[str]:
+    """Per stage, ``name=<workers>w/<buffer>MiB``, with ``+<k>ray`` for the workers of it on
+    the Ray cluster, ``(x<c>)`` for calls in flight per worker above 1, and ``fused`` for a stage
+    run in the previous stage's workers."""
+    out = []
+    for i, (name, w, b) in enumerate(zip(stages, a.workers, a.buffer_bytes, strict=False)):
+        remote = min(a.remote[i], w) if i < len(a.remote) else 0  # more: all of them
+        if i < len(a.fused) and a.fused[i]:
+            out.append(f"{name}=fused")
+            continue
+        part = f"{name}={w - remote}w"
+        if remote:
+            part += f"+{remote}ray"
+        if i < len(a.concurrency) and a.concurrency[i] > 1:
+            part += f"(x{a.concurrency[i]})"
+        out.append(f"{part}/{b / MiB:.0f}MiB")
+    return out
+
+
 def _report(r: TrainResult, args: argparse.Namespace) -> None:
     print("-" * 72)
     print(f"held-out AUROC       {r.auroc:.4f}")
     print(f"samples trained      {r.samples:,} in {r.train_s:.1f} s = {r.samples_per_s:,.0f}/s")
     if r.allocation is not None:
-        final = ", ".join(
-            f"{n}: {w} workers, {b / MiB:.0f} MiB"
-            for n, w, b in zip(r.stages, r.allocation.workers, r.allocation.buffer_bytes,
-                               strict=False)
-        )  # fmt: skip
-        print(f"final allocation     {final}")
+        print(f"final allocation     {' '.join(describe_allocation(r.stages, r.allocation))}")
     if r.baseline_samples_per_s > 0:
         gain = r.tuned_samples_per_s / r.baseline_samples_per_s
         print(

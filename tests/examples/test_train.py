@@ -119,3 +119,18 @@ def test_the_feature_stages_can_run_on_ray_actors():
     assert {s.name: s.placement for s in auto.stages}["features"] == "auto"
     with pytest.raises(ValueError, match="placement must be"):
         DLRMPipelineConfig(placement="gpu")
+
+
+def test_the_allocation_line_shows_remote_workers_concurrency_and_fusion():
+    a = Allocation(
+        workers=(2, 5, 3, 1),
+        buffer_bytes=(8 * MiB, 16 * MiB, 4 * MiB, 2 * MiB),
+        concurrency=(1, 16, 1, 1),
+        fused=(False, False, False, True),
+        remote=(0, 2, 9, 0),
+    )
+    assert train.describe_allocation(["read", "features", "udf", "collate"], a) == [
+        "read=2w/8MiB", "features=3w+2ray(x16)/16MiB", "udf=0w+3ray/4MiB", "collate=fused",
+    ]  # fmt: skip
+    plain = Allocation(workers=(2,), buffer_bytes=(MiB,))
+    assert train.describe_allocation(["read"], plain) == ["read=2w/1MiB"]
