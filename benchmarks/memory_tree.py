@@ -7,6 +7,8 @@ smaps_rollup`` every 0.25 s. At the sample where the tree's proportional set siz
 it records each process's role (``consumer``, ``fork server``, ``resource tracker``,
 ``worker``), its PSS, the part of it that is shared memory (``Pss_Shmem``: arenas and the file
 of stage arrays, ``multiproc.buffers``) and its private dirty pages (what only it holds).
+Our drop-in also runs at fixed worker counts: the one of our settings with the smallest peak
+that still makes nodes' rows/s is the footprint at the same throughput (``at_nodes_rate``).
 
 Usage::
 
@@ -31,15 +33,21 @@ from ._peers_shape import SCENARIOS
 
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE_S = 0.25
-# (label, tool of _mapstyle_fns, workers; -1 is num_workers="auto"): ours, and nodes at the
-# setting its sweep picks in each scenario (threads: one process).
+# (label, tool of _mapstyle_fns, workers; -1 is num_workers="auto"): ours, nodes at the
+# setting its sweep picks in each scenario (threads: one process), then our drop-in at fixed
+# worker counts, for the footprint at nodes' rows/s (``at_nodes_rate``; none in remote-map:
+# a fixed count runs one read at a time per worker, 250 rows/s each).
 CONTENDERS = {
     "remote-map": (("torchtune_pipe-auto", "torchtune_pipe", -1),
                    ("nodes-thread-w64", "nodes-thread", 64)),
     "cheap-map": (("torchtune_pipe-auto", "torchtune_pipe", -1),
-                  ("nodes-thread-w0", "nodes-thread", 0)),
+                  ("nodes-thread-w0", "nodes-thread", 0),
+                  ("torchtune_pipe-w1", "torchtune_pipe", 1),
+                  ("torchtune_pipe-w2", "torchtune_pipe", 2)),
     "fusion": (("torchtune_pipe-intune", "torchtune_pipe-maps", -1),
-               ("nodes-thread-w0", "nodes-thread", 0)),
+               ("nodes-thread-w0", "nodes-thread", 0),
+               ("torchtune_pipe-w1", "torchtune_pipe", 1),
+               ("torchtune_pipe-w2", "torchtune_pipe", 2)),
 }  # fmt: skip
 
 
@@ -115,6 +123,22 @@ def _by_role(processes: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
+def at_nodes_rate(rows: dict[str, dict], labels: list[str]) -> dict | None:
+    """Our contender with the smallest peak PSS among those that make at least nodes' rows/s
+    (medians): the footprint at the same throughput. None when none of ours does."""
+    nodes = rows[labels[1]]
+    ours = [lb for lb in labels[:1] + labels[2:] if lb in rows]
+    fast = [lb for lb in ours if rows[lb]["samples_per_s"] >= nodes["samples_per_s"]]
+    if not fast:
+        return None
+    best = min(fast, key=lambda lb: rows[lb]["peak_pss_mib"])
+    return dict(
+        label=best,
+        rows_ratio=rows[best]["samples_per_s"] / nodes["samples_per_s"],
+        pss_vs_nodes=rows[best]["peak_pss_mib"] / nodes["peak_pss_mib"],
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scenarios", nargs="+", default=list(CONTENDERS), choices=list(CONTENDERS))
@@ -151,10 +175,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['shmem'] / 2**20:>6.0f} {r['private'] / 2**20:>8.0f}")  # fmt: skip
             print(f"{label:<24} {'total':<17} {'':>2} {statistics.median(peaks):>6.0f}"
                   f"  (rounds {min(peaks):.0f}-{max(peaks):.0f})")  # fmt: skip
-        ours, nodes = (rows[c[0]] for c in CONTENDERS[scenario])
+        labels = [c[0] for c in CONTENDERS[scenario]]
+        ours, nodes = rows[labels[0]], rows[labels[1]]
         ratio = ours["peak_pss_mib"] / nodes["peak_pss_mib"]
         print(f"ours / nodes: {ratio:.2f}")
-        summary[scenario] = dict(contenders=rows, pss_vs_nodes=ratio)
+        summary[scenario] = dict(contenders=rows, pss_vs_nodes=ratio,
+                                 at_nodes_rate=at_nodes_rate(rows, labels))  # fmt: skip
+        if summary[scenario]["at_nodes_rate"] is not None:
+            m = summary[scenario]["at_nodes_rate"]
+            print(f"at nodes' rows/s: {m['label']} makes {m['rows_ratio']:.2f}x them with "
+                  f"{m['pss_vs_nodes']:.2f}x nodes' peak PSS")  # fmt: skip
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         with open(args.out, "w") as f:

@@ -121,9 +121,9 @@ def unlink_segment(name: str) -> None:
 
 
 def create_segment(name: str, size: int) -> None:
-    """Create a sparse segment of ``size`` bytes, registered with the resource tracker so it
-    is unlinked even if this process is killed; remove it with :func:`remove_segment`."""
-    with lifetime.uninterrupted():  # created and registered, or neither (Ctrl-C)
+    """Create a sparse segment of ``size`` bytes, tracked (:func:`multiproc.lifetime.track`)
+    so it is unlinked even if this process is killed; remove it with :func:`remove_segment`."""
+    with lifetime.uninterrupted():  # created and tracked, or neither (Ctrl-C)
         fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         lifetime.track(name)
     try:

@@ -102,7 +102,7 @@ class BufferFile:
             return None
         if self._fd < 0:
             try:
-                with lifetime.uninterrupted():  # created and registered, or neither
+                with lifetime.uninterrupted():  # created and tracked, or neither
                     self._fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                     self._created = True
                     lifetime.track(self.name)

@@ -45,8 +45,8 @@ def is_owner(pid: int) -> bool:
 
 @contextlib.contextmanager
 def uninterrupted() -> Iterator[None]:
-    """SIGINT held back (in this thread) until the block ends: a segment created and
-    registered with the tracker in it is both or neither, whenever Ctrl-C lands."""
+    """SIGINT held back (in this thread) until the block ends: a segment created and tracked
+    (:func:`track`) in it is both or neither, whenever Ctrl-C lands."""
     old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         yield

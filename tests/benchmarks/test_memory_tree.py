@@ -20,3 +20,11 @@ def test_a_short_run_reports_every_role_of_our_tree_and_the_ratio(tmp_path, caps
     assert abs(total - ours["peak_pss_mib"]) < 1
     assert result["pss_vs_nodes"] == ours["peak_pss_mib"] / nodes["peak_pss_mib"]
     assert "ours / nodes" in capsys.readouterr().out
+    m = result["at_nodes_rate"]
+    if m is not None:  # the cheapest of ours that makes nodes' rows/s
+        picked = result["contenders"][m["label"]]
+        assert picked["samples_per_s"] >= nodes["samples_per_s"]
+        assert m["pss_vs_nodes"] == picked["peak_pss_mib"] / nodes["peak_pss_mib"]
+        fast = [c for c in result["contenders"].values()
+                if c is not nodes and c["samples_per_s"] >= nodes["samples_per_s"]]  # fmt: skip
+        assert picked["peak_pss_mib"] == min(c["peak_pss_mib"] for c in fast)
