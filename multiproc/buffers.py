@@ -3,9 +3,13 @@
 A stage function travels to every worker process pickled, with what it holds: a map-style
 dataset's tensors unpickled in each worker are a private copy per worker (26 MB per worker for
 200,000 rows of 32 floats). :meth:`BufferFile.dumps` pickles a stage with every CPU tensor
-storage and every numpy array of at least :data:`MIN_BYTES` replaced by a reference to memory
-the workers already have or can map, in this order:
+storage and every numpy array (memory-mapped ones included) of at least :data:`MIN_BYTES`
+replaced by a reference to memory the workers already have or can map, in this order:
 
+- **The file it is mapped from**, for an array in a shared mapping of a regular file
+  (``np.load(mmap_mode="r")``, ``np.memmap``, a tensor from ``torch.from_file``): the workers
+  map the same bytes of that file, shared through the page cache as a forked worker's mapping
+  is, and see the file as this process does (no snapshot, as with fork).
 - **The fork server's copy.** The fork server is forked from this process
   (:mod:`multiproc.handles`), so it holds this process's memory as it was then, and every worker
   it forks holds the same pages: an array that existed when the server was forked is in its
@@ -16,17 +20,17 @@ the workers already have or can map, in this order:
   private mapping (not a file the bytes could change in). The server keeps those pages as they
   are: it runs nothing but its loop, and its garbage collector is frozen, so nothing it
   inherited is freed. A worker checks that its parent is that server before it views them.
-- **A file in /dev/shm** that the workers map copy-on-write (``MAP_PRIVATE``): for arrays the
-  server does not hold (made after it was forked, changed since, or a server spawned as a new
+- **A file in /dev/shm** that the workers map copy-on-write (``MAP_PRIVATE``): for other arrays
+  the server does not hold (made after it was forked, changed since, or a server spawned as a new
   interpreter). The pipeline then holds two copies of such an array (this process's and the
   file's). An array goes to the file only while ``/dev/shm`` keeps room for it and as much again
   for the channels (:func:`_room_for`), else it travels in the pickle. The file is named after
   the executor (``ttp_<pid>_...``), so the executor removes it with its other segments when it
   closes and the stale-segment sweep removes it after a crash.
 
-Either way a worker's pages are shared until it writes one, as the pages of a forked DataLoader
-worker's dataset are; the values are a snapshot taken when the stage was pickled, as the
-pickle's own bytes would be; tensors that view one storage in this process view one region in
+In the last two a worker's pages are shared until it writes one, as the pages of a forked
+DataLoader worker's dataset are, and the values are a snapshot taken when the stage was
+pickled, as the pickle's own bytes would be. Tensors that view one storage in this process view one region in
 a worker, so they share memory there as they do here. Tensors that need gradients, are not on
 the CPU or not strided (sparse, quantized), and arrays of Python objects pickle as usual.
 """
@@ -126,6 +130,10 @@ class BufferFile:
     ) -> tuple | None:
         """Where a worker finds ``data`` (flat bytes; ``key``: its address and size here, or
         a negative address for a copy made here): the server's memory or the file, or None."""
+        if key[0] >= 0:
+            region = _file_region(key[0], data.nbytes)
+            if region is not None:
+                return region
         if held is not None and key[0] >= 0 and held.holds(key[0], data):
             return ("server", held.pid, key[0])
         offset = self._write(key, data)
@@ -136,7 +144,7 @@ class BufferFile:
         see the module docstring) or to a region of the file, or None (then it pickles as
         usual: also for an array whose memory cannot be read as bytes here)."""
         try:
-            if type(obj) is np.ndarray:
+            if type(obj) is np.ndarray or type(obj) is np.memmap:
                 return self._reduce_array(obj, held)
             torch = _torch()
             if torch is not None and type(obj) is torch.Tensor:
@@ -149,9 +157,9 @@ class BufferFile:
         if a.nbytes < MIN_BYTES or a.dtype.hasobject:
             return None
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
-        data = np.asarray(a, order=order)
+        data = np.asarray(a, order=order)  # a view of a contiguous array (or memmap)
         key = (data.__array_interface__["data"][0], data.nbytes)
-        if data is not a:
+        if not np.may_share_memory(data, a):
             key = (-len(self._regions) - 1, 0)  # a copy made here: no other array views it
         where = self._place(key, data.reshape(-1, order=order).view(np.uint8), held)
         if where is None:
@@ -292,6 +300,42 @@ def _within(spans: list[tuple[int, int]], address: int, n: int) -> bool:
     return any(lo <= address and address + n <= hi for lo, hi in spans)
 
 
+def _file_region(address: int, nbytes: int) -> tuple | None:
+    """``("path", file, offset, writable)`` when ``nbytes`` at ``address`` lie in a shared
+    mapping of a regular file here (``np.load(mmap_mode="r")``, ``np.memmap``,
+    ``torch.from_file``): a worker maps the same bytes of the file (its page cache, no copy)
+    and sees what this process sees; else None. Private file mappings (``mmap_mode="c"``) are
+    not: their changed pages are in no file."""
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if not lo <= address < hi:
+                    continue
+                path = parts[5].strip() if len(parts) > 5 else ""
+                if address + nbytes > hi or parts[1][3] != "s" or not path.startswith("/"):
+                    return None
+                if path.endswith(" (deleted)") or not os.path.isfile(path):
+                    return None
+                return ("path", path, int(parts[2], 16) + address - lo, parts[1][1] == "w")
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _file_bytes(path: str, offset: int, nbytes: int, writable: bool) -> np.ndarray:
+    """``nbytes`` of ``path`` from ``offset``, mapped shared as this process's were."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        mm = mmap.mmap(fd, offset - start + nbytes, offset=start, access=access)
+    finally:
+        os.close(fd)
+    return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - start)
+
+
 def _server_bytes(pid: int, address: int, nbytes: int) -> np.ndarray:
     """The ``nbytes`` at ``address`` this process inherited from fork server ``pid``."""
     if os.getppid() != pid:
@@ -312,6 +356,8 @@ def _server_bytes(pid: int, address: int, nbytes: int) -> np.ndarray:
 def _bytes(where: tuple, nbytes: int) -> np.ndarray:
     if where[0] == "server":
         return _server_bytes(where[1], where[2], nbytes)
+    if where[0] == "path":
+        return _file_bytes(where[1], where[2], nbytes, where[3])
     _, name, offset = where
     return np.frombuffer(_mapping(name), dtype=np.uint8, count=nbytes, offset=offset)
 

@@ -188,3 +188,29 @@ def test_without_a_dev_shm_to_write_to_arrays_travel_in_the_pickle(tmp_path):
     out.close()
     back = pickle.loads(data)
     assert not out.created and torch.equal(back[0], big) and torch.equal(back[1], big[10:])
+
+
+class _Mapped:
+    """A map over a memory-mapped ``.npy`` (an array and a tensor over it, and a slice)."""
+
+    def __init__(self, path):
+        self.m = np.load(path, mmap_mode="r")
+        self.tail = self.m[1000:]
+        self.t = torch.from_numpy(np.load(path, mmap_mode="r+"))
+
+    def __call__(self, x):
+        return (float(self.m[5]), float(self.tail[0]), float(self.t[7]),
+                bool(self.m.flags.writeable), _fns.private_mappings(4))  # fmt: skip
+
+
+def test_a_memory_mapped_array_is_mapped_from_its_file_in_the_workers(tmp_path):
+    path = str(tmp_path / "x.npy")
+    np.save(path, np.arange(1 << 21, dtype=np.float32))  # 8 MiB
+    fn = _Mapped(path)
+    data = buffers.dumps_light(fn)
+    assert len(data) < 1 << 16  # not pickled with its bytes
+    spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", fn)))
+    with Executor(spec) as ex:
+        out = set(ex.run([(0, 4)]))
+        assert not ex._buffers.created  # neither copied to /dev/shm
+    assert out == {(5.0, 1000.0, 7.0, False, 0)}
