@@ -200,12 +200,12 @@ class _Mapped:
 
     def __call__(self, x):
         return (float(self.m[5]), float(self.tail[0]), float(self.t[7]),
-                bool(self.m.flags.writeable), _fns.private_mappings(4))  # fmt: skip
+                bool(self.m.flags.writeable), _fns.private_mappings(32))  # fmt: skip
 
 
 def test_a_memory_mapped_array_is_mapped_from_its_file_in_the_workers(tmp_path):
     path = str(tmp_path / "x.npy")
-    np.save(path, np.arange(1 << 21, dtype=np.float32))  # 8 MiB
+    np.save(path, np.arange(1 << 23, dtype=np.float32))  # 32 MiB
     fn = _Mapped(path)
     data = buffers.dumps_light(fn)
     assert len(data) < 1 << 16  # not pickled with its bytes
