@@ -37,6 +37,7 @@ the CPU or not strided (sparse, quantized), and arrays of Python objects pickle 
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import io
 import mmap
@@ -73,6 +74,7 @@ class BufferFile:
         self._fd = -1
         self._created = False
         self._regions: dict[tuple[int, int], int] = {}  # (data address, bytes) -> offset
+        self._files: _SharedFiles | None = None
 
     @property
     def created(self) -> bool:
@@ -85,9 +87,11 @@ class BufferFile:
         holds them unchanged, else written to the file."""
         out = io.BytesIO()
         held = _ServerMemory(server) if server is not None else None
+        self._files = None  # this process's shared file mappings, read once per pickle
         try:
             _Pickler(out, self, held).dump(obj)
         finally:
+            self._files = None
             if held is not None:
                 held.close()
         return out.getvalue()
@@ -131,7 +135,9 @@ class BufferFile:
         """Where a worker finds ``data`` (flat bytes; ``key``: its address and size here, or
         a negative address for a copy made here): the server's memory or the file, or None."""
         if key[0] >= 0:
-            region = _file_region(key[0], data.nbytes)
+            if self._files is None:
+                self._files = _SharedFiles()
+            region = self._files.region(key[0], data.nbytes)
             if region is not None:
                 return region
         if held is not None and key[0] >= 0 and held.holds(key[0], data):
@@ -300,28 +306,38 @@ def _within(spans: list[tuple[int, int]], address: int, n: int) -> bool:
     return any(lo <= address and address + n <= hi for lo, hi in spans)
 
 
-def _file_region(address: int, nbytes: int) -> tuple | None:
-    """``("path", file, offset, writable)`` when ``nbytes`` at ``address`` lie in a shared
-    mapping of a regular file here (``np.load(mmap_mode="r")``, ``np.memmap``,
-    ``torch.from_file``): a worker maps the same bytes of the file (its page cache, no copy)
-    and sees what this process sees; else None. Private file mappings (``mmap_mode="c"``) are
-    not: their changed pages are in no file."""
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                if not lo <= address < hi:
-                    continue
-                path = parts[5].strip() if len(parts) > 5 else ""
-                if address + nbytes > hi or parts[1][3] != "s" or not path.startswith("/"):
-                    return None
-                if path.endswith(" (deleted)") or not os.path.isfile(path):
-                    return None
-                return ("path", path, int(parts[2], 16) + address - lo, parts[1][1] == "w")
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+class _SharedFiles:
+    """This process's shared mappings of regular files (``np.load(mmap_mode="r")``,
+    ``np.memmap``, ``torch.from_file``), read once from ``/proc/self/maps``."""
+
+    def __init__(self) -> None:
+        self._maps: list[tuple[int, int, int, str, bool]] = []  # lo, hi, offset, path, writable
+        try:
+            with open("/proc/self/maps") as f:
+                for line in f:
+                    parts = line.split(maxsplit=5)
+                    path = parts[5].strip() if len(parts) > 5 else ""
+                    if parts[1][3] != "s" or not path.startswith("/") or path.endswith(")"):
+                        continue  # private, anonymous, or "(deleted)"
+                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                    self._maps.append((lo, hi, int(parts[2], 16), path, parts[1][1] == "w"))
+        except (OSError, ValueError, IndexError):
+            self._maps = []
+        self._maps.sort()
+        self._starts = [m[0] for m in self._maps]
+
+    def region(self, address: int, nbytes: int) -> tuple | None:
+        """``("path", file, offset, writable)`` when ``nbytes`` at ``address`` lie in one shared
+        mapping of a regular file: a worker maps the same bytes of the file (its page cache, no
+        copy) and sees what this process sees; else None. Private file mappings
+        (``mmap_mode="c"``) are not: their changed pages are in no file."""
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i < 0:
+            return None
+        lo, hi, offset, path, writable = self._maps[i]
+        if address + nbytes > hi or not os.path.isfile(path):
+            return None
+        return ("path", path, offset + address - lo, writable)
 
 
 def _file_bytes(path: str, offset: int, nbytes: int, writable: bool) -> np.ndarray:
