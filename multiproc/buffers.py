@@ -133,7 +133,8 @@ class BufferFile:
         self, key: tuple[int, int], data: np.ndarray, held: _ServerMemory | None
     ) -> tuple | None:
         """Where a worker finds ``data`` (flat bytes; ``key``: its address and size here, or
-        a negative address for a copy made here): the server's memory or the file, or None."""
+        a negative address for a copy made here): the file it is mapped from, the server's
+        memory or the buffer file (module docstring, in this order), or None."""
         if key[0] >= 0:
             if self._files is None:
                 self._files = _SharedFiles()
