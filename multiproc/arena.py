@@ -25,7 +25,7 @@ import numpy as np
 
 from . import lifetime, serialize
 
-SHM_DIR = lifetime.SHM_DIR
+SHM_DIR = "/dev/shm"
 ALIGN = 64
 # Frames whose serialized size is below this travel inline in the control message.
 INLINE_MAX_BYTES = 16 * 1024
@@ -86,9 +86,10 @@ class Segment:
 def sweep_stale_segments(prefix: str = "ttp_") -> list[str]:
     """Remove segments left by executors whose process no longer exists.
 
-    Segments are named ``ttp_<pid>_...`` after the process that created them. The resource
-    tracker unlinks the segments of a killed owner (:mod:`multiproc.lifetime`); this sweep is
-    the fallback for a tracker that was killed too. Returns the names removed.
+    Segments are named ``ttp_<pid>_...`` after the process that created them. The fork
+    server, or else the resource tracker, unlinks the segments of a killed owner
+    (:mod:`multiproc.lifetime`); this sweep is the fallback for one that was killed too.
+    Returns the names removed.
     """
     removed = []
     try:
@@ -142,13 +143,18 @@ def remove_segment(name: str) -> None:
     lifetime.untrack(name)
 
 
+def segment_names(prefix: str) -> list[str]:
+    """The names of the segments named ``prefix...`` (none without a ``SHM_DIR``)."""
+    try:
+        return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+
+
 def remove_segments(prefix: str) -> list[str]:
     """Remove every segment of this process named ``prefix...`` (see :func:`remove_segment`):
     those an interrupted start made but did not record. Returns the names removed."""
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
-    except FileNotFoundError:
-        return []
+    names = segment_names(prefix)
     for name in names:
         remove_segment(name)
     return names

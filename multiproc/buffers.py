@@ -44,6 +44,7 @@ import mmap
 import os
 import pickle
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import cloudpickle
@@ -285,21 +286,27 @@ class _ServerMemory:
             self._fd = -1
 
 
+def _mappings(pid: int | str) -> Iterator[tuple[int, int, str, int, str]]:
+    """Process ``pid``'s memory mappings: ``(start, end, perms, file offset, path)``."""
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            parts = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5].strip() if len(parts) > 5 else ""
+            yield lo, hi, parts[1], int(parts[2], 16), path
+
+
 def private_spans(pid: int | str = "self") -> list[tuple[int, int]]:
     """The address ranges of process ``pid``'s anonymous private writable memory (the heap and
     anonymous mappings), adjacent ones joined."""
     spans: list[tuple[int, int]] = []
-    with open(f"/proc/{pid}/maps") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            path = parts[5].strip() if len(parts) > 5 else ""
-            if parts[1] != "rw-p" or path not in ("", "[heap]"):
-                continue
-            lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            if spans and spans[-1][1] == lo:
-                spans[-1] = (spans[-1][0], hi)
-            else:
-                spans.append((lo, hi))
+    for lo, hi, perms, _, path in _mappings(pid):
+        if perms != "rw-p" or path not in ("", "[heap]"):
+            continue
+        if spans and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
     return spans
 
 
@@ -314,14 +321,10 @@ class _SharedFiles:
     def __init__(self) -> None:
         self._maps: list[tuple[int, int, int, str, bool]] = []  # lo, hi, offset, path, writable
         try:
-            with open("/proc/self/maps") as f:
-                for line in f:
-                    parts = line.split(maxsplit=5)
-                    path = parts[5].strip() if len(parts) > 5 else ""
-                    if parts[1][3] != "s" or not path.startswith("/") or path.endswith(")"):
-                        continue  # private, anonymous, or "(deleted)"
-                    lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                    self._maps.append((lo, hi, int(parts[2], 16), path, parts[1][1] == "w"))
+            for lo, hi, perms, offset, path in _mappings("self"):
+                if perms[3] != "s" or not path.startswith("/") or path.endswith(")"):
+                    continue  # private, anonymous, or "(deleted)"
+                self._maps.append((lo, hi, offset, path, perms[1] == "w"))
         except (OSError, ValueError, IndexError):
             self._maps = []
         self._maps.sort()

@@ -42,14 +42,19 @@ class Fusion:
             ):
                 k += 1
             self._chain_len.append(k)
-        self._chains = [
-            tuple(self._stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(self._chain_len)
-        ]
+        self._set_chains()
         self._fused = [s.fused for s in stages]
         for j in range(n):
             if self._fused[j] and (why := self._fuse_error(j, self._fused)) is not None:
                 raise SpecError(f"stage {self._names[j]!r}: fused=True, but {why}")
         self._depth_sent = [self._depth(i) for i in range(n)]
+
+    def _set_chains(self) -> None:
+        """Each stage's workers' pickles of the stages after it they can run (from the stage
+        pickles, :meth:`multiproc.lifecycle.Workers._pickle_stages`)."""
+        self._chains = [
+            tuple(self._stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(self._chain_len)
+        ]
 
     # ---------------------------------------------------------------- public API
     def fused(self) -> tuple[bool, ...]:

@@ -52,7 +52,6 @@ from .frames import WorkerState
 _PRELOAD = ["multiproc.worker", "torch", "numpy", "cloudpickle"]
 _ctx_lock = threading.Lock()
 _ctx = None
-_forked_pid: int | None = None  # the fork server this process forked (ensure_server)
 
 
 def context(preload: tuple[str, ...] = ()):
@@ -140,8 +139,10 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
                         print("multiproc: the fork server failed", file=sys.stderr)
                         traceback.print_exc()
                     finally:
-                        lifetime.sweep_when_gone(owner)
-                        os._exit(0)
+                        try:
+                            _sweep_if_gone(owner)
+                        finally:
+                            os._exit(0)
             except BaseException:
                 os.close(alive_w)
                 raise
@@ -150,9 +151,19 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
         fs._forkserver_address = address
         fs._forkserver_alive_fd = alive_w
         fs._forkserver_pid = pid
-        global _forked_pid
-        _forked_pid = pid
         lifetime.swept_by(pid)
+
+
+def _sweep_if_gone(owner: int) -> None:
+    """In the fork server, as it ends: unlink the segments of ``owner`` if it is gone, as the
+    resource tracker would have (:mod:`multiproc.lifetime`)."""
+    if not lifetime.owner_gone(owner):
+        return
+    for name in arena.segment_names(lifetime.segment_prefix(owner)):
+        try:
+            arena.unlink_segment(name)
+        except OSError:
+            pass
 
 
 def forked_server() -> int | None:
@@ -160,7 +171,7 @@ def forked_server() -> int | None:
     process's at the fork, :mod:`multiproc.buffers`), else None (not started yet, started by
     the process this one was forked from, or multiprocessing's spawned one)."""
     pid = forkserver._forkserver._forkserver_pid
-    return pid if pid is not None and pid == _forked_pid and lifetime.sweeper() == pid else None
+    return pid if pid is not None and pid == lifetime.sweeper() else None
 
 
 class _NoMainPopen(popen_forkserver.Popen):

@@ -119,9 +119,7 @@ class Workers:
         self._buffers.close()
         if self._buffers.created:
             self._segments.add(self._buffers.name)
-        self._chains = [
-            tuple(self._stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(self._chain_len)
-        ]
+        self._set_chains()
 
     def _active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring): all, or

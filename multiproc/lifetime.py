@@ -12,7 +12,7 @@ Three ways the owner stops without running ``close()``, and what covers each:
   server, which exits as soon as the owner does, and watches the owner itself through a
   pidfd. Segments (:func:`track`) are removed by the fork server the owner forked
   (:mod:`multiproc.handles`): it ignores SIGINT/SIGTERM, and when the owner is gone it
-  unlinks every segment named after the owner's pid (:func:`sweep_when_gone`) before it
+  unlinks every segment named after the owner's pid (:func:`owner_gone`) before it
   exits. Where no such server runs (not started yet, or spawned as a new interpreter), a
   segment is registered with multiprocessing's resource tracker instead, a process that
   does the same for what is registered with it.
@@ -34,7 +34,6 @@ from collections.abc import Iterator
 from multiprocessing import resource_tracker
 
 _PR_SET_PDEATHSIG = 1
-SHM_DIR = "/dev/shm"
 _RTYPE = "shared_memory"  # the tracker unlinks these with shm_unlink, i.e. /dev/shm/<name>
 
 
@@ -93,8 +92,9 @@ def untrack(name: str) -> None:
         resource_tracker.unregister("/" + name, _RTYPE)
 
 
-def sweep_when_gone(owner: int, wait_s: float = 5.0) -> None:
-    """In the fork server, as it ends: if its owner is gone, unlink the owner's segments.
+def owner_gone(owner: int, wait_s: float = 5.0) -> bool:
+    """In the fork server, as it ends: whether its owner is gone (then the server unlinks the
+    owner's segments, :mod:`multiproc.handles`).
 
     The server ends when no process holds its "alive" pipe, i.e. once the owner has closed
     its files on the way out; the owner is gone once this process is reparented, moments
@@ -103,18 +103,9 @@ def sweep_when_gone(owner: int, wait_s: float = 5.0) -> None:
     deadline = time.monotonic() + wait_s
     while os.getppid() == owner:
         if time.monotonic() > deadline:
-            return
+            return False
         time.sleep(0.005)  # reparenting comes with the owner's exit: no event to wait on here
-    prefix = segment_prefix(owner)
-    try:
-        names = [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
-    except OSError:
-        return
-    for n in names:
-        try:
-            os.unlink(os.path.join(SHM_DIR, n))
-        except OSError:
-            pass
+    return True
 
 
 def die_with_owner(owner_pid: int) -> None:
