@@ -255,6 +255,7 @@ class WorkerHandle:
     start_ns: int = 0
     ready_ns: int = 0
     inflight: dict = field(default_factory=dict)  # frame id -> Frame, or unit id -> Unit
+    ahead: int = 1  # a source worker: units it reads at once (protocol.UnitDone)
     held: dict = field(default_factory=dict)  # stateful: frame id -> Frame
     owes: set = field(default_factory=set)  # (segment, offset) handed to it, not yet released
     blocked: bool = False

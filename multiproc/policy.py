@@ -40,6 +40,7 @@ class WorkerView(Protocol):
 class _Worker(Protocol):
     wid: int
     inflight: dict
+    ahead: int
 
 
 W = TypeVar("W", bound=_Worker)
@@ -49,9 +50,11 @@ MIN_SHARE_BYTES = 64 * 1024
 
 
 def pick_worker(ready: Sequence[W], credits: int) -> W | None:
-    """The least loaded of ``ready`` workers, or None when each has ``credits`` in flight."""
-    h = min(ready, key=lambda h: len(h.inflight))
-    return h if len(h.inflight) < credits else None
+    """The one of ``ready`` workers with the most room, or None when none has any. A worker
+    has room for ``credits`` in flight, and a source worker that reads ``ahead`` units at once
+    for ``ahead - 1`` more: it starts the next unit as soon as it commits one."""
+    h = max(ready, key=lambda h: credits + h.ahead - 1 - len(h.inflight))
+    return h if len(h.inflight) < credits + h.ahead - 1 else None
 
 
 def budget_share(budget: int, workers: int) -> int:

@@ -132,13 +132,15 @@ class Emit(NamedTuple):
 
 
 class UnitDone(NamedTuple):
-    """A source finished a unit of ``frames`` frames."""
+    """A source finished a unit of ``frames`` frames; it reads ``ahead`` units at once now
+    (:mod:`multiproc.readahead`: the router keeps one more than that in flight to it)."""
 
     TAG = "unit_done"
     wid: int
     unit_id: int
     frames: int
     frees: list
+    ahead: int = 1
 
 
 class Done(NamedTuple):

@@ -213,8 +213,9 @@ class Router:
                     u.committed = k + 1
                     f = self._new_frame((0, u.pos, k), payload, n, h.wid, h.stage)
                     self._deliver(h.stage + depth, f)
-            case P.UnitDone(_, uid, total, frees):
+            case P.UnitDone(_, uid, total, frees, ahead):
                 self._take_frees(h, frees)
+                h.ahead = ahead
                 u = h.inflight.pop(uid, None)
                 if u is not None:
                     self._run.unit_frames[(0, u.pos)] = total

@@ -29,6 +29,7 @@ from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
 from .emit import Emitter
 from .items import estimated_size, exc_payload, short_repr
+from .readahead import ReadAhead
 from .spec import Skipped
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,7 @@ class _Worker(Emitter, Chain):
         self.reducer = None
         self.epoch = 0
         self.calls = concurrency.CallPool(self.stage.concurrency, self.stage.max_concurrency)
+        self.readahead = ReadAhead(self.calls)  # a source's units read side by side
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
         self.runq = stats.RunQueue(enabled=False)  # opened by loop(), in the worker's thread
         # Fusion: the pickled specs of the next stages this worker may run too (unpickled and
@@ -174,18 +176,77 @@ class _Worker(Emitter, Chain):
 
     # -- stage kinds -----------------------------------------------------------------------
     def run_unit(self, unit_id, unit, skip_frames: int) -> None:
+        t0, c0 = _ns(), _cpu_ns()
+        self.chain_ns = self.chain_cpu_ns = 0
+        cell = self.cell
+        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        self.calls.take_not_items()  # none is this unit's
+        try:
+            self._commit_unit(unit_id, unit, skip_frames, self.stage.fn(unit))
+        finally:
+            cell[stats.IN_FN_SINCE_NS] = 0
+            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
+            self._add_own_time(t0, c0)
+
+    def run_units(self, unit_id, unit, skip_frames: int) -> None:
+        """Read this unit and the next ones this worker holds side by side, commit them in
+        order (:mod:`multiproc.readahead`). The stage's time is counted as each unit is
+        committed: the wall time since the last commit, while a unit was being read."""
+        ra, fn, cell = self.readahead, self.stage.fn, self.cell
+        reads = collections.deque([ra.start(fn, unit_id, unit, skip_frames)])
+        t0, c0 = _ns(), _cpu_ns()
+        self.chain_ns = self.chain_cpu_ns = 0
+        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        try:
+            while reads:
+                head = reads[0]
+                cell[stats.WORK_ID] = head.unit_id + 1
+                most = ra.units_at_once(fn, head.unit)
+                self._read_ahead(reads, most)
+                reads.popleft()
+                self._commit_unit(head.unit_id, head.unit, head.skip_frames, ra.replay(head), most)
+                self._add_own_time(t0, c0)
+                t0, c0 = _ns(), _cpu_ns()
+                cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        finally:
+            cell[stats.IN_FN_SINCE_NS] = 0
+            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
+            self._add_own_time(t0, c0)
+
+    def _read_ahead(self, reads: collections.deque, most: int) -> None:
+        """Start reading the units that came after the first of ``reads`` (up to ``most`` read
+        at once) until that one is read. Control messages are handled as they come; any other
+        message waits its turn, and no unit after it is started."""
+        ra, head, fn = self.readahead, reads[0], self.stage.fn
+        while True:
+            if len(reads) < most:
+                if self.deferred:
+                    nxt = self.deferred[0]
+                    if type(nxt) is P.Unit and ra.units_at_once(fn, nxt.unit) > 1:
+                        self.deferred.popleft()
+                        reads.append(ra.start(fn, nxt.unit_id, nxt.unit, nxt.skip_frames))
+                        continue
+                elif self.conn.poll(0) if head.done else ra.wait(head, self.conn):
+                    msg = P.read(self.conn.recv())
+                    if not self._handle_control(msg):
+                        self.deferred.append(msg)
+                    continue
+            if head.done:
+                return
+            ra.wait(head)
+
+    def _commit_unit(self, unit_id, unit, skip_frames: int, items, ahead: int = 1) -> None:
+        """Frame ``items`` (what the stage function made of ``unit``), commit the frames
+        after the first ``skip_frames``, and say the unit is done (and that ``ahead`` units
+        are being read at once)."""
         fi = self.stage.frame_items
         k = 0
         buf: list = []
         cell = self.cell
-        t0, c0 = _ns(), _cpu_ns()
-        self.chain_ns = self.chain_cpu_ns = 0
         cell[stats.WORK_ID] = unit_id + 1
         cell[stats.WORK_ITEM] = 1  # per frame, not per item: a store per item costs ~30 ns
-        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
-        self.calls.take_not_items()  # none is this unit's
         try:
-            for item in self.stage.fn(unit):
+            for item in items:
                 if type(item) is Skipped:  # the source recovered from a failing item
                     if not self._error(
                         unit_id, item.error, f"work unit {short_repr(unit)}, {item.where}"
@@ -217,12 +278,8 @@ class _Worker(Emitter, Chain):
                 k += 1
             if not self._error(unit_id, e, where):
                 return
-        finally:
-            cell[stats.IN_FN_SINCE_NS] = 0
-            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
-            self._add_own_time(t0, c0)
         self.row[stats.FRAMES_IN] += 1
-        self._say(P.UnitDone(self.wid, unit_id, k, self._take_frees()))
+        self._say(P.UnitDone(self.wid, unit_id, k, self._take_frees(), ahead))
 
     def _add_own_time(self, t0: int, c0: int) -> None:
         """Count the time since ``t0`` (wall) and ``c0`` (CPU) as this stage's, less what
@@ -401,7 +458,10 @@ class _Worker(Emitter, Chain):
                 case P.Run(frame_id, payload, skip):
                     self.run_frame(frame_id, payload, skip)
                 case P.Unit(unit_id, unit, skip_frames):
-                    self.run_unit(unit_id, unit, skip_frames)
+                    if self.readahead.units_at_once(self.stage.fn, unit) > 1:
+                        self.run_units(unit_id, unit, skip_frames)
+                    else:
+                        self.run_unit(unit_id, unit, skip_frames)
                 case P.Flush():
                     self.flush()
                 case P.Retire():
@@ -423,6 +483,7 @@ class _Worker(Emitter, Chain):
                 except Exception:
                     log.exception("stage %r: the function's on_worker_exit failed", st.name)
         concurrency._install(None)
+        self.readahead.close()
         self.calls.close()
         self.runq.close()
         self.cache.clear()

@@ -225,3 +225,52 @@ def test_auto_with_a_tensor_dataset_matches_torch():
     # stage each travels as the bytes it covers.
     data = torch.arange(4000.0).reshape(1000, 4)
     _compare(torch.utils.data.TensorDataset(data, data[:, 0]), "auto", batch_size=64)
+
+
+class _RemoteRows(Dataset):
+    """A remote read: waits 5 ms; a sample is ``(i, read start, read end)``. ``draws``:
+    it also draws from torch's global generator (a random augmentation)."""
+
+    def __init__(self, n=96, draws=False):
+        self.n, self.draws = n, draws
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+
+        t0 = time.monotonic()
+        time.sleep(0.005)
+        noise = torch.rand(()).item() if self.draws else 0.0
+        return (i, t0, time.monotonic(), noise)
+
+
+def _fetched(ds, concurrency, seed=5):
+    """Batches of 4 samples of ``ds`` as a fetch stage of one worker reads them."""
+    from torchtune_pipe import Pipeline
+    from torchtune_pipe.map_dataset import MapDatasetSource
+
+    g = torch.Generator().manual_seed(seed)
+    src = MapDatasetSource(ds, batch_size=4, shuffle=True, generator=g, seed_units=True)
+    pipe = Pipeline.from_source(src, concurrency=concurrency, max_concurrency=8)
+    with pipe.loader() as loader:
+        return list(loader)
+
+
+def test_a_fetch_worker_reads_several_batches_at_once_in_torchs_order():
+    # Concurrency 8 over batches of 4: a fetch worker reads two batches side by side.
+    g = torch.Generator().manual_seed(5)
+    want = [b.tolist() for b in torch.utils.data.DataLoader(range(96), 4, True, generator=g)]
+    got = _fetched(_RemoteRows(), 8)
+    assert [[s[0] for s in b] for b in got] == want
+    spans = [(min(s[1] for s in b), max(s[2] for s in b)) for b in got]
+    assert sum(1 for a, b in zip(spans, spans[1:], strict=False) if b[0] < a[1]) >= 6
+
+
+def test_batches_that_draw_random_numbers_are_read_one_at_a_time():
+    # Side by side, two batches' draws from the global generator would interleave.
+    one, eight = _fetched(_RemoteRows(draws=True), 1), _fetched(_RemoteRows(draws=True), 8)
+    assert [[s[3] for s in b] for b in one] == [[s[3] for s in b] for b in eight]
+    spans = [(min(s[1] for s in b), max(s[2] for s in b)) for b in eight]
+    assert not any(b[0] < a[1] for a, b in zip(spans, spans[1:], strict=False))

@@ -46,6 +46,12 @@ class ReadTagged:
         self.source = source
         self.skip = skip
 
+    def calls_per_unit(self, work: Work) -> int | None:
+        """The calls the source's read of ``work`` runs at once on the worker's threads; None
+        when its units must be read one at a time (:mod:`multiproc.readahead`)."""
+        per_unit = getattr(self.source, "calls_per_unit", None)
+        return per_unit(work.unit) if per_unit is not None else None
+
     def __call__(self, work: Work) -> Iterator[Any]:
         count = len(work.skip)  # items delivered before a resume count towards the unit
         skip = set(work.skip)

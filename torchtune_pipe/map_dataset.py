@@ -181,6 +181,18 @@ class MapDatasetSource:
         """Make the next ``units()`` call draw the same order as the one ``state`` came from."""
         self._replay = state
 
+    def calls_per_unit(self, unit: IndexUnit) -> int | None:
+        """The ``__getitem__`` calls a read of ``unit`` runs at once on its worker's threads
+        (its samples), so that a worker may read several units side by side
+        (:mod:`multiproc.readahead`); None when units must be read one at a time: unbatched,
+        fetched with ``__getitems__``, or ``__getitem__`` draws from the global random
+        generators (or this process has not read a batch yet to find that out)."""
+        if not self.batched or self._draws is not False:
+            return None
+        if getattr(self.dataset, "__getitems__", None) is not None:
+            return None
+        return sum(len(e) for e in unit.entries)
+
     def read(self, unit: IndexUnit) -> Iterator[Any]:
         """The unit's items: samples, or lists of samples (one per batch)."""
         for _, item in self.read_from(unit, frozenset()):

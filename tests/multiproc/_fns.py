@@ -72,6 +72,16 @@ def burn_2ms(x):
     return x
 
 
+def _die_once(marker: str) -> None:
+    """Kill this process (SIGKILL) unless ``marker`` exists; create it first."""
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return
+    os.close(fd)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 class DieOnceOnFirst:
     """Identity, except that the first call anywhere kills its worker (SIGKILL), once: a
     marker file records that it happened, so the restarted worker lets items through."""
@@ -80,12 +90,8 @@ class DieOnceOnFirst:
         self.marker = marker
 
     def __call__(self, x):
-        try:
-            fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return x
-        os.close(fd)
-        os.kill(os.getpid(), signal.SIGKILL)
+        _die_once(self.marker)
+        return x
 
 
 def read_fail_at_100(unit):
@@ -321,3 +327,43 @@ class FakeRemote:
             self._jobs.put(None)
             self._server.join(5.0)
             self._server = None
+
+
+class ReadSideBySide:
+    """A source whose units of ``(lo, hi)`` fetch their records through the worker's call
+    pool (10 ms of waiting each) and that lets a worker read its units side by side
+    (``calls_per_unit``, :mod:`multiproc.readahead`). An item is ``(id, read start, read
+    end)`` of its unit; after its records, a unit yields an end mark ``(-1, lo, hi)`` that is
+    not an item. ``fail_at``: the id whose read raises; ``die_at``: the id whose read kills
+    the worker (SIGKILL) the first time, once per ``marker`` file; ``hang_at``: the id whose
+    read never ends."""
+
+    def __init__(self, fail_at=None, die_at=None, marker=None, hang_at=None):
+        self.fail_at, self.die_at, self.marker, self.hang_at = fail_at, die_at, marker, hang_at
+
+    def calls_per_unit(self, unit):
+        return unit[1] - unit[0]
+
+    def _fetch(self, i):
+        time.sleep(0.01)
+        if i == self.fail_at:
+            raise KeyError(f"missing record {i}")
+        if i == self.hang_at:
+            time.sleep(60)
+        if i == self.die_at:
+            _die_once(self.marker)
+        return i
+
+    def __call__(self, unit):
+        from multiproc import concurrency
+
+        lo, hi = unit
+        t0 = time.monotonic()
+        outs = concurrency.current().map(self._fetch, range(lo, hi))
+        t1 = time.monotonic()
+        for o in outs:
+            if o.error is not None:
+                raise o.error
+            yield (o.value, t0, t1)
+        concurrency.not_an_item()
+        yield (-1, lo, hi)

@@ -179,12 +179,15 @@ def test_a_smaller_budget_gives_the_arena_pages_back():
 class Loaded:
     wid: int
     inflight: dict
+    ahead: int = 1
 
 
 def test_the_least_loaded_worker_gets_the_next_frame_within_its_credits():
     a, b = Loaded(0, {1: 0, 2: 0}), Loaded(1, {3: 0})
     assert policy.pick_worker([a, b], credits=2) is b
     assert policy.pick_worker([a, Loaded(1, {3: 0, 4: 0})], credits=2) is None
+    # A source worker that reads two units at once has room for one more.
+    assert policy.pick_worker([a, Loaded(1, {3: 0, 4: 0}, ahead=2)], credits=2).wid == 1
 
 
 def test_a_budget_splits_evenly_with_a_floor():

@@ -1,0 +1,163 @@
+"""Units read side by side in one source worker: calls in flight across unit boundaries.
+
+A source worker at concurrency ``c`` runs a unit's calls ``c`` at a time on its threads
+(:mod:`multiproc.concurrency`). A unit holds only so many calls (a map-style dataset's unit is
+one batch: its samples), so a worker whose concurrency is above a unit's calls would still
+wait one call's latency per unit, and keeping more reads in flight would cost another process.
+Here the worker reads the next units it already holds (the executor sends a worker up to
+``ExecutorSpec.credits`` of them) on threads of its own while it frames, runs the fused stages
+over and commits the unit before them: ``ceil(c / calls per unit)`` units in flight, so that a
+worker's calls in flight are what its concurrency says, as the simulator models it.
+
+Units are still committed one at a time, in the order they came, each exactly as if it had
+been read alone (the same items, frames, skips and errors). The source decides whether its
+units may be read side by side: the stage function's ``calls_per_unit(unit)`` says how many
+calls one unit runs at once, or None when its units must be read one at a time (a map-style
+dataset whose ``__getitem__`` draws from the global random generators, say).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import wait
+from typing import Any
+
+from . import concurrency
+
+# Units one worker reads at once, at most (each has a thread; the executor's credits bound it
+# too).
+MAX_UNITS = 8
+
+
+class _UnitCalls:
+    """The worker's call pool as one unit's reading thread sees it: its bookkeeping marks
+    (:func:`multiproc.concurrency.not_an_item`) are counted per unit, the rest is the pool's."""
+
+    def __init__(self, pool: concurrency.CallPool):
+        self._pool = pool
+        self.not_items = 0
+
+    def add_not_items(self, n: int) -> None:
+        self.not_items += n
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+class Read:
+    """One unit being read: what the worker got (``unit_id``, ``unit``, ``skip_frames``), the
+    items read so far with the marks said before each, and the exception that ended the read."""
+
+    __slots__ = ("unit_id", "unit", "skip_frames", "items", "error", "done")
+
+    def __init__(self, unit_id: Any, unit: Any, skip_frames: int):
+        self.unit_id = unit_id
+        self.unit = unit
+        self.skip_frames = skip_frames
+        self.items: list[tuple[int, Any]] = []
+        self.error: Exception | None = None
+        self.done = False
+
+
+class ReadAhead:
+    """Reads a source worker's units on threads of their own (see the module docstring).
+
+    Args:
+        pool: the worker's call pool: its width is the worker's concurrency, and the CPU time
+            of the reading threads is added to it.
+    """
+
+    def __init__(self, pool: concurrency.CallPool):
+        self.pool = pool
+        self._threads: ThreadPoolExecutor | None = None
+        self._wake: tuple[int, int] | None = None  # a pipe a finished read writes a byte to
+        self._wake_lock = threading.Lock()  # no write to the pipe once close() closed it
+
+    def units_at_once(self, fn: Callable[..., Any], unit: Any) -> int:
+        """How many units like ``unit`` to read at once for the stage function ``fn``: 1
+        unless the pool runs calls side by side and ``fn.calls_per_unit(unit)`` says how
+        many one unit runs."""
+        if self.pool.width <= 1:
+            return 1
+        per_unit = getattr(fn, "calls_per_unit", None)
+        calls = per_unit(unit) if per_unit is not None else None
+        if not calls:
+            return 1
+        return max(1, min(MAX_UNITS, -(-self.pool.width // calls)))
+
+    def start(self, fn: Callable[[Any], Iterator[Any]], unit_id: Any, unit: Any,
+              skip_frames: int) -> Read:  # fmt: skip
+        """Start reading ``fn(unit)`` on a thread; the returned :class:`Read` fills."""
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(MAX_UNITS, thread_name_prefix="multiproc-unit")
+            self._wake = os.pipe()
+            for fd in self._wake:
+                os.set_blocking(fd, False)  # a full pipe already says "wake up"
+        r = Read(unit_id, unit, skip_frames)
+        self._threads.submit(self._read, fn, r)
+        return r
+
+    def _read(self, fn: Callable[[Any], Iterator[Any]], r: Read) -> None:
+        calls = _UnitCalls(self.pool)
+        concurrency._install(calls)  # type: ignore[arg-type]
+        c0 = time.thread_time_ns()
+        try:
+            for x in fn(r.unit):
+                r.items.append((calls.not_items, x))
+                calls.not_items = 0
+        except Exception as e:
+            r.error = e
+        finally:
+            self.pool.add_cpu_ns(time.thread_time_ns() - c0)
+            concurrency._install(None)
+            r.done = True
+            with self._wake_lock:
+                if self._wake is not None:
+                    try:
+                        os.write(self._wake[1], b"\0")
+                    except BlockingIOError:
+                        pass
+
+    def replay(self, r: Read) -> Iterator[Any]:
+        """A finished read's items as its stage function made them: each item's marks are
+        said when the item comes, and the read's exception is raised after its items."""
+        for marks, x in r.items:
+            if marks:
+                self.pool.add_not_items(marks)
+            yield x
+        r.items = []
+        if r.error is not None:
+            raise r.error
+
+    def wait(self, r: Read, conn: Any = None) -> bool:
+        """Block until ``r`` is done or, when ``conn`` is given, a message waits on it; True
+        when the message is what woke it."""
+        assert self._wake is not None
+        watch = [self._wake[0]] if conn is None else [self._wake[0], conn]
+        while not r.done:
+            ready = wait(watch)
+            if self._wake[0] in ready:
+                try:
+                    os.read(self._wake[0], 4096)
+                except BlockingIOError:
+                    pass
+            if conn is not None and conn in ready:
+                return True
+        return False
+
+    def close(self) -> None:
+        if self._threads is not None:
+            self._threads.shutdown(wait=False, cancel_futures=True)
+            self._threads = None
+        with self._wake_lock:
+            if self._wake is not None:
+                for fd in self._wake:
+                    os.close(fd)
+                self._wake = None
+
+
+__all__ = ["MAX_UNITS", "Read", "ReadAhead"]
