@@ -4,6 +4,7 @@ import pytest
 
 from torchtune_pipe.tuning import MiB, Observation, StageStats
 from torchtune_pipe.tuning.base import Allocation, fusion_host
+from torchtune_pipe.tuning.concurrency import settled_concurrency
 from torchtune_pipe.tuning.intune import ActionSpace
 from torchtune_pipe.tuning.planner import plan
 
@@ -284,3 +285,22 @@ def test_an_idle_fused_stage_is_planned_without_dividing_by_its_zero_workers():
     obs = Observation(stages, 1e3, 2.0, 1 << 40, 0)
     p = plan(obs, Allocation((2, 1, 1), (MiB,) * 3, fused=(False, True, False)))
     assert p is not None and all(w >= 1 for w in p.allocation.workers)
+
+
+def test_a_stage_whose_calls_in_flight_are_rising_is_planned_for_them():
+    # A read that waits 20x its CPU, at one call per worker, where the concurrency rule (below
+    # every tuner) raises its calls in flight to 16: the wait goes to threads, and the plan
+    # does not also buy processes for it.
+    def read(max_concurrency):
+        return StageStats("read", 2, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.01,
+                          io_bound=True, max_concurrency=max_concurrency)  # fmt: skip
+
+    udf = StageStats("udf", 1, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.1)
+    alone = plan(Observation((read(1), udf), 10.0, 4.0, 1 << 40, 0), Allocation((2, 1), (MiB, MiB)))
+    rising = plan(
+        Observation((read(64), udf), 10.0, 4.0, 1 << 40, 0), Allocation((2, 1), (MiB, MiB))
+    )
+    assert settled_concurrency(read(64)) == 16 and settled_concurrency(read(1)) == 1
+    assert alone.allocation.workers[0] == 8  # 0.2 worker-s per item, as without threads
+    assert rising.allocation.workers[0] < alone.allocation.workers[0] / 3
+    assert rising.throughput >= alone.throughput

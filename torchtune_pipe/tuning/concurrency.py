@@ -52,6 +52,18 @@ def next_concurrency(st: StageStats) -> int:
     return c
 
 
+def settled_concurrency(st: StageStats) -> int:
+    """The calls in flight per worker the rule is raising the stage towards: where
+    :func:`next_concurrency` ends after its steps of at most ``MAX_STEP`` (the current one where
+    it does not raise)."""
+    c = st.concurrency
+    if st.max_concurrency <= 1 or next_concurrency(st) <= c:
+        return c
+    r = wait_ratio(st)
+    assert r is not None
+    return max(c, min(st.max_concurrency, math.ceil(c * r / WAIT_RATIO_TARGET)))
+
+
 def plan_concurrency(obs: Observation, alloc: Allocation) -> Allocation:
     """``alloc`` with its concurrency decided: the tuner's where it set one, else the rule's
     for every stage, bounded by each stage's ``max_concurrency``."""
@@ -65,4 +77,7 @@ def plan_concurrency(obs: Observation, alloc: Allocation) -> Allocation:
     return alloc.replace(concurrency=cs)
 
 
-__all__ = ["next_concurrency", "plan_concurrency", "wait_ratio", "WAIT_RATIO_TARGET"]
+__all__ = [
+    "next_concurrency", "plan_concurrency", "settled_concurrency", "wait_ratio",
+    "WAIT_RATIO_TARGET",
+]  # fmt: skip

@@ -291,7 +291,7 @@ class InTuneTuner:
                 self.agent.learn()
         eps = self.epsilon if self.epsilon is not None else self.agent.epsilon(self.steps)
         index = self.agent.act(state, mask, eps if self.agent.training_enabled else 0.0)
-        if self.plan_gain is not None and self.plan_promises(self.plan_gain):
+        if self.plan_gain is not None and (self.plan_promises(self.plan_gain) or self.plan_trims()):
             index = self.actions.plan_index
         self._prev = (state, mask, index)
         return self.take(index)
@@ -358,6 +358,20 @@ class InTuneTuner:
         assert p is not None and self.actions is not None
         open_ = bool(p.mask[self.actions.plan_index])
         return open_ and p.planned.throughput > (1 + gain) * p.planned.current
+
+    def plan_trims(self) -> bool:
+        """Whether the prepared plan runs fewer processes than the allocation in force for no
+        less throughput by the same model (and its action is open): then :meth:`step` takes
+        it too, since each process costs its memory (the undo judges it like any worker
+        move). Not while workers run on a cluster (the split is judged apart)."""
+        p = self.pending
+        assert p is not None and self.actions is not None
+        if p.planned is None or not p.mask[self.actions.plan_index]:
+            return False
+        a, now = p.planned.allocation, p.current
+        if any(a.remote) or any(now.remote):
+            return False
+        return _processes(a) < _processes(now) and p.planned.throughput >= p.planned.current
 
     def take(self, index: int) -> Allocation:
         """Take action ``index`` on the prepared allocation (:meth:`prepare`); returns the
@@ -464,6 +478,11 @@ class InTuneTuner:
         elif self.finetune:
             agent.enable_training(seed=self.seed, config=self.config)
         return agent
+
+
+def _processes(a: Allocation) -> int:
+    """Worker processes ``a`` runs: a fused stage runs in its host's."""
+    return sum(w for i, w in enumerate(a.workers) if not (a.fused and a.fused[i]))
 
 
 def fused_start(start: Allocation, obs: Observation) -> Allocation:

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from multiproc.stats import MAX_FUSED
 
 from .base import Allocation, Observation, fusion_host
+from .concurrency import settled_concurrency
 from .placement import Station, local_wall, place, rate_of, remote_terms
 from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
@@ -150,7 +151,12 @@ def plan(
         rates = sorted(g[i] / a[i] for i in range(n) if not io[i] and a[i] > 0 and g[i] > 0)
         phi = min(1.0, max(0.05, rates[len(rates) // 2])) if rates else 1.0
         q = [g[i] / phi - g[i] for i in range(n)]
-    u = local_wall(obs, [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i])) for i in range(n)], r)
+    # A stage whose calls in flight the concurrency rule is raising (below every tuner) will
+    # wait that many times less per item on each worker: threads take the wait, not processes.
+    k = [s.concurrency / settled_concurrency(s) for s in obs.stages]
+    u = local_wall(
+        obs, [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i]) * k[i]) for i in range(n)], r
+    )
     floor = [charge_floor(s) for s in obs.stages]
     # (At least one: a fused stage reports 0 workers, and a shape may split it.)
     lo = [
