@@ -18,6 +18,7 @@ dataset whose ``__getitem__`` draws from the global random generators, say).
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -26,7 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import wait
 from typing import Any
 
-from . import concurrency
+from . import concurrency, stats
+from . import protocol as P
+
+_ns = time.perf_counter_ns
+_cpu_ns = time.thread_time_ns
+_mono_ns = time.monotonic_ns  # the clock of stats.IN_FN_SINCE_NS
 
 # Units one worker reads at once, at most (each has a thread; the executor's credits bound it
 # too).
@@ -160,4 +166,58 @@ class ReadAhead:
                 self._wake = None
 
 
-__all__ = ["MAX_UNITS", "Read", "ReadAhead"]
+class ReadsAhead:
+    """The worker side: a source worker (``worker._Worker``) that reads units side by side.
+    The worker provides ``readahead``, ``stage``, ``cell``, ``conn``, ``deferred``,
+    ``chain_ns``, ``chain_cpu_ns``, ``_handle_control(msg)``, ``_commit_unit(...)`` and
+    ``_add_own_time(t0, c0)``."""
+
+    def run_units(self, unit_id, unit, skip_frames: int) -> None:
+        """Read this unit and the next ones this worker holds side by side, commit them in
+        order (:mod:`multiproc.readahead`). The stage's time is counted as each unit is
+        committed: the wall time since the last commit, while a unit was being read."""
+        ra, fn, cell = self.readahead, self.stage.fn, self.cell
+        reads = collections.deque([ra.start(fn, unit_id, unit, skip_frames)])
+        t0, c0 = _ns(), _cpu_ns()
+        self.chain_ns = self.chain_cpu_ns = 0
+        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        try:
+            while reads:
+                head = reads[0]
+                cell[stats.WORK_ID] = head.unit_id + 1
+                most = ra.units_at_once(fn, head.unit)
+                self._read_ahead(reads, most)
+                reads.popleft()
+                self._commit_unit(head.unit_id, head.unit, head.skip_frames, ra.replay(head), most)
+                self._add_own_time(t0, c0)
+                t0, c0 = _ns(), _cpu_ns()
+                cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        finally:
+            cell[stats.IN_FN_SINCE_NS] = 0
+            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
+            self._add_own_time(t0, c0)
+
+    def _read_ahead(self, reads: collections.deque, most: int) -> None:
+        """Start reading the units that came after the first of ``reads`` (up to ``most`` read
+        at once) until that one is read. Control messages are handled as they come; any other
+        message waits its turn, and no unit after it is started."""
+        ra, head, fn = self.readahead, reads[0], self.stage.fn
+        while True:
+            if len(reads) < most:
+                if self.deferred:
+                    nxt = self.deferred[0]
+                    if type(nxt) is P.Unit and ra.units_at_once(fn, nxt.unit) > 1:
+                        self.deferred.popleft()
+                        reads.append(ra.start(fn, nxt.unit_id, nxt.unit, nxt.skip_frames))
+                        continue
+                elif self.conn.poll(0) if head.done else ra.wait(head, self.conn):
+                    msg = P.read(self.conn.recv())
+                    if not self._handle_control(msg):
+                        self.deferred.append(msg)
+                    continue
+            if head.done:
+                return
+            ra.wait(head)
+
+
+__all__ = ["MAX_UNITS", "Read", "ReadAhead", "ReadsAhead"]

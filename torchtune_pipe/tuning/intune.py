@@ -139,11 +139,11 @@ FINETUNE_CONFIG = DQNConfig(
 @dataclass(frozen=True)
 class Pending:
     """What :meth:`InTuneTuner.prepare` left for the action: the observation, the allocation
-    the action changes, the plan and the action mask."""
+    the action changes, the plan (None: nothing measured to plan from) and the action mask."""
 
     obs: Observation
     current: Allocation
-    planned: Plan
+    planned: Plan | None
     mask: torch.Tensor
 
 
@@ -356,8 +356,9 @@ class InTuneTuner:
         (and its action is open): then :meth:`step` takes it without asking the network."""
         p = self.pending
         assert p is not None and self.actions is not None
-        open_ = bool(p.mask[self.actions.plan_index])
-        return open_ and p.planned.throughput > (1 + gain) * p.planned.current
+        if p.planned is None or not p.mask[self.actions.plan_index]:
+            return False
+        return p.planned.throughput > (1 + gain) * p.planned.current
 
     def plan_trims(self) -> bool:
         """Whether the prepared plan runs fewer processes than the allocation in force for no
