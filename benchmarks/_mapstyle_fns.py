@@ -26,9 +26,11 @@ from . import _consume
 from ._bench_fns import burn
 
 # "torchtune_pipe": the drop-in DataLoader; "-maps": a Pipeline with a map stage per step,
-# "-fused": the same with every map fused from the start.
+# "-fused": the same with every map fused from the start; "-shape": a Pipeline of fixed shape,
+# ``workers`` fetch workers at SHAPE_CALLS calls in flight each and one collate worker.
 TOOLS = ("dataloader", "nodes-thread", "nodes-process", "spdl", "torchtune_pipe",
-         "torchtune_pipe-maps", "torchtune_pipe-fused")  # fmt: skip
+         "torchtune_pipe-maps", "torchtune_pipe-fused", "torchtune_pipe-shape")  # fmt: skip
+SHAPE_CALLS = 64
 
 
 class Rows(Dataset):
@@ -167,6 +169,21 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
             Chained(ds, steps) if steps else ds, batch_size=bs, shuffle=spec.get("shuffle", True),
             num_workers="auto" if w < 0 else w, collate_fn=collate, **kw,
         )  # fmt: skip
+    elif tool == "torchtune_pipe-shape":
+        from torchtune_pipe.map_dataset import MapDatasetSource
+
+        src = MapDatasetSource(ds, batch_size=bs, shuffle=spec.get("shuffle", True))
+        loader = (
+            torchtune_pipe.Pipeline.from_source(
+                src,
+                name="fetch",
+                workers=w,
+                concurrency=SHAPE_CALLS,
+                max_concurrency=SHAPE_CALLS,
+            )
+            .map(collate, name="collate")
+            .loader(tuner=None)
+        )
     else:  # one map stage per step, fused from the start with "torchtune_pipe-fused"
         pipe = torchtune_pipe.Pipeline.from_source(ds)
         for i, step in enumerate(steps, start=1):

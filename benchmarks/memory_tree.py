@@ -7,8 +7,10 @@ smaps_rollup`` every 0.25 s. At the sample where the tree's proportional set siz
 it records each process's role (``consumer``, ``fork server``, ``resource tracker``,
 ``worker``), its PSS, the part of it that is shared memory (``Pss_Shmem``: arenas and the file
 of stage arrays, ``multiproc.buffers``) and its private dirty pages (what only it holds).
-Our drop-in also runs at fixed worker counts: the one of our settings with the smallest peak
-that still makes nodes' rows/s is the footprint at the same throughput (``at_nodes_rate``).
+Our drop-in also runs at fixed worker counts (in ``remote-map``, a Pipeline of fixed shape:
+fetch workers with 64 reads in flight each, one collate worker): the one of our settings with
+the smallest peak that still makes nodes' rows/s is the footprint at the same throughput
+(``at_nodes_rate``).
 
 Usage::
 
@@ -35,11 +37,14 @@ REPO = Path(__file__).resolve().parent.parent
 SAMPLE_S = 0.25
 # (label, tool of _mapstyle_fns, workers; -1 is num_workers="auto"): ours, nodes at the
 # setting its sweep picks in each scenario (threads: one process), then our drop-in at fixed
-# worker counts, for the footprint at nodes' rows/s (``at_nodes_rate``; none in remote-map:
-# a fixed count runs one read at a time per worker, 250 rows/s each).
+# worker counts, for the footprint at nodes' rows/s (``at_nodes_rate``; in remote-map, where
+# a fixed count runs one read at a time per worker, 250 rows/s each: a Pipeline of fixed
+# shape, 1 or 2 fetch workers at 64 reads in flight each and one collate worker).
 CONTENDERS = {
     "remote-map": (("torchtune_pipe-auto", "torchtune_pipe", -1),
-                   ("nodes-thread-w64", "nodes-thread", 64)),
+                   ("nodes-thread-w64", "nodes-thread", 64),
+                   ("torchtune_pipe-f1c1", "torchtune_pipe-shape", 1),
+                   ("torchtune_pipe-f2c1", "torchtune_pipe-shape", 2)),
     "cheap-map": (("torchtune_pipe-auto", "torchtune_pipe", -1),
                   ("nodes-thread-w0", "nodes-thread", 0),
                   ("torchtune_pipe-w1", "torchtune_pipe", 1),

@@ -111,6 +111,7 @@ def test_repeats_go_round_the_contenders_and_keep_the_median(tmp_path, monkeypat
         ("fusion", "nodes-thread", 2),
         ("fusion", "torchtune_pipe-maps", 0),
         ("fusion", "torchtune_pipe-fused", 0),
+        ("remote-map", "torchtune_pipe-shape", 1),  # benchmarks.memory_tree's fixed shape
     ],
 )
 def test_every_shape_contender_delivers_every_row_once(scenario, tool, workers):
