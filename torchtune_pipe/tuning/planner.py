@@ -18,8 +18,10 @@ From one interval with ``X`` items/s delivered, per stage ``i``:
 * ``q_i = workers_i * runqueue_i / items_per_s_i * r_i``: seconds per delivered item its
   workers were runnable but waiting for a CPU; a contended machine stretches wall time by
   that much and the plan must not mistake it for work (or for I/O);
-* ``u_i = g_i + max(0, a_i - g_i - q_i)``: worker seconds per item on an uncontended machine
-  (CPU plus waiting on I/O).
+* ``u_i = g_i + max(0, a_i - g_i - q_i) * k_i / K_i``: worker seconds per item on an
+  uncontended machine (CPU plus waiting on I/O), where a stage at ``k_i`` calls in flight per
+  worker is being raised to ``K_i`` by the concurrency rule below every tuner
+  (:func:`~.concurrency.settled_concurrency`): its wait goes to threads, not processes.
 
 Where the run-queue delay is not measured (the simulator), ``q_i = g_i / phi - g_i`` with
 ``phi`` the CPU rate a runnable worker got: the median of ``g_i / a_i`` over CPU-bound stages
