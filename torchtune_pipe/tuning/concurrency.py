@@ -38,29 +38,29 @@ def wait_ratio(st: StageStats) -> float | None:
 
 
 def next_concurrency(st: StageStats) -> int:
-    """The stage's calls in flight per worker for the next interval."""
+    """The stage's calls in flight per worker for the next interval: a raise towards
+    :func:`settled_concurrency` of at most ``MAX_STEP`` times, or half when calls stop
+    waiting."""
     c = st.concurrency
-    if st.max_concurrency <= 1:
-        return c
-    r = wait_ratio(st)
-    if r is None:
-        return c
-    if r > RAISE_ABOVE and st.busy >= MIN_BUSY:
-        return max(c, min(st.max_concurrency, c * MAX_STEP, math.ceil(c * r / WAIT_RATIO_TARGET)))
-    if r < LOWER_BELOW and c > 1:
+    target = settled_concurrency(st)
+    if target > c:
+        return min(target, c * MAX_STEP)
+    r = wait_ratio(st) if st.max_concurrency > 1 else None
+    if r is not None and r < LOWER_BELOW and c > 1:
         return max(1, c // 2)
     return c
 
 
 def settled_concurrency(st: StageStats) -> int:
-    """The calls in flight per worker the rule is raising the stage towards: where
-    :func:`next_concurrency` ends after its steps of at most ``MAX_STEP`` (the current one where
-    it does not raise)."""
+    """The calls in flight per worker the rule is raising the stage towards (where
+    :func:`next_concurrency` ends after its steps of at most ``MAX_STEP``), or the current
+    count where it does not raise: ``ratio / WAIT_RATIO_TARGET`` times it, up to
+    ``max_concurrency``, for a busy stage whose calls wait more than ``RAISE_ABOVE`` times
+    their CPU."""
     c = st.concurrency
-    if st.max_concurrency <= 1 or next_concurrency(st) <= c:
+    r = wait_ratio(st) if st.max_concurrency > 1 else None
+    if r is None or r <= RAISE_ABOVE or st.busy < MIN_BUSY:
         return c
-    r = wait_ratio(st)
-    assert r is not None
     return max(c, min(st.max_concurrency, math.ceil(c * r / WAIT_RATIO_TARGET)))
 
 

@@ -351,28 +351,31 @@ class InTuneTuner:
         self.pending = Pending(obs, current, planned, mask)
         return state, mask
 
+    def _open_plan(self) -> Plan | None:
+        """The prepared plan when its action is open, else None."""
+        p = self.pending
+        assert p is not None and self.actions is not None
+        return p.planned if p.planned is not None and p.mask[self.actions.plan_index] else None
+
     def plan_promises(self, gain: float) -> bool:
         """Whether the prepared plan promises more than ``gain`` over the measured throughput
         (and its action is open): then :meth:`step` takes it without asking the network."""
-        p = self.pending
-        assert p is not None and self.actions is not None
-        if p.planned is None or not p.mask[self.actions.plan_index]:
-            return False
-        return p.planned.throughput > (1 + gain) * p.planned.current
+        planned = self._open_plan()
+        return planned is not None and planned.throughput > (1 + gain) * planned.current
 
     def plan_trims(self) -> bool:
         """Whether the prepared plan runs fewer processes than the allocation in force for no
         less throughput by the same model (and its action is open): then :meth:`step` takes
         it too, since each process costs its memory (the undo judges it like any worker
         move). Not while workers run on a cluster (the split is judged apart)."""
-        p = self.pending
-        assert p is not None and self.actions is not None
-        if p.planned is None or not p.mask[self.actions.plan_index]:
+        planned = self._open_plan()
+        if planned is None:
             return False
-        a, now = p.planned.allocation, p.current
+        assert self.pending is not None
+        a, now = planned.allocation, self.pending.current
         if any(a.remote) or any(now.remote):
             return False
-        return _processes(a) < _processes(now) and p.planned.throughput >= p.planned.current
+        return _processes(a) < _processes(now) and planned.throughput >= planned.current
 
     def take(self, index: int) -> Allocation:
         """Take action ``index`` on the prepared allocation (:meth:`prepare`); returns the
