@@ -23,7 +23,7 @@ import traceback
 
 import cloudpickle
 
-from . import arena, concurrency, lifetime, policy, reducers, stats
+from . import arena, concurrency, lifetime, policy, reducers, serialize, stats
 from . import protocol as P
 from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
@@ -461,6 +461,7 @@ def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> Non
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the fork server ignores it
         if owner_pid:
             lifetime.die_with_owner(owner_pid)
+        serialize.collate_into_private_memory()
     w = None
     wid = args[1] if len(args) > 1 else -1
     try:

@@ -367,3 +367,18 @@ class ReadSideBySide:
             yield (o.value, t0, t1)
         concurrency.not_an_item()
         yield (-1, lo, hi)
+
+
+def collate_as_a_worker(x):
+    """torch's ``default_collate`` of two rows made from ``x`` while ``get_worker_info()`` is
+    set (as in a worker of the drop-in DataLoader), and whether the batch is in shared memory."""
+    from torch.utils.data import default_collate
+    from torch.utils.data._utils import worker
+
+    saved = worker._worker_info
+    worker._worker_info = worker.WorkerInfo(id=0, num_workers=1, seed=0, dataset=None)
+    try:
+        batch = default_collate([torch.full((3,), float(x)), torch.full((3,), float(x + 1))])
+    finally:
+        worker._worker_info = saved
+    return batch, batch.is_shared()

@@ -199,3 +199,32 @@ def test_small_tensors_arrive_as_writable_copies_with_their_dtype_and_shape():
         if not got.requires_grad:
             got.zero_()  # writable, and not the sender's memory
     assert table[3, 0].item() == 24.0
+
+
+@pytest.mark.parametrize("worker_type", ["process", "thread"])
+def test_default_collate_in_a_worker_gives_torchs_values_without_a_segment(worker_type):
+    """In a worker process torch's collate stacks into ordinary memory (the channel copies it
+    into its arena; a segment per tensor bought nothing); a thread worker runs in the caller's
+    process, where torch's collate is left as it is (a segment while worker info is set)."""
+    spec = ExecutorSpec(
+        (
+            StageSpec("src", "source", _fns.read_range, worker_type=worker_type),
+            StageSpec("collate", "map", _fns.collate_as_a_worker, worker_type=worker_type),
+        ),
+        ordered=True,
+    )
+    with Executor(spec) as ex:
+        got = list(ex.run([(0, 4)]))
+    assert [b.tolist() for b, _ in got] == [[[x] * 3, [x + 1] * 3] for x in range(4)]
+    assert all(shared == (worker_type == "thread") for _, shared in got)
+
+
+def test_a_tensor_collate_a_user_registered_is_kept(monkeypatch):
+    from torch.utils.data._utils import collate
+
+    def mine(batch, *, collate_fn_map=None):
+        return torch.stack(batch)
+
+    monkeypatch.setitem(collate.default_collate_fn_map, torch.Tensor, mine)
+    serialize.collate_into_private_memory()
+    assert collate.default_collate_fn_map[torch.Tensor] is mine
