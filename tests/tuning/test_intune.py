@@ -343,18 +343,20 @@ def test_removing_a_worker_from_a_stage_that_runs_none_leaves_it_at_none():
 
 def test_a_plan_that_runs_fewer_processes_for_the_same_rate_is_taken():
     # Eight readers a quarter busy and two UDF workers feed a consumer that takes 10 items/s:
-    # the plan makes the same 10/s with three readers. Each process costs its memory, so
-    # the tuner takes it (where the network alone would add readers).
+    # the plan makes the same 10/s with two readers and one UDF worker (each at its need:
+    # the headroom's margin is under half a worker). Each process costs its memory, so the
+    # tuner takes it (where the network alone would add readers).
     read = StageStats("read", 8, items_per_s=10.0, busy=0.25, cpu_s_per_item=0.01, io_bound=True)
     udf = StageStats("udf", 2, items_per_s=10.0, busy=0.5, cpu_s_per_item=0.1)
     obs = Observation((read, udf), 10.0, 4.0, 8 * GiB, GiB, consumer_step_s=0.1)
     now = Allocation((8, 2), (MiB, MiB))
     tuner = InTuneTuner()
     tuner.reset(obs, start=now)
-    assert tuner.step(obs).workers == (3, 2)
+    assert tuner.step(obs).workers == (2, 1)
     # A plan with as many processes, or fewer for less throughput, is the network's call.
     tuner = InTuneTuner()
-    tuner.reset(obs, start=Allocation((3, 2), (MiB, MiB)))
-    busier = dataclasses.replace(read, workers=3, busy=2 / 3)  # the same work on three
-    tuner.step(dataclasses.replace(obs, stages=(busier, udf)))
+    tuner.reset(obs, start=Allocation((2, 1), (MiB, MiB)))
+    busier = dataclasses.replace(read, workers=2, busy=1.0)  # the same work on two
+    busier_udf = dataclasses.replace(udf, workers=1, busy=1.0)
+    tuner.step(dataclasses.replace(obs, stages=(busier, busier_udf)))
     assert not tuner.plan_trims()

@@ -35,7 +35,23 @@ def test_plan_stops_at_the_consumer_rate():
     obs, alloc = _read_udf(consumer_step_s=0.1)  # the model takes 10 items/s
     p = plan(obs, alloc)
     assert p.throughput == pytest.approx(10.0)
-    assert p.allocation.workers == (3, 2)
+    # 2 reader-s and 1 UDF worker-s per second: the headroom's margin (0.4 and 0.2 of a
+    # worker) rounds away, the need itself is covered.
+    assert p.allocation.workers == (2, 1)
+
+
+def test_the_headroom_margin_rounds_to_the_nearest_worker_over_the_need():
+    from torchtune_pipe.tuning.planner import capacity, workers_for
+
+    assert workers_for(10.0, 0.2, 1.2) == 2  # need 2, 2.4 with headroom
+    assert workers_for(10.0, 0.25, 1.2) == 3  # need 2.5, 3.0
+    assert workers_for(10.0, 0.21, 1.2) == 3  # need 2.1: never below it
+    assert workers_for(10.0, 0.29, 1.2) == 3  # need 2.9, 3.48 with headroom
+    assert workers_for(10.0, 0.3, 1.2) == 4  # need 3, 3.6 with headroom
+    for w in range(1, 40):  # capacity is the inverse: w workers cover it, not a rate above
+        for u in (0.01, 0.2, 0.37, 1.0):
+            c = capacity(w, u, 1.2)
+            assert workers_for(c, u, 1.2) <= w < workers_for(c * (1 + 1e-6), u, 1.2)
 
 
 def test_plan_keeps_worst_case_memory_within_the_limit():
@@ -53,9 +69,9 @@ def test_contention_is_not_mistaken_for_waiting():
     )
     obs = Observation(stages, 10.0, 4.0, 1 << 40, 0)
     p = plan(obs, Allocation((4, 4), (MiB, MiB)))
-    # 0.4 CPU-s per item in all on 4 cores: T = 10, with ceil(1.2 x 0.2 x 10) = 3 workers per
-    # stage (not the 5 that 0.4 s of wall time per item would ask for).
-    assert p.allocation.workers == (3, 3)
+    # 0.4 CPU-s per item in all on 4 cores: T = 10, with 2 workers per stage (a need of 2, 2.4
+    # with the headroom), not the 4 (5 with headroom) that 0.4 s of wall time per item asks.
+    assert p.allocation.workers == (2, 2)
     assert p.throughput == pytest.approx(10.0, rel=1e-6)
 
 
@@ -145,16 +161,17 @@ def test_measured_run_queue_delay_is_neither_work_nor_io():
         for i in range(2)
     )
     obs = Observation(stages, 10.0, 4.0, 1 << 40, 0)
-    assert plan(obs, Allocation((4, 4), (MiB, MiB))).allocation.workers == (3, 3)
+    assert plan(obs, Allocation((4, 4), (MiB, MiB))).allocation.workers == (2, 2)
     # A stage that waits on I/O as well: of its 0.4 s of wall time per item (4 workers busy
     # at 10 items/s), 0.1 s is CPU and 0.1 s the run queue (4 x 0.25 / 10), so 0.2 s is I/O:
     # u = 0.3 worker-seconds per item. Each worker is charged at least half a core, so 8 fit
-    # on 4 cores: T = 8 / (1.2 x 0.3) = 22.2 items/s (16.7 if the run queue counted as I/O).
+    # on 4 cores: up to T = 8.5 / (1.2 x 0.3) = 23.6 items/s, where the headroom's margin
+    # reaches half a worker over 8 (17.7 if the run queue counted as I/O).
     mixed = StageStats("m", 4, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.1, runqueue=0.25)
     obs = Observation((mixed,), 10.0, 4.0, 1 << 40, 0)
     p = plan(obs, Allocation((4,), (MiB,)))
     assert p.allocation.workers == (8,)
-    assert p.throughput == pytest.approx(8 / 0.36, rel=1e-6)
+    assert p.throughput == pytest.approx(8.5 / 0.36, rel=1e-6)
 
 
 def _chain_obs(fused: tuple[bool, ...]) -> Observation:

@@ -27,8 +27,11 @@ Where the run-queue delay is not measured (the simulator), ``q_i = g_i / phi - g
 ``phi`` the CPU rate a runnable worker got: the median of ``g_i / a_i`` over CPU-bound stages
 (1 when there are none, at most 1).
 
-For a target rate ``T`` stage ``i`` needs ``n_i = ceil(headroom * T * u_i)`` workers (the
-headroom absorbs noise and heavy-tailed items), each charged the CPU it would use,
+For a target rate ``T`` stage ``i`` needs ``n_i = max(ceil(T * u_i), round(headroom * T *
+u_i))`` workers (:func:`workers_for`: the headroom absorbs noise and heavy-tailed items; its
+margin is rounded to the nearest worker, the need itself always covered: a CPU-bound stage on 2
+cores needs 2 workers, and a third, 1.2 x 2 rounded up, only time-slices the same cores), each
+charged the CPU it would use,
 ``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
 :mod:`~torchtune_pipe.tuning.safety`). The plan
 is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
@@ -344,7 +347,7 @@ class _Model:
         groups, _, _ = self.groups(shape, shape, [0.0] * len(shape))
         top = self._top(groups)
         busy = [grp for grp in groups if not grp[7]]
-        return min([top] + [workers[h] / (self.headroom * ug) for h, _, _, ug, *_ in busy])
+        return min([top] + [capacity(workers[h], ug, self.headroom) for h, _, _, ug, *_ in busy])
 
     def consumer_rate(self) -> float:
         """Items per second the consumer takes at most (inf: not measured)."""
@@ -356,7 +359,7 @@ class _Model:
         top = obs.cpus / max(sum(grp[2] for grp in groups), 1e-12)
         busy = [grp for grp in groups if not grp[7]]
         if busy:
-            top = min(top, min(hi / (self.headroom * ug) for _, _, _, ug, _, _, hi, _ in busy))
+            top = min(top, min(capacity(hi, ug, self.headroom) for *_, ug, _, _, hi, _ in busy))
         if obs.consumer_step_s > 0:
             top = min(top, 1.0 / obs.consumer_step_s)
         return top
@@ -386,7 +389,7 @@ class _Model:
 
         def workers(t: float) -> list[int]:
             return [
-                min(hi[k], max(lo[k], math.ceil(headroom * t * us[k] - 1e-9))) for k in range(m)
+                min(hi[k], max(lo[k], workers_for(t, us[k], headroom))) for k in range(m)
             ]
 
         def feasible(t: float) -> bool:
@@ -411,15 +414,27 @@ class _Model:
         # The rate the chosen workers support, and no worker beyond what that rate needs
         # (rounding at the bisection's edge can leave one stage a worker ahead of the others).
         w = workers(low)
-        rate = min(low, min(w[k] / (headroom * us[k]) for k in busy))
+        rate = min(low, min(capacity(w[k], us[k], headroom) for k in busy))
         per_group = workers(rate)
         out = [0] * len(shape)
         for k, (h, members, *_) in enumerate(groups):
             out[h] = per_group[k]
             for j in members[1:]:  # split again, it would need what it does alone
-                need = math.ceil(headroom * rate * u[j] - 1e-9)
+                need = workers_for(rate, u[j], headroom)
                 out[j] = min(self.hi[j], max(self.lo[j], need))
         return rate, tuple(out)
+
+
+def workers_for(rate: float, u: float, headroom: float) -> int:
+    """Workers a stage of ``u`` worker seconds per item needs for ``rate`` items/s: the need
+    ``rate * u`` rounded up, and the headroom's margin over it rounded to the nearest worker."""
+    need = rate * u
+    return max(math.ceil(need - 1e-9), math.floor(headroom * need + 0.5 - 1e-9))
+
+
+def capacity(workers: int, u: float, headroom: float) -> float:
+    """The highest rate ``workers`` cover in :func:`workers_for` (its inverse)."""
+    return min(workers / u, (workers + 0.5) / (headroom * u))
 
 
 def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) -> list[float]:
