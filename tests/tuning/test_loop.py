@@ -212,3 +212,45 @@ def test_a_continued_loop_holds_on_its_first_interval_when_told(tmp_path):
         assert (first_t not in tuner.stepped_on) == hold
         assert len(tuner.stepped_on) == loop.steps - (1 if hold else 0)
         assert len(pipe.applied) == len(tuner.stepped_on)
+
+
+class RecordingTuner(ShiftingTuner):
+    """Keeps every observation it was given."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def step(self, obs):
+        self.seen.append(obs)
+        return super().step(obs)
+
+
+def test_a_logged_decision_gives_back_the_observation_it_was_made_on(tmp_path):
+    """Every field of every stage (CPU seconds per item, run queue, hops, ...) and of the
+    observation is in the log, so a decision can be replayed through the planner."""
+    import dataclasses
+
+    from torchtune_pipe.tuning.loop import observation, read_log
+
+    pipe = SignallingTunable((2e-6, 0.02), cpus=4, target=4)
+    tuner = RecordingTuner()
+    log_path = tmp_path / "decisions.jsonl"
+    loop = TuningLoop(pipe, tuner, interval_s=0.005, log_path=str(log_path)).start()
+    assert pipe.observed.wait(WAIT_S)
+    loop.stop()
+    records = read_log(log_path)[1:]  # the first decision is the reset's, on no step
+    assert len(records) == len(tuner.seen) > 0
+    for record, seen in zip(records, tuner.seen, strict=True):
+        got = observation(record)
+        for field in dataclasses.fields(seen):
+            want, back = getattr(seen, field.name), getattr(got, field.name)
+            if field.name == "stages":
+                for s, b in zip(want, back, strict=True):
+                    for f in dataclasses.fields(s):
+                        x, y = getattr(s, f.name), getattr(b, f.name)
+                        assert y == (
+                            x if isinstance(x, (str, type(None))) else pytest.approx(x, rel=1e-3)
+                        )
+            else:
+                assert back == pytest.approx(want, rel=1e-3), (field.name, want, back)

@@ -321,3 +321,29 @@ def test_a_stage_whose_calls_in_flight_are_rising_is_planned_for_them():
     assert alone.allocation.workers[0] == 8  # 0.2 worker-s per item, as without threads
     assert rising.allocation.workers[0] < alone.allocation.workers[0] / 3
     assert rising.throughput >= alone.throughput
+
+
+def test_a_plan_keeps_the_shape_running_when_its_own_shape_is_slower():
+    # Three cheap CPU-bound stages fused into the source's 3 workers on 2 cores (numbers of a
+    # live run): the first fused stage's share of its host's wall time is far above its CPU,
+    # so it is flagged as waiting, and a shape built from every stage split leaves it (and
+    # the stage after it) apart. By the same model that shape is slower than the one running:
+    # the plan keeps the stages fused.
+    def stage(name, busy, cpu, fused, io=False, rq=0.05):
+        return StageStats(
+            name, 0 if fused else 3, items_per_s=564.0, items_in_per_s=564.0, busy=busy,
+            cpu_s_per_item=cpu, runqueue=rq, fused=fused, fusable=name != "source",
+            io_bound=io, hop_s_per_item=110e-6 if not fused else 0.0, max_workers=64,
+        )  # fmt: skip
+
+    stages = (
+        stage("source", 0.17, 552e-6, False),
+        stage("step1", 0.30, 237e-6, True, io=True),
+        stage("step2", 0.11, 366e-6, True),
+        stage("step3", 0.40, 1000e-6, True),
+    )
+    obs = Observation(stages, 564.0, 2.0, 1 << 34, 0, consumer_step_s=1.5e-5)
+    now = Allocation((3, 1, 1, 1), (MiB,) * 4, fused=(False, True, True, True))
+    p = plan(obs, now)
+    assert p.allocation.fused == now.fused
+    assert p.throughput >= p.current * (1 - 1e-9)

@@ -9,6 +9,7 @@ pre-training and held-out evaluation.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -77,16 +78,34 @@ def run_episode(
     return trace
 
 
-_STAGE_FIELDS = (
-    "name", "workers", "min_workers", "max_workers", "items_per_s", "busy", "blocked_in",
-    "blocked_out", "buffer_bytes", "buffer_fill", "cpu_s_per_item", "concurrency",
-    "max_concurrency", "fused", "fusable",
-)  # fmt: skip
+# An observation's own fields, as a decision's record holds them (its stages apart), and
+# those that logs written before held only some of.
+_OBS_FIELDS = tuple(
+    f.name for f in dataclasses.fields(Observation) if f.name not in ("stages", "t")
+)
+_REPLAYED = tuple(
+    f
+    for f in _OBS_FIELDS
+    if f
+    not in (
+        "throughput",
+        "cpus",
+        "memory_limit_bytes",
+        "memory_used_bytes",
+        "consumer_step_s",
+        "oom",
+    )
+)
 
 
 def _stage_record(s: StageStats) -> dict:
-    return {k: round(v, 4) if isinstance(v, float) else v for k in _STAGE_FIELDS
-            if (v := getattr(s, k)) is not None}  # fmt: skip
+    """Every field of ``s`` (a float to 4 significant digits: a stage's CPU seconds per item
+    are microseconds), so that :func:`observation` gives back what the tuner saw."""
+    return {
+        f.name: float(f"{v:.4g}") if isinstance(v, float) else v
+        for f in dataclasses.fields(s)
+        if (v := getattr(s, f.name)) is not None
+    }
 
 
 def read_log(path: str | os.PathLike) -> list[dict]:
@@ -123,7 +142,8 @@ def write_event(path: str | os.PathLike, event: str, message: str) -> None:
 
 def observation(record: dict) -> Observation:
     """The :class:`~.base.Observation` a tuning-log record was decided on (stages unnamed
-    ``stage0``, ``stage1``... in logs written before records carried their stages)."""
+    ``stage0``, ``stage1``... in logs written before records carried their stages), to show it
+    or replay it through a tuner or the planner (``tuning.planner.plan``)."""
     o = record["obs"]
     stages = o.get("stages") or [
         {"name": f"stage{i}", "workers": w, "buffer_bytes": b, "busy": u}
@@ -138,6 +158,7 @@ def observation(record: dict) -> Observation:
         consumer_step_s=float(o.get("consumer_step_s", 0.0)),
         t=float(record.get("t", 0.0)),
         oom=bool(o.get("oom", False)),
+        **{f: o[f] for f in _REPLAYED if f in o},
     )
 
 
@@ -331,15 +352,10 @@ class TuningLoop:
             "tuner": _tuner_name(self.tuner),
             "step": self._steps,
             "obs": {
-                "throughput": obs.throughput,
-                "cpus": obs.cpus,
-                "memory_used_bytes": obs.memory_used_bytes,
-                "memory_limit_bytes": obs.memory_limit_bytes,
+                **{f: getattr(obs, f) for f in _OBS_FIELDS},
                 "workers": list(obs.workers),
                 "buffer_bytes": list(obs.buffer_bytes),
                 "busy": [round(s.busy, 4) for s in obs.stages],
-                "oom": obs.oom,
-                "consumer_step_s": obs.consumer_step_s,
                 "stages": [_stage_record(s) for s in obs.stages],
             },
             "allocation": {

@@ -178,6 +178,14 @@ def plan(
         shape = _fusion_shape(obs, model, hop, io, idle)
     shape = _movable_apart(obs, shape)
     found = model.solve(shape, now, hop)
+    kept = _movable_apart(obs, now)
+    if shape != kept:
+        # The shape is built from every stage split and leaves apart what it may not fuse (a
+        # stage flagged as waiting, which a fused stage's share of its host's time can be by
+        # noise): it must not lose to the shape running now by the same model.
+        as_now = model.solve(kept, now, hop)
+        if as_now is not None and (found is None or as_now[0] > found[0]):
+            shape, found = kept, as_now
     split = _split(obs, model, shape, now, hop, r, found)
     if found is None and split is None:
         return None
@@ -388,9 +396,7 @@ class _Model:
         cpus = max(obs.cpus, charged(0.0, lo), self.allowance)
 
         def workers(t: float) -> list[int]:
-            return [
-                min(hi[k], max(lo[k], workers_for(t, us[k], headroom))) for k in range(m)
-            ]
+            return [min(hi[k], max(lo[k], workers_for(t, us[k], headroom))) for k in range(m)]
 
         def feasible(t: float) -> bool:
             w = workers(t)
