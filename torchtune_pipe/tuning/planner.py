@@ -55,7 +55,10 @@ own workers, calls in flight and buffer). Stages that wait on I/O or keep calls 
 split, and nothing is fused into a host that waits on I/O: a fused stage runs one call at a time
 in its host's workers, and a group that both waits and computes is one the plan's per-stage
 split of wait and CPU time misjudges (in the held-out simulations, fusing a UDF into a remote
-read made the plan split it again from the fused measurement, and back).
+read made the plan split it again from the fused measurement, and back). The shape running now
+is kept when the shape so built is slower by the same model (a fused stage's share of its
+host's wall time can flag it as waiting by noise, and a shape built from every stage split
+would then leave it apart).
 """
 
 from __future__ import annotations
