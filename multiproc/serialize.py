@@ -169,8 +169,9 @@ def collate_into_private_memory() -> None:
     one a user registered stays."""
     from torch.utils.data._utils import collate
 
-    fns = collate.default_collate_fn_map
-    if fns.get(torch.Tensor) is collate.collate_tensor_fn:
+    fns = getattr(collate, "default_collate_fn_map", None)
+    torchs = getattr(collate, "collate_tensor_fn", None)
+    if fns is not None and torchs is not None and fns.get(torch.Tensor) is torchs:
         fns[torch.Tensor] = _stack_in_private_memory
 
 

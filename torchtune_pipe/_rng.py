@@ -42,8 +42,8 @@ def same_rng_states(a: tuple, b: tuple) -> bool:
 def seed_all(seed: int) -> None:
     """Seed the three generators with ``seed`` (numpy's with its low 32 bits).
 
-    torch's CPU generator is seeded, and an accelerator's where this process has initialised
-    it. ``torch.manual_seed`` would also queue a seed for every accelerator not yet initialised,
+    torch's CPU generator is seeded, MPS's where it exists, and CUDA's (XPU's, MTIA's) where this
+    process has initialised it. ``torch.manual_seed`` would also queue a seed for every accelerator not yet initialised,
     and queuing records the caller's stack (``traceback.format_stack``): 0.1-0.5 ms a call,
     which a source paid for every unit it read (a sixth of a worker's time on cheap rows)."""
     import numpy as np
@@ -51,6 +51,7 @@ def seed_all(seed: int) -> None:
 
     random.seed(seed)
     torch.default_generator.manual_seed(seed)
+    torch.mps.manual_seed(seed)  # seeds at once where MPS exists, nothing elsewhere
     for name in ("cuda", "xpu", "mtia"):
         device = getattr(torch, name, None)
         if device is not None and device.is_initialized():

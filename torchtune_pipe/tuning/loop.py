@@ -78,24 +78,20 @@ def run_episode(
     return trace
 
 
-# An observation's own fields, as a decision's record holds them (its stages apart), and
-# those that logs written before held only some of.
+# An observation's own fields, as a decision's record holds them (its stages apart); all but
+# the first few were missing from logs written before, so a replay takes them where present.
 _OBS_FIELDS = tuple(
     f.name for f in dataclasses.fields(Observation) if f.name not in ("stages", "t")
 )
-_REPLAYED = tuple(
-    f
-    for f in _OBS_FIELDS
-    if f
-    not in (
-        "throughput",
-        "cpus",
-        "memory_limit_bytes",
-        "memory_used_bytes",
-        "consumer_step_s",
-        "oom",
-    )
+_ALWAYS = (
+    "throughput",
+    "cpus",
+    "memory_limit_bytes",
+    "memory_used_bytes",
+    "consumer_step_s",
+    "oom",
 )
+_REPLAYED = tuple(f for f in _OBS_FIELDS if f not in _ALWAYS)
 
 
 def _stage_record(s: StageStats) -> dict:
