@@ -347,3 +347,19 @@ def test_a_plan_keeps_the_shape_running_when_its_own_shape_is_slower():
     p = plan(obs, now)
     assert p.allocation.fused == now.fused
     assert p.throughput >= p.current * (1 - 1e-9)
+
+
+def test_a_cpu_bound_stage_is_planned_at_its_cpu_not_a_few_percent_of_noise_above():
+    # Two workers always busy on 2 cores, 3.9 ms of CPU per item and 4.0 ms of wall time,
+    # none of it in the run queue: 2.6% of the wall is timer noise, not waiting. At the CPU's
+    # rate (513 items/s) the stage needs 2 workers, not the third a need of 2.05 rounds up to.
+    s = StageStats("s", 2, items_per_s=500.0, busy=1.0, cpu_s_per_item=3.9e-3, runqueue=0.0)
+    obs = Observation((s,), 500.0, 2.0, 1 << 40, 0)
+    p = plan(obs, Allocation((2,), (MiB,)))
+    assert p.allocation.workers == (2,)
+    assert p.throughput == pytest.approx(2 / 3.9e-3, rel=1e-6)
+    # Waiting a tenth of the CPU is waiting: the need is 2.2 workers.
+    s = dataclasses.replace(s, cpu_s_per_item=3.6e-3)
+    assert plan(
+        dataclasses.replace(obs, stages=(s,)), Allocation((2,), (MiB,))
+    ).allocation.workers == (3,)

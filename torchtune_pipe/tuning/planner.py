@@ -23,6 +23,9 @@ From one interval with ``X`` items/s delivered, per stage ``i``:
   worker is being raised to ``K_i`` by the concurrency rule below every tuner
   (:func:`~.concurrency.settled_concurrency`): its wait goes to threads, not processes.
 
+A stage or fused group whose ``u`` exceeds its ``g`` by less than ``WAIT_NOISE`` (5%) is planned
+at its CPU: that much is measurement noise in CPU-bound workers.
+
 Where the run-queue delay is not measured (the simulator), ``q_i = g_i / phi - g_i`` with
 ``phi`` the CPU rate a runnable worker got: the median of ``g_i / a_i`` over CPU-bound stages
 (1 when there are none, at most 1).
@@ -83,6 +86,9 @@ _BISECT_STEPS = 40
 # stage measures it (StageStats.hop_s_per_item) and the least it prices a hop at: ~2.5 us per
 # row in the UDF-heavy peers scenario.
 HOP_S_PER_ITEM = 2.5e-6
+# A group (a stage and those fused into it) whose worker seconds per item exceed its CPU by
+# less than this share is CPU-bound: the rest is measurement noise (_Model.groups).
+WAIT_NOISE = 0.05
 # A stage is fused only when the model gains more than this by it: a split stage keeps its own
 # workers, calls in flight and buffer, so a tie stays split.
 FUSE_MIN_GAIN = 0.02
@@ -349,6 +355,12 @@ class _Model:
                 members.append(members[-1] + 1)
             gg = sum(g[i] for i in members) if len(members) > 1 else g[h]
             ug = sum(u[i] for i in members) if len(members) > 1 else u[h]
+            if ug < gg * (1.0 + WAIT_NOISE):
+                # The wall time of CPU-bound workers measures a few percent above their CPU
+                # and run-queue delay (timer and accounting granularity; a fused stage's share
+                # of its host's time): on 2 cores a need of 2.05 workers would be a third
+                # worker that only time-slices them.
+                ug = max(gg, 1e-12)
             fl = max(self.floor[i] for i in members)
             out.append((h, members, gg, ug, fl, self.lo[h], self.hi[h], self.idle[h]))
         return out, g, u
