@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data._utils import collate as _torch_collate
+from torch.utils.data._utils import worker as _torch_worker
 
 # Buffers smaller than this stay inside the header: copying a few hundred bytes in-band is
 # cheaper than an arena slot for them.
@@ -147,14 +149,12 @@ class _Pickler(pickle.Pickler):
 def _stack_in_private_memory(batch, *, collate_fn_map=None):
     """torch's ``collate_tensor_fn`` (same checks, same values) as it runs outside a torch
     worker: the stacked tensor in ordinary memory."""
-    from torch.utils.data._utils import collate, worker
-
-    saved = worker._worker_info
-    worker._worker_info = None
+    saved = _torch_worker._worker_info
+    _torch_worker._worker_info = None
     try:
-        return collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
+        return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     finally:
-        worker._worker_info = saved
+        _torch_worker._worker_info = saved
 
 
 def collate_into_private_memory() -> None:
@@ -167,10 +167,8 @@ def collate_into_private_memory() -> None:
     the segment (created, mapped, faulted in and unlinked per tensor per batch: ~8% of a
     worker's time on cheap rows) bought nothing. Only torch's own tensor entry is replaced;
     one a user registered stays."""
-    from torch.utils.data._utils import collate
-
-    fns = getattr(collate, "default_collate_fn_map", None)
-    torchs = getattr(collate, "collate_tensor_fn", None)
+    fns = getattr(_torch_collate, "default_collate_fn_map", None)
+    torchs = getattr(_torch_collate, "collate_tensor_fn", None)
     if fns is not None and torchs is not None and fns.get(torch.Tensor) is torchs:
         fns[torch.Tensor] = _stack_in_private_memory
 

@@ -42,10 +42,11 @@ def same_rng_states(a: tuple, b: tuple) -> bool:
 def seed_all(seed: int) -> None:
     """Seed the three generators with ``seed`` (numpy's with its low 32 bits).
 
-    torch's CPU generator is seeded, MPS's where it exists, and CUDA's (XPU's, MTIA's) where this
-    process has initialised it. ``torch.manual_seed`` would also queue a seed for every accelerator not yet initialised,
-    and queuing records the caller's stack (``traceback.format_stack``): 0.1-0.5 ms a call,
-    which a source paid for every unit it read (a sixth of a worker's time on cheap rows)."""
+    torch's CPU generator is seeded, MPS's where it exists, and CUDA's (XPU's, MTIA's) where
+    this process has initialised it. ``torch.manual_seed`` would also queue a seed for every
+    accelerator not yet initialised, and queuing records the caller's stack
+    (``traceback.format_stack``): 0.1-0.5 ms a call, which a source paid for every unit it
+    read (a sixth of a worker's time on cheap rows)."""
     import numpy as np
     import torch
 

@@ -78,20 +78,10 @@ def run_episode(
     return trace
 
 
-# An observation's own fields, as a decision's record holds them (its stages apart); all but
-# the first few were missing from logs written before, so a replay takes them where present.
+# An observation's own fields, as a decision's record holds them (its stages and time apart).
 _OBS_FIELDS = tuple(
     f.name for f in dataclasses.fields(Observation) if f.name not in ("stages", "t")
 )
-_ALWAYS = (
-    "throughput",
-    "cpus",
-    "memory_limit_bytes",
-    "memory_used_bytes",
-    "consumer_step_s",
-    "oom",
-)
-_REPLAYED = tuple(f for f in _OBS_FIELDS if f not in _ALWAYS)
 
 
 def _stage_record(s: StageStats) -> dict:
@@ -145,16 +135,18 @@ def observation(record: dict) -> Observation:
         {"name": f"stage{i}", "workers": w, "buffer_bytes": b, "busy": u}
         for i, (w, b, u) in enumerate(zip(o["workers"], o["buffer_bytes"], o["busy"], strict=False))
     ]
-    return Observation(
-        stages=tuple(StageStats(**s) for s in stages),
+    # Logs written before held only some of the fields: the others keep their defaults.
+    fields = {f: o[f] for f in _OBS_FIELDS if f in o}
+    fields.update(
         throughput=float(o["throughput"]),
         cpus=float(o["cpus"]),
         memory_limit_bytes=int(o["memory_limit_bytes"]),
         memory_used_bytes=int(o["memory_used_bytes"]),
         consumer_step_s=float(o.get("consumer_step_s", 0.0)),
-        t=float(record.get("t", 0.0)),
         oom=bool(o.get("oom", False)),
-        **{f: o[f] for f in _REPLAYED if f in o},
+    )
+    return Observation(
+        stages=tuple(StageStats(**s) for s in stages), t=float(record.get("t", 0.0)), **fields
     )
 
 
