@@ -15,10 +15,10 @@ on the calling worker's threads (serially outside a worker or at concurrency 1),
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from . import offload
@@ -39,9 +39,15 @@ class Outcome:
 class CallPool:
     """Runs calls up to ``width`` at a time on threads of this process, results in order.
 
-    The threads are started on first use and kept; ``width`` may change at any time (the
-    next :meth:`map` uses it). CPU time spent on the threads is added to ``cpu_ns`` (a worker
-    adds it to its own CPU counter: the calling thread's clock does not see it).
+    The threads are started as a call first needs them and kept; ``width`` may change at any
+    time (the next :meth:`map` uses it). CPU time spent on the threads is added to ``cpu_ns``
+    (a worker adds it to its own CPU counter: the calling thread's clock does not see it).
+
+    One :meth:`map` hands its calls to ``min(width, len(xs))`` threads at once, each of which
+    takes the next call as it finishes one: ``width`` calls stay in flight until none is left,
+    with one wake-up per thread rather than per call, and no future per call (a call that
+    waits a few milliseconds costs its worker tens of microseconds of CPU in hand-offs, which
+    decides how many rows/s one process makes).
     """
 
     def __init__(self, width: int = 1, max_width: int = DEFAULT_MAX_CONCURRENCY):
@@ -54,7 +60,9 @@ class CallPool:
         self.not_items = 0  # see not_an_item
         self.calls = [0, 0, 0, 0, 0]  # remote calls: multiproc.offload.CallSums's sums
         self._lock = threading.Lock()
-        self._threads: ThreadPoolExecutor | None = None
+        self._jobs: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0  # threads waiting for a batch (under _lock)
 
     def set_width(self, width: int) -> None:
         """Calls in flight from now on (clamped to ``1..max_width``)."""
@@ -68,27 +76,37 @@ class CallPool:
         xs = list(xs)
         if self.width <= 1 or len(xs) <= 1:
             return [_call(fn, x) for x in xs]
-        if self._threads is None:
-            self._threads = ThreadPoolExecutor(
-                self.max_width, thread_name_prefix="multiproc-call", initializer=_install,
-                initargs=(self,),
-            )  # fmt: skip
-        # At most ``width`` calls are submitted at once: the executor's own queue would run
-        # up to max_width of them.
-        out: list[Outcome] = []
-        for i in range(0, len(xs), self.width):
-            futures = [self._threads.submit(self._timed, fn, x) for x in xs[i : i + self.width]]
-            out.extend(f.result() for f in futures)
-        return out
+        runners = min(self.width, len(xs))
+        batch = _Batch(fn, xs, runners)
+        with self._lock:  # maps of units read side by side share the threads
+            free = self._idle - self._jobs.qsize()
+            for _ in range(min(runners - free, self.max_width - len(self._threads))):
+                t = threading.Thread(target=self._run, daemon=True,
+                                     name=f"multiproc-call-{len(self._threads)}")  # fmt: skip
+                self._threads.append(t)
+                t.start()
+        for _ in range(runners):
+            self._jobs.put(batch)
+        batch.done.acquire()
+        with self._lock:
+            self.cpu_ns += batch.cpu_ns
+        for o in batch.out:
+            if o is not None and o.error is not None and not isinstance(o.error, Exception):
+                raise o.error  # SystemExit and the like: raised here, as a serial call does
+        return batch.out  # type: ignore[return-value]
 
-    def _timed(self, fn: Callable[[Any], Any], x: Any) -> Outcome:
-        c0 = time.thread_time_ns()
-        try:
-            return _call(fn, x)
-        finally:
-            spent = time.thread_time_ns() - c0
-            with self._lock:
-                self.cpu_ns += spent
+    def _run(self) -> None:
+        _install(self)
+        jobs, lock = self._jobs, self._lock
+        while True:
+            with lock:
+                self._idle += 1
+            batch = jobs.get()
+            with lock:
+                self._idle -= 1
+            if batch is None:
+                return
+            batch.run()
 
     def add_cpu_ns(self, ns: int) -> None:
         """Count ``ns`` of CPU spent elsewhere on this worker's calls (a remote actor's, for a
@@ -136,9 +154,49 @@ class CallPool:
         return spent
 
     def close(self) -> None:
-        if self._threads is not None:
-            self._threads.shutdown(wait=False, cancel_futures=True)
-            self._threads = None
+        """Let the threads end (after the calls they run now); a later :meth:`map` starts
+        new ones."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        self._threads = []
+        self._jobs = queue.SimpleQueue()
+
+
+class _Batch:
+    """One :meth:`CallPool.map`: its calls, taken in turn by ``runners`` threads; ``done`` is
+    released when the last of them has run out of calls."""
+
+    __slots__ = ("fn", "xs", "out", "next", "left", "cpu_ns", "lock", "done")
+
+    def __init__(self, fn: Callable[[Any], Any], xs: list[Any], runners: int):
+        self.fn = fn
+        self.xs = xs
+        self.out: list[Outcome | None] = [None] * len(xs)
+        self.next = iter(range(len(xs))).__next__  # atomic under the GIL: one taker per call
+        self.left = runners
+        self.cpu_ns = 0
+        self.lock = threading.Lock()
+        self.done = threading.Lock()
+        self.done.acquire()
+
+    def run(self) -> None:
+        fn, xs, out, take = self.fn, self.xs, self.out, self.next
+        c0 = time.thread_time_ns()
+        while True:
+            try:
+                i = take()
+            except StopIteration:
+                break
+            try:
+                out[i] = _call(fn, xs[i])
+            except BaseException as e:  # SystemExit and the like: map() raises it
+                out[i] = Outcome(error=e)
+        spent = time.thread_time_ns() - c0
+        with self.lock:
+            self.cpu_ns += spent
+            self.left -= 1
+            if not self.left:
+                self.done.release()
 
 
 def _call(fn: Callable[[Any], Any], x: Any) -> Outcome:

@@ -6,8 +6,11 @@ one batch: its samples), so a worker whose concurrency is above a unit's calls w
 wait one call's latency per unit, and keeping more reads in flight would cost another process.
 Here the worker reads the next units it already holds (the executor sends a worker up to
 ``ExecutorSpec.credits`` of them) on threads of its own while it frames, runs the fused stages
-over and commits the unit before them: ``ceil(c / calls per unit)`` units in flight, so that a
-worker's calls in flight are what its concurrency says, as the simulator models it.
+over and commits the unit before them: ``ceil(c / calls per unit)`` units being read at once,
+so that a worker's calls in flight are what its concurrency says, as the simulator models it.
+A unit whose reads are done no longer counts while it waits for its commit (a fused collate,
+say): the next unit starts reading then, not after the commit (two workers of remote reads of
+4 ms with a 2 ms collate fused: 10.5k -> 17k rows/s).
 
 Units are still committed one at a time, in the order they came, each exactly as if it had
 been read alone (the same items, frames, skips and errors). The source decides whether its
@@ -203,7 +206,9 @@ class ReadsAhead:
         message waits its turn, and no unit after it is started."""
         ra, head, fn = self.readahead, reads[0], self.stage.fn
         while True:
-            if len(reads) < most:
+            # A unit read but not committed yet holds no call: the next one starts now, so
+            # that the calls in flight stay at the worker's concurrency while it commits.
+            if len(reads) < MAX_UNITS and sum(not r.done for r in reads) < most:
                 if self.deferred:
                     nxt = self.deferred[0]
                     if type(nxt) is P.Unit and ra.units_at_once(fn, nxt.unit) > 1:

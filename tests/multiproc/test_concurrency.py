@@ -102,3 +102,49 @@ def test_invalid_concurrency_is_rejected_with_the_stage_name():
         with pytest.raises(SpecError, match="set_concurrency.*'fetch'"):
             ex.set_concurrency("fetch", 17)
         assert list(ex.run([(0, 3)])) == [0, 1, 2]
+
+
+def test_a_pool_keeps_its_width_in_flight_until_no_call_is_left():
+    """A slow call does not hold back the calls after it: the other threads take them."""
+    import threading
+    import time
+
+    lock, now, peak, order = threading.Lock(), [0], [0], []
+
+    def call(x):
+        with lock:
+            now[0] += 1
+            peak[0] = max(peak[0], now[0])
+        time.sleep(0.3 if x == 0 else 0.01)
+        with lock:
+            now[0] -= 1
+            order.append(x)
+        return -x
+
+    pool = CallPool(3, max_width=8)
+    try:
+        outs = pool.map(call, range(12))
+        assert [o.value for o in outs] == [-x for x in range(12)]  # results in order
+        assert peak[0] == 3  # never more than the width at once
+        assert order[-1] == 0 and set(order) == set(range(12))  # 1..11 ran while 0 waited
+        threads = {t.name for t in pool._threads}
+        pool.map(call, range(3, 6))  # the threads are kept for the next map
+        assert {t.name for t in pool._threads} == threads and len(threads) == 3
+        assert pool.take_cpu_ns() > 0
+    finally:
+        pool.close()
+
+
+def test_a_call_that_raises_systemexit_raises_it_from_map_as_a_serial_call_does():
+    def call(x):
+        if x == 2:
+            raise SystemExit(3)
+        return x
+
+    pool = CallPool(4, max_width=4)
+    try:
+        with pytest.raises(SystemExit):
+            pool.map(call, range(5))
+        assert [o.value for o in pool.map(call, [0, 1])] == [0, 1]  # the pool still runs
+    finally:
+        pool.close()
