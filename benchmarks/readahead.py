@@ -2,10 +2,13 @@
 
 ``remote-map``'s dataset (``__getitem__`` waits 4 ms on a remote read, a collate with 2 ms of
 CPU per batch of 32, ``shuffle=True``) through a Pipeline of fixed shape: a fetch stage of
-``w`` workers at 64 calls in flight, then a collate stage of 2 workers. A batch has 32
-samples, so a fetch worker at 64 calls reads two batches at once; the contender ``-one``
-reads through a source that does not say how many calls a batch runs (no ``calls_per_unit``),
-so its workers read one batch at a time, 32 calls in flight, as before read-ahead. Each
+``w`` workers at 64 calls in flight, then a collate stage of 2 workers (``collate0``: the
+collate fused into the fetch workers). A batch has 32 samples, so a fetch worker at 64 calls
+reads two batches at once; the contender ``-one`` reads through a source that does not say how
+many calls a batch runs (no ``calls_per_unit``), so its workers read one batch at a time, 32
+calls in flight, as before read-ahead; ``-after`` starts a worker's next batch only once the
+one before is committed (``multiproc.readahead.READ_DURING_COMMIT`` off: the rule before),
+where the others start it as soon as the one before is read. Each
 contender runs in its own process; rounds interleave; the table shows the medians of the rounds
 and their spread, and each shape's rows/s side by side over one at a time.
 
@@ -28,7 +31,8 @@ from benchmarks._common import machine_info, median, print_table, write_json
 REPO = Path(__file__).resolve().parent.parent
 CALLS = 64
 BATCH = 32
-SHAPES = ((1, 2), (2, 2))  # (fetch workers, collate workers)
+SHAPES = ((1, 2), (2, 2), (2, 0))  # (fetch workers, collate workers; 0: fused)
+MODES = ("", "-one", "-after")
 
 
 def _source(one_at_a_time: bool, seed: int = 0):
@@ -47,14 +51,17 @@ def _source(one_at_a_time: bool, seed: int = 0):
     return cls(Rows(40_000, 0.004, 0), batch_size=BATCH, shuffle=True, generator=g)
 
 
-def child(fetch: int, collate: int, one: bool, duration_s: float) -> dict:
+def child(fetch: int, collate: int, mode: str, duration_s: float) -> dict:
     """Run one contender for ``duration_s`` after its first batch; its rows/s."""
     from benchmarks._mapstyle_fns import Collate
+    from multiproc import readahead
     from torchtune_pipe import Pipeline
 
+    readahead.READ_DURING_COMMIT = mode != "-after"  # before the fork server copies it
     pipe = Pipeline.from_source(
-        _source(one), name="fetch", workers=fetch, concurrency=CALLS, max_concurrency=CALLS
-    ).map(Collate(2000), name="collate", workers=collate)
+        _source(mode == "-one"), name="fetch", workers=fetch, concurrency=CALLS,
+        max_concurrency=CALLS,
+    ).map(Collate(2000), name="collate", workers=max(1, collate), fused=not collate)  # fmt: skip
     rows = 0
     t0 = None
     with pipe.loader() as loader:
@@ -68,8 +75,8 @@ def child(fetch: int, collate: int, one: bool, duration_s: float) -> dict:
                     return {"rows_per_s": rows / (time.perf_counter() - t0)}
 
 
-def _label(fetch: int, collate: int, one: bool) -> str:
-    return f"fetch{fetch}-collate{collate}" + ("-one" if one else "")
+def _label(fetch: int, collate: int, mode: str) -> str:
+    return f"fetch{fetch}-collate{collate}{mode}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,10 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        fetch, collate, one = json.loads(args.child)
-        print(json.dumps(child(fetch, collate, one, args.duration)))
+        fetch, collate, mode = json.loads(args.child)
+        print(json.dumps(child(fetch, collate, mode, args.duration)))
         return 0
-    contenders = [(f, c, one) for f, c in SHAPES for one in (False, True)]
+    contenders = [(f, c, mode) for f, c in SHAPES for mode in MODES]
     runs: dict[str, list[float]] = {_label(*k): [] for k in contenders}
     for r in range(args.rounds):
         for k in contenders if r % 2 == 0 else contenders[::-1]:
@@ -95,14 +102,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  round {r + 1}/{args.rounds} {_label(*k)}: {got:,.0f} rows/s", flush=True)
     rows = []
     for f, c in SHAPES:
-        side, one = runs[_label(f, c, False)], runs[_label(f, c, True)]
-        for label, xs in ((_label(f, c, False), side), (_label(f, c, True), one)):
-            rows.append({"contender": label, "rows_per_s": median(xs),
+        side = runs[_label(f, c, "")]
+        for mode in MODES:
+            xs = runs[_label(f, c, mode)]
+            rows.append({"contender": _label(f, c, mode), "rows_per_s": median(xs),
                          "spread": f"{min(xs):,.0f}-{max(xs):,.0f}",
-                         "side_by_side_vs_one": median(side) / median(one)
-                         if label.endswith("-one") else None})  # fmt: skip
+                         "side_by_side_vs_this": median(side) / median(xs) if mode else None})  # fmt: skip
     print_table(
-        rows, ["contender", "rows_per_s", "spread", "side_by_side_vs_one"],
+        rows, ["contender", "rows_per_s", "spread", "side_by_side_vs_this"],
         title=f"remote-map's dataset, {CALLS} calls in flight per fetch worker, median of "
         f"{args.rounds} rounds",
     )  # fmt: skip

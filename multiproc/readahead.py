@@ -40,6 +40,9 @@ _mono_ns = time.monotonic_ns  # the clock of stats.IN_FN_SINCE_NS
 # Units one worker reads at once, at most (each has a thread; the executor's credits bound it
 # too).
 MAX_UNITS = 8
+# Start the next unit once the one before is read, while it is committed (False: after it is
+# committed, the rule before; ``benchmarks/readahead.py`` runs both side by side).
+READ_DURING_COMMIT = True
 
 
 class _UnitCalls:
@@ -208,7 +211,8 @@ class ReadsAhead:
         while True:
             # A unit read but not committed yet holds no call: the next one starts now, so
             # that the calls in flight stay at the worker's concurrency while it commits.
-            if len(reads) < MAX_UNITS and sum(not r.done for r in reads) < most:
+            reading = sum(not r.done for r in reads) if READ_DURING_COMMIT else len(reads)
+            if len(reads) < MAX_UNITS and reading < most:
                 if self.deferred:
                     nxt = self.deferred[0]
                     if type(nxt) is P.Unit and ra.units_at_once(fn, nxt.unit) > 1:
