@@ -221,3 +221,24 @@ def test_waiting_for_a_cpu_is_not_waiting_on_io_and_a_fused_group_shares_its_wai
     idle = dataclasses.replace(cur, stages=tuple(
         dataclasses.replace(s, runq_ns=0) for s in cur.stages))  # fmt: skip
     assert all(s.io_bound for s in observe(zero, idle, MACHINE).stages)
+
+
+def test_consumer_cpus_leaves_out_the_cpu_of_stages_run_by_its_threads():
+    import time
+
+    t0 = time.perf_counter_ns()
+    snaps = [Snapshot(t0, (_stage("p", 1, 0, 0, 0), _stage("t", 1, 0, 0, 0)), 0, 0)]
+    meter = Meter(lambda: snaps[-1], lambda: MACHINE, in_process=["t"])
+    c0 = time.process_time()
+    while time.process_time() < c0 + 0.3:
+        pass
+    spent = time.process_time() - c0
+    now = time.perf_counter_ns()
+    # "t" runs on threads of this process (0.1 s of what it spent is the stage's); "p" in
+    # worker processes, whose CPU is not this process's at all.
+    snaps.append(Snapshot(now, (_stage("p", 1, 10, 0, 5 * 10**9), _stage("t", 1, 10, 0, 10**8)),
+                          10, 1))  # fmt: skip
+    obs = meter.observe()
+    dt = (now - t0) / 1e9
+    assert abs(obs.consumer_cpus - (spent - 0.1) / dt) < 0.15
+    assert observe(snaps[0], snaps[1], MACHINE).consumer_cpus == 0.0  # not measured

@@ -197,6 +197,7 @@ def start_executor(
     meter = telemetry.Meter(
         lambda: ex.snapshot(per_worker=True), machine, bounds, clock, memory_limit_bytes, probe,
         cluster=_remote.cluster_cpus if remote else None,
+        in_process=[s.name for s in spec.stages if s.worker_type == "thread"],
     )  # fmt: skip
     return ex, RunningPipeline(ex, meter)
 
@@ -237,6 +238,7 @@ def start_watch(
         memory_limit_bytes,
         meter.memory,
         cluster=meter.cluster,
+        in_process=meter.in_process,
     )
     return Watcher(own.observe).start()
 

@@ -180,6 +180,7 @@ def observe(
     memory: _memory.MemoryReading | None = None,
     memory_before: _memory.MemoryReading | None = None,
     cluster_cpus: float = 0.0,
+    consumer_cpus: float = 0.0,
 ) -> Observation:
     """Turn two snapshots into an :class:`Observation` of the interval between them.
 
@@ -202,6 +203,8 @@ def observe(
             (:class:`~torchtune_pipe.memory.MemoryProbe`); a worker death between them while
             the cgroup's OOM-kill count grew is an OOM.
         cluster_cpus: CPUs the cluster of the pipeline's remote stages offers (0: none).
+        consumer_cpus: cores the consumer's process used besides the stages
+            (:attr:`Observation.consumer_cpus`; :class:`Meter` measures it).
 
     A stage whose ``placement`` is not ``"local"`` (``placement="ray"``) runs every worker
     remote: ``remote_workers`` is its workers, ``remote_items_per_s`` its items, and
@@ -290,6 +293,7 @@ def observe(
         cluster_cpus=cluster_cpus,
         rpc_s=rpc_s,
         network_bytes_per_s=bandwidth,
+        consumer_cpus=consumer_cpus,
     )
 
 
@@ -381,6 +385,8 @@ class Meter:
             ``Executor.snapshot(per_worker=True)``); None: only the buffers are counted.
         cluster: returns the CPUs the cluster of the pipeline's remote stages offers (None:
             no remote stage, 0).
+        in_process: names of the stages whose workers are threads of this process: their CPU
+            is the stages', not the consumer's (:attr:`Observation.consumer_cpus`).
     """
 
     def __init__(
@@ -392,8 +398,10 @@ class Meter:
         memory_limit_bytes: int | None = None,
         memory: _memory.MemoryProbe | None = None,
         cluster: Callable[[], float] | None = None,
+        in_process: Sequence[str] = (),
     ):
         self._snapshot = snapshot
+        self.in_process = frozenset(in_process)
         self.cluster = cluster
         self._machine = machine
         self.bounds = tuple(bounds)
@@ -405,6 +413,7 @@ class Meter:
         self._prev = snapshot()
         self._prev_memory = memory.read(self._prev) if memory is not None else None
         self._prev_items = clock.items if clock is not None else 0
+        self._prev_cpu_s = time.process_time()
         self.last: Observation | None = None
         self.last_snapshot: Snapshot = self._prev
 
@@ -412,6 +421,7 @@ class Meter:
         """An observation of the interval since the previous call (or since creation)."""
         with self._lock:
             cur = self._snapshot()
+            cpu_s = time.process_time()
             reading = self.memory.read(cur) if self.memory is not None else None
             items = self.clock.items if self.clock is not None else None
             obs = observe(
@@ -426,7 +436,20 @@ class Meter:
                 memory=reading,
                 memory_before=self._prev_memory,
                 cluster_cpus=self.cluster() if self.cluster is not None else 0.0,
+                consumer_cpus=self._consumer_cpus(self._prev, cur, cpu_s - self._prev_cpu_s),
             )
             self._prev, self._prev_items, self._prev_memory = cur, items or 0, reading
+            self._prev_cpu_s = cpu_s
             self.last, self.last_snapshot = obs, cur
             return obs
+
+    def _consumer_cpus(self, prev: Snapshot, cur: Snapshot, cpu_s: float) -> float:
+        """Cores this process used between the snapshots besides its thread workers' stages."""
+        dt = max(1, cur.t_ns - prev.t_ns) / 1e9
+        before = {s.name: s.cpu_ns for s in prev.stages}
+        stages_s = sum(
+            max(0, s.cpu_ns - before.get(s.name, 0)) / 1e9
+            for s in cur.stages
+            if s.name in self.in_process
+        )
+        return max(0.0, cpu_s - stages_s) / dt

@@ -363,3 +363,41 @@ def test_a_cpu_bound_stage_is_planned_at_its_cpu_not_a_few_percent_of_noise_abov
     assert plan(
         dataclasses.replace(obs, stages=(s,)), Allocation((2,), (MiB,))
     ).allocation.workers == (3,)
+
+
+def test_the_cpu_the_consumer_uses_is_not_planned_for_the_workers():
+    # A CPU-bound stage on 2 cores while the consumer's process uses 0.4 of them (receiving
+    # the batches, its training step): the workers get 1.6, at most half of the cores go.
+    s = StageStats("s", 2, items_per_s=500.0, busy=1.0, cpu_s_per_item=4e-3, runqueue=0.0)
+    obs = Observation((s,), 500.0, 2.0, 1 << 40, 0)
+    alone = plan(obs, Allocation((2,), (MiB,)))
+    shared = plan(dataclasses.replace(obs, consumer_cpus=0.4), Allocation((2,), (MiB,)))
+    busy = plan(dataclasses.replace(obs, consumer_cpus=1.9), Allocation((2,), (MiB,)))
+    assert alone.throughput == pytest.approx(2 / 4e-3, rel=1e-6)
+    assert shared.throughput == pytest.approx(1.6 / 4e-3, rel=1e-6)
+    assert busy.throughput == pytest.approx(1.0 / 4e-3, rel=1e-6)
+    assert shared.allocation.workers == (2,) and busy.allocation.workers == (1,)
+
+
+def test_a_stage_stays_fused_into_a_host_whose_calls_in_flight_are_rising():
+    # A map-style loader's second second (numbers of a live run on 2 cores): 3 fetch workers
+    # at 8 calls in flight each, their reads waiting 4 ms, host a fused collate. The fetch
+    # stage waits, and the concurrency rule is raising its calls in flight to 64: the wait is
+    # what its threads are about to take, and the collate stays fused (split, the plan would
+    # then buy fetch workers for the split shape). Once the calls in flight settle (at
+    # max_concurrency) a host that still waits has nothing fused into it.
+    def obs(concurrency):
+        fetch = StageStats("fetch", 3, max_workers=64, items_per_s=137.2, busy=0.8844,
+                           cpu_s_per_item=1.138e-3, io_bound=True, items_in_per_s=137.2,
+                           concurrency=concurrency, max_concurrency=64, hop_s_per_item=1.257e-4,
+                           runqueue=0.0175)  # fmt: skip
+        collate = StageStats("collate", 0, max_workers=64, items_per_s=137.2, busy=0.1102,
+                             cpu_s_per_item=2.181e-3, items_in_per_s=148.6, fused=True,
+                             fusable=True, runqueue=0.0022)  # fmt: skip
+        return Observation((fetch, collate), 142.9, 2.0, 1 << 40, 0, consumer_cpus=0.136)
+
+    alloc = Allocation((3, 1), (MiB, MiB), fused=(False, True))
+    assert settled_concurrency(obs(8).stages[0]) == 64
+    assert plan(obs(8), alloc).allocation.fused == (False, True)
+    assert settled_concurrency(obs(64).stages[0]) == 64
+    assert plan(obs(64), alloc).allocation.fused == (False, False)

@@ -277,3 +277,35 @@ def test_a_fused_stage_means_the_same_on_both_sides():
 
 def _again(x):
     return _work(x)
+
+
+def test_consumer_cpus_means_the_same_on_both_sides():
+    """``consumer_cpus``: cores the consumer's process used besides the stages. The simulated
+    consumer uses none of the pipeline's CPUs; a live consumer that computes between batches
+    uses its share, one that only waits almost none."""
+    sim = SimPipeline(generate(3, 7), cpus=8, memory_limit_bytes=16 << 30, seed=1)
+    for obs in run_episode(sim, make_tuner("static", workers=(1, 1, 1)), STEPS):
+        assert obs.consumer_cpus == 0.0
+    pipe = Pipeline.from_source(Ids(), workers=1).map(_work, workers=1)
+    with pipe.loader(ordered=True, tuner=None) as loader:
+        it = iter(loader)
+        next(it)
+        live = loader.tunable
+
+        def run(it, compute: bool) -> float:
+            live.observe()
+            end = time.monotonic() + 0.6
+            while time.monotonic() < end:
+                next(it)
+                t = time.monotonic() + 0.002
+                if compute:  # the training step: 2 ms of this process's CPU per item
+                    while time.monotonic() < t:
+                        pass
+                else:  # a step that waits (an accelerator's): no CPU
+                    time.sleep(0.002)
+            return live.observe().consumer_cpus
+
+        computing, waiting = run(it, True), run(it, False)
+        del it
+    assert 0.6 < computing <= 1.1, computing
+    assert waiting < 0.4 * computing, (waiting, computing)

@@ -207,6 +207,12 @@ class Observation:
         rpc_s: seconds one remote call costs besides its bytes (its round trip), shared by the
             items of the call (0: not measured; a tuner takes its prior). Live: that line's
             value at 0 bytes (the mean wait when the line is not measured).
+        consumer_cpus: cores of ``cpus`` the consumer's process used over the interval besides
+            the pipeline's stages: its training step, the loader's receiving and decoding of
+            batches, the tuning loop. The workers cannot have them. Live: that process's CPU
+            time over the interval (every thread) less the CPU of stages whose workers are its
+            threads, per second. Simulator: 0 (its consumer takes items every
+            ``consumer_step_s`` without using the pipeline's CPUs).
     """
 
     stages: tuple[StageStats, ...]
@@ -223,6 +229,7 @@ class Observation:
     cluster_cpus: float = 0.0
     network_bytes_per_s: float = 0.0
     rpc_s: float = 0.0
+    consumer_cpus: float = 0.0
 
     @property
     def workers(self) -> tuple[int, ...]:

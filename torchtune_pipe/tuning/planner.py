@@ -37,7 +37,9 @@ cores needs 2 workers, and a third, 1.2 x 2 rounded up, only time-slices the sam
 charged the CPU it would use,
 ``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
 :mod:`~torchtune_pipe.tuning.safety`). The plan
-is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
+is the largest ``T`` (bisection) with ``T * sum g <= C``, charged cores ``<= C``, where ``C`` is
+``cpus`` less the consumer process's own use (``consumer_cpus``, at least half of ``cpus``:
+:func:`worker_cpus`),
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
 than the consumer takes items.
 
@@ -55,7 +57,10 @@ priced at what it cost when last crossed, ``known_hops``). So cheap stages are f
 more of their cost, and on a few cores each split stage keeps a worker charged at least its
 floor), expensive ones split (the hop is noise next to their cost, and a split stage keeps its
 own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
-split, and nothing is fused into a host that waits on I/O: a fused stage runs one call at a time
+split, and nothing is fused into a host that waits on I/O (a stage fused now stays fused while
+its host's calls in flight are rising: the wait measured is what the host's threads are about
+to take, and in a map-style loader's first seconds the plan split the collate from the
+fetch workers that way, then bought readers for the split shape): a fused stage runs one call at a time
 in its host's workers, and a group that both waits and computes is one the plan's per-stage
 split of wait and CPU time misjudges (in the held-out simulations, fusing a UDF into a remote
 read made the plan split it again from the fused measurement, and back). The shape running now
@@ -184,7 +189,7 @@ def plan(
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
         model.allow_split()
-        shape = _fusion_shape(obs, model, hop, io, idle)
+        shape = _fusion_shape(obs, model, hop, io, idle, [x < 1.0 for x in k])
     shape = _movable_apart(obs, shape)
     found = model.solve(shape, now, hop)
     kept = _movable_apart(obs, now)
@@ -249,7 +254,7 @@ def _split(obs: Observation, model: _Model, shape, now, hop, r, found):
     top = min([model.consumer_rate()] + [s.hi / (model.headroom * s.u) for s in busy])
     top = max(top, max((s.hi / s.v for s in busy if s.movable), default=0))
     host = sum(min(s.g, s.h) if s.movable else s.g for s in stations)
-    top = min(top, obs.cpus / max(host, 1e-12), model.consumer_rate())
+    top = min(top, worker_cpus(obs) / max(host, 1e-12), model.consumer_rate())
     placed = place(
         obs, stations, top, headroom=model.headroom, per_worker_bytes=model.per_worker_bytes,
         memory_left=model.memory_left, allowance=model.allowance,
@@ -272,11 +277,16 @@ def _split_rate(obs: Observation, model: _Model, now, r) -> float:
     remote = obs.remote_workers
     local = [obs.workers[s.stage] - remote[s.stage] for s in stations]
     far = [remote[s.stage] for s in stations]
-    return rate_of(stations, local, far, obs.cpus, model.headroom, model.consumer_rate())
+    return rate_of(stations, local, far, worker_cpus(obs), model.headroom, model.consumer_rate())
 
 
 def _fusion_shape(
-    obs: Observation, model: _Model, hop: list[float], io: list[bool], idle: list[bool]
+    obs: Observation,
+    model: _Model,
+    hop: list[float],
+    io: list[bool],
+    idle: list[bool],
+    rising: list[bool],
 ) -> tuple[bool, ...]:
     """Which stages to fuse (module docstring): from every stage split, in pipeline order, a
     stage is fused when the model gains more than ``FUSE_MIN_GAIN`` by it, or when it is
@@ -284,7 +294,9 @@ def _fusion_shape(
     nothing (the rates tie when the consumer or a bound limits them: the hop's CPU is still
     saved, and a fused stage's hop is not measured). Stages
     that wait on I/O or keep calls in flight, and stages after a host that waits on I/O, stay
-    split."""
+    split; but a stage fused now into a host whose calls in flight are rising (``rising``: the
+    concurrency rule is raising them) stays fused: the host's wait is what its threads are
+    about to take."""
     n, now = len(obs.stages), tuple(s.fused for s in obs.stages)
     split, _ = model.costs([False] * n, now, hop)
     # What each stage's own function costs: its cost split, less the hop its output pays.
@@ -295,6 +307,9 @@ def _fusion_shape(
     for j in range(1, n):
         s = obs.stages[j]
         if not (s.fusable or s.fused) or s.concurrency > 1 or idle[j] or idle[j - 1]:
+            continue
+        if now[j] and rising[fusion_host(shape, j - 1)]:
+            shape[j] = True
             continue
         if io[j] or io[fusion_host(shape, j - 1)]:
             continue  # a group that waits on I/O and computes: kept apart (module docstring)
@@ -379,7 +394,7 @@ class _Model:
 
     def _top(self, groups) -> float:
         obs = self.obs
-        top = obs.cpus / max(sum(grp[2] for grp in groups), 1e-12)
+        top = worker_cpus(obs) / max(sum(grp[2] for grp in groups), 1e-12)
         busy = [grp for grp in groups if not grp[7]]
         if busy:
             top = min(top, min(capacity(hi, ug, self.headroom) for *_, ug, _, _, hi, _ in busy))
@@ -408,7 +423,8 @@ class _Model:
         # fewer cores than stages they alone may pass the budget. Shapes are compared under
         # the allowance of every stage split: fewer groups run fewer workers in it, and must
         # not be charged a tighter budget for it.
-        cpus = max(obs.cpus, charged(0.0, lo), self.allowance)
+        budget = worker_cpus(obs)
+        cpus = max(budget, charged(0.0, lo), self.allowance)
 
         def workers(t: float) -> list[int]:
             return [min(hi[k], max(lo[k], workers_for(t, us[k], headroom))) for k in range(m)]
@@ -416,7 +432,7 @@ class _Model:
         def feasible(t: float) -> bool:
             w = workers(t)
             return (
-                t * sum(gs) <= obs.cpus
+                t * sum(gs) <= budget
                 and charged(t, w) <= cpus + 1e-9
                 and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
                 and sum(w) * self.per_worker_bytes <= self.memory_left
@@ -444,6 +460,14 @@ class _Model:
                 need = workers_for(rate, u[j], headroom)
                 out[j] = min(self.hi[j], max(self.lo[j], need))
         return rate, tuple(out)
+
+
+def worker_cpus(obs: Observation) -> float:
+    """The cores the plan gives the workers: ``cpus`` less what the consumer's process used
+    besides the stages (:attr:`Observation.consumer_cpus`: a training step, the loader's
+    receiving of batches), never below half of ``cpus`` (a busy consumer's measured share
+    must not starve the pipeline that feeds it)."""
+    return max(obs.cpus / 2, obs.cpus - max(0.0, obs.consumer_cpus))
 
 
 def workers_for(rate: float, u: float, headroom: float) -> int:
