@@ -132,12 +132,13 @@ def test_live_table_renders_and_watch_stops_on_its_event():
 
     a = Snapshot(0, (_stage("read", 2, 0, 0, 0),), 0, 0)
     b = Snapshot(10**9, (_stage("read", 2, 100, 10**9, 10**9),), 100, 1)
-    obs = observe(a, b, MACHINE)
+    obs = observe(a, b, MACHINE, consumer_cpus=0.25)
     out = io.StringIO()
     console = Console(file=out, width=150)
     console.print(render(obs))
     text = out.getvalue()
     assert "read" in text and "100" in text and "50%" in text
+    assert "4 CPUs (0.25 used by the" in text  # the caption wraps
     stop = threading.Event()
     seen = []
 

@@ -82,12 +82,12 @@ def render_text(obs: Observation, title: str = "torchtune_pipe") -> str:
 
 
 def caption(obs: Observation) -> str:
-    """Throughput, consumer step, CPUs, the pipeline's memory and its limit (and DRAM, clock where
-    measured)."""
+    """Throughput, consumer step, CPUs (and the consumer process's own use of them), the
+    pipeline's memory and its limit (and DRAM, clock where measured)."""
     parts = [
         f"{obs.throughput:,.0f} items/s to the consumer",
         f"consumer step {obs.consumer_step_s * 1e3:.1f} ms",
-        f"{obs.cpus:g} CPUs",
+        f"{obs.cpus:g} CPUs ({obs.consumer_cpus:.2f} used by the consumer)",
         f"memory {obs.memory_used_bytes / MiB:,.1f}/{obs.memory_limit_bytes / MiB:,.0f} MiB",
     ]
     if obs.dram_gbps:

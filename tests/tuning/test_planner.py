@@ -321,6 +321,14 @@ def test_a_stage_whose_calls_in_flight_are_rising_is_planned_for_them():
     assert alone.allocation.workers[0] == 8  # 0.2 worker-s per item, as without threads
     assert rising.allocation.workers[0] < alone.allocation.workers[0] / 3
     assert rising.throughput >= alone.throughput
+    # Until its calls in flight settle it keeps the processes it has: with a cheap UDF after
+    # it, the plan at one call in flight buys readers; while they rise, it does not.
+    fast = dataclasses.replace(udf, cpu_s_per_item=0.001, busy=0.01)
+    free = plan(Observation((read(1), fast), 10.0, 4.0, 1 << 40, 0), Allocation((2, 1), (MiB,) * 2))
+    held = plan(
+        Observation((read(64), fast), 10.0, 4.0, 1 << 40, 0), Allocation((2, 1), (MiB,) * 2)
+    )
+    assert held.allocation.workers[0] == 2 < free.allocation.workers[0]
 
 
 def test_a_plan_keeps_the_shape_running_when_its_own_shape_is_slower():

@@ -21,7 +21,9 @@ From one interval with ``X`` items/s delivered, per stage ``i``:
 * ``u_i = g_i + max(0, a_i - g_i - q_i) * k_i / K_i``: worker seconds per item on an
   uncontended machine (CPU plus waiting on I/O), where a stage at ``k_i`` calls in flight per
   worker is being raised to ``K_i`` by the concurrency rule below every tuner
-  (:func:`~.concurrency.settled_concurrency`): its wait goes to threads, not processes.
+  (:func:`~.concurrency.settled_concurrency`): its wait goes to threads, not processes. Such
+  a stage keeps the workers it has until its calls in flight settle (processes bought for a
+  wait its threads are about to take run idle after, and a run's peak memory is theirs).
 
 A stage or fused group whose ``u`` exceeds its ``g`` by less than ``WAIT_NOISE`` (5%) is planned
 at its CPU: that much is measurement noise in CPU-bound workers.
@@ -183,6 +185,12 @@ def plan(
         for i, s in enumerate(obs.stages)
     ]
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
+    for i in range(n):
+        if k[i] < 1.0 and obs.workers[i] > 0 and not idle[i]:
+            # Its calls in flight are still rising: the wait it measured is what its threads
+            # are about to take, so it keeps its processes until they settle (module
+            # docstring).
+            lo[i] = hi[i] = min(hi[i], max(lo[i], obs.workers[i]))
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
     model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
     hop = channel_hops(obs, r, known_hops)
