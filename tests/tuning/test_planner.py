@@ -373,20 +373,6 @@ def test_a_cpu_bound_stage_is_planned_at_its_cpu_not_a_few_percent_of_noise_abov
     ).allocation.workers == (3,)
 
 
-def test_the_cpu_the_consumer_uses_is_not_planned_for_the_workers():
-    # A CPU-bound stage on 2 cores while the consumer's process uses 0.4 of them (receiving
-    # the batches, its training step): the workers get 1.6, at most half of the cores go.
-    s = StageStats("s", 2, items_per_s=500.0, busy=1.0, cpu_s_per_item=4e-3, runqueue=0.0)
-    obs = Observation((s,), 500.0, 2.0, 1 << 40, 0)
-    alone = plan(obs, Allocation((2,), (MiB,)))
-    shared = plan(dataclasses.replace(obs, consumer_cpus=0.4), Allocation((2,), (MiB,)))
-    busy = plan(dataclasses.replace(obs, consumer_cpus=1.9), Allocation((2,), (MiB,)))
-    assert alone.throughput == pytest.approx(2 / 4e-3, rel=1e-6)
-    assert shared.throughput == pytest.approx(1.6 / 4e-3, rel=1e-6)
-    assert busy.throughput == pytest.approx(1.0 / 4e-3, rel=1e-6)
-    assert shared.allocation.workers == (2,) and busy.allocation.workers == (1,)
-
-
 def test_a_stage_stays_fused_into_a_host_whose_calls_in_flight_are_rising():
     # A map-style loader's second second (numbers of a live run on 2 cores): 3 fetch workers
     # at 8 calls in flight each, their reads waiting 4 ms, host a fused collate. The fetch

@@ -39,9 +39,7 @@ cores needs 2 workers, and a third, 1.2 x 2 rounded up, only time-slices the sam
 charged the CPU it would use,
 ``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
 :mod:`~torchtune_pipe.tuning.safety`). The plan
-is the largest ``T`` (bisection) with ``T * sum g <= C``, charged cores ``<= C``, where ``C`` is
-``cpus`` less the consumer process's own use (``consumer_cpus``, at least half of ``cpus``:
-:func:`worker_cpus`),
+is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
 than the consumer takes items.
 
@@ -262,7 +260,7 @@ def _split(obs: Observation, model: _Model, shape, now, hop, r, found):
     top = min([model.consumer_rate()] + [s.hi / (model.headroom * s.u) for s in busy])
     top = max(top, max((s.hi / s.v for s in busy if s.movable), default=0))
     host = sum(min(s.g, s.h) if s.movable else s.g for s in stations)
-    top = min(top, worker_cpus(obs) / max(host, 1e-12), model.consumer_rate())
+    top = min(top, obs.cpus / max(host, 1e-12), model.consumer_rate())
     placed = place(
         obs, stations, top, headroom=model.headroom, per_worker_bytes=model.per_worker_bytes,
         memory_left=model.memory_left, allowance=model.allowance,
@@ -285,7 +283,7 @@ def _split_rate(obs: Observation, model: _Model, now, r) -> float:
     remote = obs.remote_workers
     local = [obs.workers[s.stage] - remote[s.stage] for s in stations]
     far = [remote[s.stage] for s in stations]
-    return rate_of(stations, local, far, worker_cpus(obs), model.headroom, model.consumer_rate())
+    return rate_of(stations, local, far, obs.cpus, model.headroom, model.consumer_rate())
 
 
 def _fusion_shape(
@@ -402,7 +400,7 @@ class _Model:
 
     def _top(self, groups) -> float:
         obs = self.obs
-        top = worker_cpus(obs) / max(sum(grp[2] for grp in groups), 1e-12)
+        top = obs.cpus / max(sum(grp[2] for grp in groups), 1e-12)
         busy = [grp for grp in groups if not grp[7]]
         if busy:
             top = min(top, min(capacity(hi, ug, self.headroom) for *_, ug, _, _, hi, _ in busy))
@@ -431,8 +429,7 @@ class _Model:
         # fewer cores than stages they alone may pass the budget. Shapes are compared under
         # the allowance of every stage split: fewer groups run fewer workers in it, and must
         # not be charged a tighter budget for it.
-        budget = worker_cpus(obs)
-        cpus = max(budget, charged(0.0, lo), self.allowance)
+        cpus = max(obs.cpus, charged(0.0, lo), self.allowance)
 
         def workers(t: float) -> list[int]:
             return [min(hi[k], max(lo[k], workers_for(t, us[k], headroom))) for k in range(m)]
@@ -440,7 +437,7 @@ class _Model:
         def feasible(t: float) -> bool:
             w = workers(t)
             return (
-                t * sum(gs) <= budget
+                t * sum(gs) <= obs.cpus
                 and charged(t, w) <= cpus + 1e-9
                 and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
                 and sum(w) * self.per_worker_bytes <= self.memory_left
@@ -468,14 +465,6 @@ class _Model:
                 need = workers_for(rate, u[j], headroom)
                 out[j] = min(self.hi[j], max(self.lo[j], need))
         return rate, tuple(out)
-
-
-def worker_cpus(obs: Observation) -> float:
-    """The cores the plan gives the workers: ``cpus`` less what the consumer's process used
-    besides the stages (:attr:`Observation.consumer_cpus`: a training step, the loader's
-    receiving of batches), never below half of ``cpus`` (a busy consumer's measured share
-    must not starve the pipeline that feeds it)."""
-    return max(obs.cpus / 2, obs.cpus - max(0.0, obs.consumer_cpus))
 
 
 def workers_for(rate: float, u: float, headroom: float) -> int:
