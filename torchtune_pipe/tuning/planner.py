@@ -59,9 +59,9 @@ floor), expensive ones split (the hop is noise next to their cost, and a split s
 own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
 split, and nothing is fused into a host that waits on I/O (a stage fused now stays fused while
 its host's calls in flight are rising: the wait measured is what the host's threads are about
-to take, and in a map-style loader's first seconds the plan split the collate from the
-fetch workers that way, then bought readers for the split shape): a fused stage runs one call at a time
-in its host's workers, and a group that both waits and computes is one the plan's per-stage
+to take, and in a map-style loader's first seconds the plan split the collate from the fetch
+workers that way, then bought readers for the split shape): a fused stage runs one call at a
+time in its host's workers, and a group that both waits and computes is one the plan's per-stage
 split of wait and CPU time misjudges (in the held-out simulations, fusing a UDF into a remote
 read made the plan split it again from the fused measurement, and back). The shape running now
 is kept when the shape so built is slower by the same model (a fused stage's share of its
