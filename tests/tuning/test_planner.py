@@ -395,3 +395,17 @@ def test_a_stage_stays_fused_into_a_host_whose_calls_in_flight_are_rising():
     assert plan(obs(8), alloc).allocation.fused == (False, True)
     assert settled_concurrency(obs(64).stages[0]) == 64
     assert plan(obs(64), alloc).allocation.fused == (False, False)
+
+
+def test_a_fused_group_whose_host_is_done_with_its_epoch_is_planned_without_error():
+    # The source (done with its epoch, idle) hosts three fused maps still working off the
+    # backlog: every group of the shape running is idle. The plan keeps the workers.
+    src = StageStats("source", 2, items_per_s=0.0, idle=True, max_workers=8)
+    maps = tuple(
+        StageStats(f"m{i}", 0, items_per_s=900.0, items_in_per_s=900.0, busy=0.3,
+                   cpu_s_per_item=3e-4, fused=True, fusable=True, max_workers=8)
+        for i in range(3)
+    )  # fmt: skip
+    obs = Observation((src, *maps), 900.0, 2.0, 1 << 40, 0)
+    p = plan(obs, Allocation((2, 1, 1, 1), (MiB,) * 4, fused=(False, True, True, True)))
+    assert p is not None and p.allocation.workers[0] == 2

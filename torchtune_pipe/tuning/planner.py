@@ -456,7 +456,7 @@ class _Model:
         # The rate the chosen workers support, and no worker beyond what that rate needs
         # (rounding at the bisection's edge can leave one stage a worker ahead of the others).
         w = workers(low)
-        rate = min(low, min(capacity(w[k], us[k], headroom) for k in busy))
+        rate = min([low] + [capacity(w[k], us[k], headroom) for k in busy])
         per_group = workers(rate)
         out = [0] * len(shape)
         for k, (h, members, *_) in enumerate(groups):
