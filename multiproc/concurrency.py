@@ -15,6 +15,7 @@ on the calling worker's threads (serially outside a worker or at concurrency 1),
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -59,6 +60,7 @@ class CallPool:
         self.cpu_ns = 0
         self.not_items = 0  # see not_an_item
         self.calls = [0, 0, 0, 0, 0]  # remote calls: multiproc.offload.CallSums's sums
+        self.runq_ns = 0  # see _Batch.run: the calls' run-queue delay, one thread sampled
         self._lock = threading.Lock()
         self._jobs: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
@@ -90,6 +92,7 @@ class CallPool:
         batch.done.acquire()
         with self._lock:
             self.cpu_ns += batch.cpu_ns
+            self.runq_ns += batch.runq_ns
         for o in batch.out:
             if o is not None and o.error is not None and not isinstance(o.error, Exception):
                 raise o.error  # SystemExit and the like: raised here, as a serial call does
@@ -166,7 +169,7 @@ class _Batch:
     """One :meth:`CallPool.map`: its calls, taken in turn by ``runners`` threads; ``done`` is
     released when the last of them has run out of calls."""
 
-    __slots__ = ("fn", "xs", "out", "next", "left", "cpu_ns", "lock", "done")
+    __slots__ = ("fn", "xs", "out", "next", "left", "cpu_ns", "runq_ns", "sample", "lock", "done")
 
     def __init__(self, fn: Callable[[Any], Any], xs: list[Any], runners: int):
         self.fn = fn
@@ -175,6 +178,8 @@ class _Batch:
         self.next = iter(range(len(xs))).__next__  # atomic under the GIL: one taker per call
         self.left = runners
         self.cpu_ns = 0
+        self.runq_ns = 0
+        self.sample = iter((True,)).__next__  # the first thread to start samples its delay
         self.lock = threading.Lock()
         self.done = threading.Lock()
         self.done.acquire()
@@ -182,6 +187,11 @@ class _Batch:
     def run(self) -> None:
         fn, xs, out, take = self.fn, self.xs, self.out, self.next
         c0 = time.thread_time_ns()
+        try:
+            sampled = self.sample()
+        except StopIteration:
+            sampled = False
+        q0 = _thread_runq_ns() if sampled else 0
         while True:
             try:
                 i = take()
@@ -192,11 +202,31 @@ class _Batch:
             except BaseException as e:  # SystemExit and the like: map() raises it
                 out[i] = Outcome(error=e)
         spent = time.thread_time_ns() - c0
+        waited = max(0, _thread_runq_ns() - q0) if sampled else 0
         with self.lock:
             self.cpu_ns += spent
+            self.runq_ns += waited
             self.left -= 1
             if not self.left:
                 self.done.release()
+
+
+_schedstat = threading.local()
+
+
+def _thread_runq_ns() -> int:
+    """This thread's run-queue delay so far (``/proc/thread-self/schedstat``; 0 where the
+    kernel does not export it)."""
+    fd = getattr(_schedstat, "fd", None)
+    if fd == -1:
+        return 0
+    try:
+        if fd is None:
+            fd = _schedstat.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        return int(os.pread(fd, 128, 0).split()[1])
+    except (OSError, ValueError, IndexError):
+        _schedstat.fd = -1
+        return 0
 
 
 def _call(fn: Callable[[Any], Any], x: Any) -> Outcome:

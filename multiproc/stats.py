@@ -108,7 +108,9 @@ class StageSnapshot:
     """A stage's totals: all workers it ever had (dead and retired ones included).
 
     ``runq_ns`` is the time its workers were runnable but waiting for a CPU (the kernel's
-    run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it).
+    run-queue delay, ``/proc/thread-self/schedstat``; 0 where the kernel does not export it):
+    each worker's own thread's, plus, for calls in flight on threads, one call thread's per
+    batch of calls (the delay a batch's calls waited, :class:`multiproc.concurrency.CallPool`).
     ``cpu_ns`` counts the CPU of every thread that ran the stage's calls, so with
     ``concurrency`` above 1 it may exceed ``busy_ns`` (wall time in the function).
     ``hop_ns`` is the CPU time its workers spent decoding their input frames and encoding their
@@ -266,7 +268,10 @@ class RunQueue:
     def _read(self) -> int:
         return int(os.pread(self.fd, 128, 0).split()[1])
 
-    def update(self, row) -> None:
+    def update(self, row, threads_ns: int = 0) -> None:
+        """``threads_ns``: the delay of the worker's call threads so far (one thread sampled
+        per batch of calls, :class:`multiproc.concurrency.CallPool`), added: the calls of a
+        stage with calls in flight run there, not on this thread."""
         if self.fd is None:
             return
         now = time.perf_counter_ns()
@@ -274,7 +279,7 @@ class RunQueue:
             return
         self.last = now
         try:
-            row[RUNQ_NS] = self._read() - self.base
+            row[RUNQ_NS] = self._read() - self.base + threads_ns
         except (OSError, ValueError, IndexError):
             self.close()
 

@@ -243,7 +243,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         if calls is not None:
             self.row[stats.CALL_N : stats.CALL_SXY + 1] += calls
         self.chain_ns = self.chain_cpu_ns = 0
-        self.runq.update(self.row)
+        self.runq.update(self.row, self.calls.runq_ns)
 
     def _send_unit_frame(self, unit_id, k: int, items: list, unit) -> bool:
         """Commit frame ``k`` of a unit; False when an error was reported instead."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from multiproc import (
@@ -148,3 +150,29 @@ def test_a_call_that_raises_systemexit_raises_it_from_map_as_a_serial_call_does(
         assert [o.value for o in pool.map(call, [0, 1])] == [0, 1]  # the pool still runs
     finally:
         pool.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/thread-self/schedstat"), reason="no schedstat")
+def test_a_pool_counts_the_run_queue_delay_of_its_calls_threads():
+    """A stage's calls run on the pool's threads: their time runnable but waiting for a CPU is
+    counted (one thread sampled per batch) for the worker's run-queue delay, as the worker's
+    own thread's is; on a machine whose cores are all taken it is above 0."""
+    import subprocess
+    import sys
+    import time
+
+    burners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        for _ in range(2 * (os.cpu_count() or 1))
+    ]
+    pool = CallPool(8, max_width=8)
+    try:
+        end = time.monotonic() + 5.0
+        while pool.runq_ns == 0 and time.monotonic() < end:
+            pool.map(lambda x: sum(range(20_000)) + x, range(32))
+        assert pool.runq_ns > 0
+    finally:
+        pool.close()
+        for p in burners:
+            p.kill()
+            p.wait()
