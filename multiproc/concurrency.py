@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import offload
+from . import offload, stats
 
 DEFAULT_MAX_CONCURRENCY = 64
 
@@ -93,9 +93,8 @@ class CallPool:
         with self._lock:
             self.cpu_ns += batch.cpu_ns
             self.runq_ns += batch.runq_ns
-        for o in batch.out:
-            if o is not None and o.error is not None and not isinstance(o.error, Exception):
-                raise o.error  # SystemExit and the like: raised here, as a serial call does
+        if batch.fatal is not None:
+            raise batch.fatal  # SystemExit and the like: raised here, as a serial call does
         return batch.out  # type: ignore[return-value]
 
     def _run(self) -> None:
@@ -169,7 +168,8 @@ class _Batch:
     """One :meth:`CallPool.map`: its calls, taken in turn by ``runners`` threads; ``done`` is
     released when the last of them has run out of calls."""
 
-    __slots__ = ("fn", "xs", "out", "next", "left", "cpu_ns", "runq_ns", "sample", "lock", "done")
+    __slots__ = ("fn", "xs", "out", "next", "left", "cpu_ns", "runq_ns", "sample", "fatal",
+                 "lock", "done")  # fmt: skip
 
     def __init__(self, fn: Callable[[Any], Any], xs: list[Any], runners: int):
         self.fn = fn
@@ -180,6 +180,7 @@ class _Batch:
         self.cpu_ns = 0
         self.runq_ns = 0
         self.sample = iter((True,)).__next__  # the first thread to start samples its delay
+        self.fatal: BaseException | None = None  # a call's SystemExit and the like
         self.lock = threading.Lock()
         self.done = threading.Lock()
         self.done.acquire()
@@ -201,6 +202,7 @@ class _Batch:
                 out[i] = _call(fn, xs[i])
             except BaseException as e:  # SystemExit and the like: map() raises it
                 out[i] = Outcome(error=e)
+                self.fatal = self.fatal or e
         spent = time.thread_time_ns() - c0
         waited = max(0, _thread_runq_ns() - q0) if sampled else 0
         with self.lock:
@@ -215,15 +217,15 @@ _schedstat = threading.local()
 
 
 def _thread_runq_ns() -> int:
-    """This thread's run-queue delay so far (``/proc/thread-self/schedstat``; 0 where the
+    """This thread's run-queue delay so far (:func:`multiproc.stats.read_runq_ns`; 0 where the
     kernel does not export it)."""
     fd = getattr(_schedstat, "fd", None)
     if fd == -1:
         return 0
     try:
         if fd is None:
-            fd = _schedstat.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        return int(os.pread(fd, 128, 0).split()[1])
+            fd = _schedstat.fd = os.open(stats.SCHEDSTAT, os.O_RDONLY)
+        return stats.read_runq_ns(fd)
     except (OSError, ValueError, IndexError):
         _schedstat.fd = -1
         return 0

@@ -244,6 +244,14 @@ def read_fused(stage: str, row: np.ndarray, d: int) -> WorkerStats:
     )
 
 
+SCHEDSTAT = "/proc/thread-self/schedstat"  # the calling thread's scheduler counters
+
+
+def read_runq_ns(fd: int) -> int:
+    """The run-queue delay so far (ns) of the thread that opened ``fd`` on ``SCHEDSTAT``."""
+    return int(os.pread(fd, 128, 0).split()[1])
+
+
 class RunQueue:
     """This thread's run-queue delay (runnable, waiting for a CPU) into ``RUNQ_NS``.
 
@@ -260,13 +268,14 @@ class RunQueue:
         if not enabled:
             return
         try:
-            self.fd = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+            self.fd = os.open(SCHEDSTAT, os.O_RDONLY)
             self.base = self._read()
         except (OSError, ValueError, IndexError):
             self.close()
 
     def _read(self) -> int:
-        return int(os.pread(self.fd, 128, 0).split()[1])
+        assert self.fd is not None
+        return read_runq_ns(self.fd)
 
     def update(self, row, threads_ns: int = 0) -> None:
         """``threads_ns``: the delay of the worker's call threads so far (one thread sampled

@@ -173,6 +173,7 @@ def plan(
     # A stage whose calls in flight the concurrency rule is raising (below every tuner) will
     # wait that many times less per item on each worker: threads take the wait, not processes.
     k = [s.concurrency / settled_concurrency(s) for s in obs.stages]
+    rising = [x < 1.0 for x in k]
     u = local_wall(
         obs, [max(1e-12, g[i] + max(0.0, a[i] - g[i] - q[i]) * k[i]) for i in range(n)], r
     )
@@ -184,7 +185,7 @@ def plan(
     ]
     hi = [lo[i] if idle[i] else max(lo[i], s.max_workers) for i, s in enumerate(obs.stages)]
     for i in range(n):
-        if k[i] < 1.0 and obs.workers[i] > 0 and not idle[i]:
+        if rising[i] and obs.workers[i] > 0 and not idle[i]:
             # Its calls in flight are still rising: the wait it measured is what its threads
             # are about to take, so it keeps its processes until they settle (module
             # docstring).
@@ -195,7 +196,7 @@ def plan(
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
         model.allow_split()
-        shape = _fusion_shape(obs, model, hop, io, idle, [x < 1.0 for x in k])
+        shape = _fusion_shape(obs, model, hop, io, idle, rising)
     shape = _movable_apart(obs, shape)
     found = model.solve(shape, now, hop)
     kept = _movable_apart(obs, now)
