@@ -58,6 +58,31 @@ def test_map_source_units_follow_the_sampler_and_shard_by_rank():
     assert list(MapDatasetSource(Batched(), batch_size=2).read(src.units()[0]))[0][0] == ("many", 0)
 
 
+def test_map_source_units_hold_int_indices_packed_and_give_them_back_as_the_sampler_did():
+    import pickle
+
+    import numpy as np
+
+    from torchtune_pipe.map_dataset import PackedEntries
+
+    batched = MapDatasetSource(Table(), batch_size=3, entries_per_unit=2).units()
+    assert all(isinstance(u.entries, PackedEntries) for u in batched)
+    entries = batched[1].entries
+    assert [type(e) for e in entries] == [list, list] and entries[-1] == [9]
+    assert [type(i) for i in entries[0]] == [int] * 3
+    assert pickle.loads(pickle.dumps(entries)) == entries == ([6, 7, 8], [9])
+    (whole,) = MapDatasetSource(Table(), shuffle=True).units()
+    assert isinstance(whole.entries, PackedEntries) and sorted(whole.entries) == list(range(10))
+    assert all(type(i) is int for i in whole.entries) and whole.entries[-1] in range(10)
+    # A sampler of keys that are not ints (numpy ints, names) hands them over unchanged.
+    keys = [np.int64(3), np.int64(1)]
+    (unit,) = MapDatasetSource(Table(), sampler=keys).units()
+    assert not isinstance(unit.entries, PackedEntries)
+    assert [type(i) for i in unit.entries] == [np.int64, np.int64]
+    (named,) = MapDatasetSource({"a": 1, "b": 2}, sampler=["b", "a"]).units()
+    assert list(MapDatasetSource({"a": 1, "b": 2}, sampler=["b", "a"]).read(named)) == [2, 1]
+
+
 def test_map_source_replays_a_shuffled_order_from_its_state():
     g = torch.Generator().manual_seed(1)
     src = MapDatasetSource(Table(), shuffle=True, generator=g)

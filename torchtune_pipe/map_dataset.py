@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import accumulate, chain
 from typing import Any
 
 from multiproc import concurrency
 
 from ._rng import rng_states, same_rng_states, seed_all
 
-__all__ = ["IndexUnit", "MapDatasetSource"]
+__all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
 
 
 @dataclass(frozen=True)
@@ -19,13 +21,82 @@ class IndexUnit:
 
     Attributes:
         id: position in the epoch's (unsharded) unit list.
-        entries: one entry per item: an index, or a list of indices (one batch).
+        entries: one entry per item: an index, or a list of indices (one batch); a
+            :class:`PackedEntries` where every index is an ``int``, else a tuple.
         seed: seed of the random generators while the unit is read (None: not seeded).
     """
 
     id: int
-    entries: tuple
+    entries: Sequence[Any]
     seed: int | None = None
+
+
+class PackedEntries(Sequence):
+    """A unit's entries with their indices held as int64 (``array('q')``), not as Python ints.
+
+    The consumer holds an epoch's whole order: 200,000 samples as lists of Python ints are
+    ~8 MB of its own memory (pages no worker shares), and twice that while the next epoch's
+    order is drawn before the last one's units are let go; packed, ~1.6 MB. An entry reads
+    back as the sampler gave it: an ``int``, or a ``list`` of ints (one batch, the list
+    ``__getitems__`` receives, as from torch's ``BatchSampler``).
+    """
+
+    __slots__ = ("_flat", "_ends")
+
+    def __init__(self, flat: array, ends: array | None = None):
+        self._flat = flat
+        self._ends = ends  # None: one index per entry; else each batch's end in ``flat``
+
+    @staticmethod
+    def pack(entries: list, batched: bool) -> Sequence[Any]:
+        """``entries`` packed when every index is an ``int`` that fits in int64; else as a
+        tuple, unchanged (a sampler may yield any key its dataset takes: ``numpy`` ints,
+        strings)."""
+        try:
+            if not batched:
+                if all(type(e) is int for e in entries):
+                    return PackedEntries(array("q", entries))
+            elif all(type(i) is int for e in entries for i in e):
+                return PackedEntries(
+                    array("q", chain.from_iterable(entries)),
+                    array("q", accumulate(map(len, entries))),
+                )
+        except OverflowError:
+            pass
+        return tuple(entries)
+
+    def __len__(self) -> int:
+        return len(self._flat) if self._ends is None else len(self._ends)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return tuple(self)[k]
+        if self._ends is None:
+            return self._flat[k]
+        k = range(len(self._ends))[k]  # negative indices, IndexError
+        return self._flat[self._ends[k - 1] if k else 0 : self._ends[k]].tolist()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._ends is None:
+            return iter(self._flat)
+        return (
+            self._flat[a:b].tolist()
+            for a, b in zip(chain((0,), self._ends), self._ends, strict=False)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Iterable) or isinstance(other, str | bytes):
+            return NotImplemented
+        return list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self) if self._ends is None else tuple(map(tuple, self)))
+
+    def __reduce__(self) -> tuple:
+        return PackedEntries, (self._flat, self._ends)
+
+    def __repr__(self) -> str:
+        return f"PackedEntries({list(self)!r})"
 
 
 # Samples per work unit of an unbatched map-style dataset, by default: as many as a frame holds
@@ -165,13 +236,24 @@ class MapDatasetSource:
             self.base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
             )
-            entries = [list(e) if self.batched else e for e in it]
-        n = self.entries_per_unit
-        units = [
-            IndexUnit(j, tuple(entries[i : i + n]), self.base_seed + j if self.seed_units else None)
-            for j, i in enumerate(range(0, len(entries), n))
-        ]
+            units = [
+                IndexUnit(j, entries, self.base_seed + j if self.seed_units else None)
+                for j, entries in enumerate(self._chunks(it))
+            ]
         return units[self.rank :: self.world_size]
+
+    def _chunks(self, it: Iterator[Any]) -> Iterator[Sequence[Any]]:
+        """The sampler's entries, ``entries_per_unit`` at a time, packed
+        (:class:`PackedEntries`) as they are drawn: the epoch's order is never held as Python
+        ints."""
+        n, batched, buf = self.entries_per_unit, self.batched, []
+        for e in it:
+            buf.append(list(e) if batched else e)
+            if len(buf) == n:
+                yield PackedEntries.pack(buf, batched)
+                buf = []
+        if buf:
+            yield PackedEntries.pack(buf, batched)
 
     def units_state(self) -> dict | None:
         """The random state the last ``units()`` call started from (to replay its order)."""
