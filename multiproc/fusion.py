@@ -21,7 +21,37 @@ from . import protocol as P
 from . import stats
 from .errors import SpecError
 from .frames import WorkerState as WS
-from .spec import FUSABLE_INTO, fuse_blocker, fusion_host
+from .spec import FUSABLE_INTO, StageSpec, fuse_blocker, fusion_host
+
+
+def chain_lengths(stages: list[StageSpec] | tuple[StageSpec, ...]) -> list[int]:
+    """For each stage, how many of the stages after it its workers can run."""
+    n, out = len(stages), []
+    for i, host in enumerate(stages):
+        k = 0
+        while (
+            i + k + 1 < n
+            and k < stats.MAX_FUSED
+            and stages[i + k + 1].kind in FUSABLE_INTO
+            and fuse_blocker(host, stages[i + k + 1]) is None
+        ):
+            k += 1
+        out.append(k)
+    return out
+
+
+def fuse_all(stages: list[StageSpec] | tuple[StageSpec, ...]) -> tuple[bool, ...]:
+    """``stages``' shape with every stage fused that may be, in pipeline order (the fewest
+    processes): what :meth:`Fusion.set_fused` accepts one stage after the other. A pipeline
+    whose tuner starts there is started in it, so that no worker is started for a stage only
+    to be fused away in the first tuning step."""
+    chain = chain_lengths(stages)
+    fused = [s.fused for s in stages]
+    for j in range(1, len(stages)):
+        host = fusion_host(fused, j - 1)
+        if not fused[j] and fuse_blocker(stages[j - 1], stages[j]) is None:
+            fused[j] = j - host <= chain[host]
+    return tuple(fused)
 
 
 class Fusion:
@@ -30,18 +60,7 @@ class Fusion:
     def _init_fusion(self) -> None:
         stages = self.spec.stages
         n = len(stages)
-        # For each stage, how many of the stages after it its workers can run.
-        self._chain_len = []
-        for i, host in enumerate(stages):
-            k = 0
-            while (
-                i + k + 1 < n
-                and k < stats.MAX_FUSED
-                and stages[i + k + 1].kind in FUSABLE_INTO
-                and fuse_blocker(host, stages[i + k + 1]) is None
-            ):
-                k += 1
-            self._chain_len.append(k)
+        self._chain_len = chain_lengths(stages)
         self._set_chains()
         self._fused = [s.fused for s in stages]
         for j in range(n):

@@ -60,6 +60,28 @@ def test_the_observation_reports_a_fused_stage_and_an_allocation_splits_it():
     assert sorted(got) == want
 
 
+def test_a_tuner_that_starts_fused_gets_its_shape_from_the_first_worker_on(monkeypatch):
+    # No worker is started for a stage only to be fused away by the tuner's first step.
+    from multiproc import Executor
+
+    spawned: list[int] = []
+    spawn = Executor._spawn
+
+    def counting(self, stage, *args, **kwargs):
+        spawned.append(stage)
+        return spawn(self, stage, *args, **kwargs)
+
+    monkeypatch.setattr(Executor, "_spawn", counting)
+    want = sorted(2 * x - 1 for x in range(20 * 200))
+    with _pipe(fused=False).loader(tuner="intune") as loader:
+        it = iter(loader)
+        got = _take(it, 10)
+        assert loader.tunable.executor.fused() == (False, True, True)
+        got += list(it)
+    assert sorted(got) == want
+    assert spawned and set(spawned) == {0}, spawned
+
+
 def test_a_fused_stages_time_is_its_own_and_a_share_of_its_hosts_workers():
     with _pipe(fused=True, per_unit=2000).loader() as loader:
         it = iter(loader)

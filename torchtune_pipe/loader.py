@@ -309,6 +309,7 @@ class Loader:
                 self.pipeline, ordered=self.ordered, max_restarts=self.max_restarts,
                 machine=self._machine, clock=self._clock,
                 memory_limit_bytes=self.memory_limit_bytes, prefetch_slot=self._prefetch,
+                start_fused=bool(getattr(self.tuner, "starts_fused", False)),
             )  # fmt: skip
             self._executor = ex
             self._held["executor"] = ex

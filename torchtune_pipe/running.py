@@ -7,12 +7,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import weakref
 from typing import Any
 
 from multiproc import Executor
+from multiproc.fusion import fuse_all
 
 from . import remote as _remote
 from . import telemetry
@@ -179,14 +181,21 @@ def start_executor(
     clock: telemetry.ConsumerClock,
     memory_limit_bytes: int | None,
     prefetch_slot: list[weakref.ref],
+    start_fused: bool = False,
 ) -> tuple[Executor, RunningPipeline]:
     """The pipeline's executor and the :class:`RunningPipeline` observing it.
 
     ``prefetch_slot`` holds (weakly) the epoch's prefetcher, whose held bytes count towards
-    the pipeline's memory.
+    the pipeline's memory. ``start_fused``: start with every stage fused that may be
+    (:func:`multiproc.fusion.fuse_all`), the shape of a tuner that ``starts_fused``.
     """
     spec = pipeline.spec(ordered)
-    spec = type(spec)(spec.stages, ordered=spec.ordered, max_restarts=max_restarts)
+    stages = spec.stages
+    if start_fused:
+        stages = [
+            dataclasses.replace(s, fused=f) for s, f in zip(stages, fuse_all(stages), strict=True)
+        ]
+    spec = type(spec)(stages, ordered=spec.ordered, max_restarts=max_restarts)
     ex = Executor(spec)
     bounds = [
         telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency) for s in spec.stages

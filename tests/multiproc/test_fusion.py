@@ -150,6 +150,24 @@ def test_stages_that_cannot_fuse_say_why():
         ex.close()
 
 
+def test_fuse_all_is_the_shape_set_fused_accepts_stage_after_stage():
+    from multiproc.fusion import fuse_all
+    from multiproc.stats import MAX_FUSED
+
+    assert fuse_all(chain(ordered=True).stages) == (False, True, True, True, False)
+    # A host runs at most MAX_FUSED stages after it: the next one hosts the rest.
+    maps = [StageSpec(f"m{i}", "map", _fns.add_one) for i in range(MAX_FUSED + 2)]
+    long = [StageSpec("read", "source", _fns.read_range), *maps]
+    want = (False,) + (True,) * MAX_FUSED + (False, True)
+    assert fuse_all(long) == want
+    with Executor(chain(ordered=True)) as ex:
+        for j, f in enumerate(fuse_all(ex.spec.stages)):
+            if f:
+                ex.set_fused(j, True)  # accepted one after the other
+        assert ex.fused() == (False, True, True, True, False)
+        ex.close()
+
+
 def test_a_split_stage_gets_its_workers_back():
     with Executor(chain()) as ex:
         ex.set_fused("c", True)

@@ -480,6 +480,10 @@ class Tuner(Protocol):
     its own idea of the current allocation takes it from there, not from what it proposed.
     Fields documented as measured on one side only carry their "not measured" default on the
     other; a tuner reads them as unknown.
+
+    A tuner whose first allocation fuses every stage that may be fused (:func:`fuse_fusable`)
+    says so with a true ``starts_fused`` attribute: the loader then starts the pipeline's
+    workers in that shape, not a worker per stage for the first step to fuse away.
     """
 
     def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:

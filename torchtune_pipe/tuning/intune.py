@@ -227,6 +227,12 @@ class InTuneTuner:
         self.episode_reward = 0.0
 
     # -- Tuner ----------------------------------------------------------------------------
+    @property
+    def starts_fused(self) -> bool:
+        """Whether the first allocation fuses every stage that may be fused (:meth:`begin`):
+        the loader then starts the workers in that shape (:class:`~.base.Tuner`)."""
+        return self.fusion
+
     def reset(self, obs: Observation, start: Allocation | None = None) -> Allocation:
         """Load the agent for this pipeline length; start from the even CPU split.
 
