@@ -39,9 +39,17 @@ cores needs 2 workers, and a third, 1.2 x 2 rounded up, only time-slices the sam
 charged the CPU it would use,
 ``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
 :mod:`~torchtune_pipe.tuning.safety`). The plan
-is the largest ``T`` (bisection) with ``T * sum g <= cpus``, charged cores ``<= cpus``,
+is the largest ``T`` (bisection) with ``T * sum g <= budget``, charged cores ``<= cpus``,
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
-than the consumer takes items.
+than the consumer takes items. The budget is ``cpus`` while the busy stages' workers get a CPU
+whenever they can run, and only the CPU they use now (``X * sum g``) once they wait for one a
+fifth of their runnable time (``sum q >= (1 - SATURATED) * sum (g + q)``), in between in
+proportion (:func:`cpu_budget`): workers that queue for a CPU run on cores that are taken,
+by the pipeline's own threads in their bursts, the consumer or other processes, and another
+process would take its CPU from them. (A map-style loader on 2 cores whose two workers used
+1.3 cores and waited for a CPU a quarter of their time was promised 15% by a third worker,
+which made none.) In the simulator ``q`` comes from ``phi``, below 1 only when the machine is
+oversubscribed, where ``X * sum g`` is ``cpus`` already.
 
 Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host
 and the stages fused into it) is planned as one stage with the host's workers, costing the sum
@@ -94,6 +102,9 @@ HOP_S_PER_ITEM = 2.5e-6
 # A group (a stage and those fused into it) whose worker seconds per item exceed its CPU by
 # less than this share is CPU-bound: the rest is measurement noise (_Model.groups).
 WAIT_NOISE = 0.05
+# Workers that got a CPU for less than this share of their runnable time run on a machine
+# whose cores are taken: the plan spends no CPU beyond what the pipeline uses (cpu_budget).
+SATURATED = 0.8
 # A stage is fused only when the model gains more than this by it: a split stage keeps its own
 # workers, calls in flight and buffer, so a tie stays split.
 FUSE_MIN_GAIN = 0.02
@@ -192,6 +203,7 @@ def plan(
             lo[i] = hi[i] = min(hi[i], max(lo[i], obs.workers[i]))
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
     model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
+    model.cpus = cpu_budget(x, g, q, idle, obs.cpus)
     hop = channel_hops(obs, r, known_hops)
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
@@ -346,6 +358,7 @@ class _Model:
         self.lo, self.hi, self.idle, self.headroom = lo, hi, idle, headroom
         self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
         self.allowance = 0.0  # the least CPU budget every shape gets (see solve)
+        self.cpus = obs.cpus  # the CPU the pipeline may grow into (cpu_budget)
 
     def allow_split(self) -> None:
         """Give every shape the budget the fewest workers of every stage split are charged."""
@@ -401,7 +414,7 @@ class _Model:
 
     def _top(self, groups) -> float:
         obs = self.obs
-        top = obs.cpus / max(sum(grp[2] for grp in groups), 1e-12)
+        top = self.cpus / max(sum(grp[2] for grp in groups), 1e-12)
         busy = [grp for grp in groups if not grp[7]]
         if busy:
             top = min(top, min(capacity(hi, ug, self.headroom) for *_, ug, _, _, hi, _ in busy))
@@ -438,7 +451,7 @@ class _Model:
         def feasible(t: float) -> bool:
             w = workers(t)
             return (
-                t * sum(gs) <= obs.cpus
+                t * sum(gs) <= self.cpus
                 and charged(t, w) <= cpus + 1e-9
                 and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
                 and sum(w) * self.per_worker_bytes <= self.memory_left
@@ -466,6 +479,23 @@ class _Model:
                 need = workers_for(rate, u[j], headroom)
                 out[j] = min(self.hi[j], max(self.lo[j], need))
         return rate, tuple(out)
+
+
+def cpu_budget(x: float, g: list[float], q: list[float], idle: list[bool], cpus: float) -> float:
+    """The CPUs the plan may spend at most: ``cpus`` while the busy stages' workers get a CPU
+    whenever they can run; only what they use now (``x * sum g``) once they wait for one a
+    ``1 - SATURATED`` share of their runnable time or more, in between in proportion. Workers
+    that queue for a CPU show a machine whose cores are taken (by the pipeline's own threads
+    in their bursts, the consumer, other processes): another process then takes its CPU from
+    them, and the fluid model, which sees only the stages' CPU, would promise it a share of
+    cores nobody has to give."""
+    run = sum(g[i] + q[i] for i in range(len(g)) if not idle[i])
+    if run <= 0.0:
+        return cpus
+    used = x * sum(g)
+    share = sum(g[i] for i in range(len(g)) if not idle[i]) / run
+    free = min(1.0, max(0.0, (share - SATURATED) / (1.0 - SATURATED)))
+    return min(cpus, used + max(0.0, cpus - used) * free)
 
 
 def workers_for(rate: float, u: float, headroom: float) -> int:
