@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from typing import Any
@@ -85,7 +85,7 @@ class PackedEntries(Sequence):
         )
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Iterable) or isinstance(other, str | bytes):
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
             return NotImplemented
         return list(self) == list(other)
 

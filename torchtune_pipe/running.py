@@ -192,9 +192,9 @@ def start_executor(
     spec = pipeline.spec(ordered)
     stages = spec.stages
     if start_fused:
-        stages = [
+        stages = tuple(
             dataclasses.replace(s, fused=f) for s, f in zip(stages, fuse_all(stages), strict=True)
-        ]
+        )
     spec = type(spec)(stages, ordered=spec.ordered, max_restarts=max_restarts)
     ex = Executor(spec)
     bounds = [
