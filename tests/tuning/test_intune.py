@@ -120,6 +120,15 @@ def test_only_stages_that_can_use_workers_grow():
     assert can_use_workers(dataclasses.replace(st, io_bound=True))  # waits on I/O
     assert can_use_workers(dataclasses.replace(st, items_per_s=0.0))  # not measured yet
     assert not can_use_workers(dataclasses.replace(st, busy=1.0, idle=True))  # nothing to do
+    # A map-style loader's reads (numbers of a live run): 2 workers at 8 calls in flight
+    # each, waiting 4 ms a read; the concurrency rule is raising them to 64, so their wait
+    # goes to threads. The network added 5 readers there (7 worker processes for a second,
+    # the run's memory peak); no worker is added until the calls in flight settle.
+    fetch = StageStats("fetch", 2, max_workers=64, items_per_s=97.9, busy=0.884,
+                       cpu_s_per_item=1.21e-3, io_bound=True, concurrency=8,
+                       max_concurrency=64, runqueue=0.014)  # fmt: skip
+    assert not can_use_workers(fetch)
+    assert can_use_workers(dataclasses.replace(fetch, concurrency=64))
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():

@@ -12,6 +12,7 @@ import torch
 
 from .base import Allocation, MiB, Observation, StageStats, memory_parts
 from .cluster import local_total, remote_of
+from .concurrency import settled_concurrency
 from .planner import Plan
 from .safety import MEMORY_SAFE_SHARE, is_io_bound, oversubscribe_factor
 
@@ -177,8 +178,10 @@ def can_use_workers(st: StageStats) -> bool:
     """Whether more workers could raise ``st``'s rate: it is not measured yet, its workers are
     busy at least ``GROW_MIN_BUSY`` of the time, or it waits on I/O. A stage whose workers
     mostly wait for input or for output space (or that had nothing to do) is held back by its
-    neighbours."""
-    if st.idle:
+    neighbours; one whose calls in flight the concurrency rule is still raising waits for
+    reads its threads are about to take (the plan keeps its workers too,
+    :mod:`~.planner`)."""
+    if st.idle or st.concurrency < settled_concurrency(st):
         return False
     if st.items_per_s <= 0.0:
         return True
