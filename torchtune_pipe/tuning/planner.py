@@ -44,7 +44,10 @@ is the largest ``T`` (bisection) with ``T * sum g <= budget``, charged cores ``<
 than the consumer takes items. The budget is ``cpus`` while the busy stages' workers get a CPU
 whenever they can run, and only the CPU they use now (``X * sum g``) once they wait for one a
 fifth of their runnable time (``sum q >= (1 - SATURATED) * sum (g + q)``), in between in
-proportion (:func:`cpu_budget`): workers that queue for a CPU run on cores that are taken,
+proportion (:func:`cpu_budget`), and never below what the running workers use at the rate the
+model gives them (it holds back processes, it does not take away those that run; a start whose
+workers queue behind the fork server's imports is not a reason to trim them): workers that
+queue for a CPU run on cores that are taken,
 by the pipeline's own threads in their bursts, the consumer or other processes, and another
 process would take its CPU from them. (A map-style loader on 2 cores whose two workers used
 1.3 cores and waited for a CPU a quarter of their time was promised 15% by a third worker,
@@ -203,7 +206,10 @@ def plan(
             lo[i] = hi[i] = min(hi[i], max(lo[i], obs.workers[i]))
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
     model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
-    model.cpus = cpu_budget(x, g, q, idle, obs.cpus)
+    # (Never below what the running workers use at the rate the model gives them: the budget
+    # holds back more processes, it does not take away the ones that run.)
+    running = model.rate_of(now, obs.workers) * sum(g)
+    model.cpus = min(obs.cpus, max(cpu_budget(x, g, q, idle, obs.cpus), running))
     hop = channel_hops(obs, r, known_hops)
     shape = now
     if fusion and any(s.fusable or s.fused for s in obs.stages):
