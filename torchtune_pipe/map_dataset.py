@@ -35,7 +35,7 @@ class PackedEntries(Sequence):
     """A unit's entries with their indices held as int64 (``array('q')``), not as Python ints.
 
     The consumer holds an epoch's whole order: 200,000 samples as lists of Python ints are
-    ~8 MB of its own memory (pages no worker shares), and twice that while the next epoch's
+    ~5.5 MB of its own memory (pages no worker shares), and twice that while the next epoch's
     order is drawn before the last one's units are let go; packed, ~1.6 MB. An entry reads
     back as the sampler gave it: an ``int``, or a ``list`` of ints (one batch, the list
     ``__getitems__`` receives, as from torch's ``BatchSampler``).
