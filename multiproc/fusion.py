@@ -40,6 +40,25 @@ def chain_lengths(stages: list[StageSpec] | tuple[StageSpec, ...]) -> list[int]:
     return out
 
 
+def fuse_error(
+    stages: list[StageSpec] | tuple[StageSpec, ...], chain: list[int], j: int, fused: list[bool]
+) -> str | None:
+    """Why stage ``j`` cannot run in the workers of the stage before it, given the stages
+    marked in ``fused`` and each stage's :func:`chain_lengths` ``chain``; None when it can."""
+    if j == 0:
+        return "the first stage has no stage before it"
+    why = fuse_blocker(stages[j - 1], stages[j])
+    if why is not None:
+        return why
+    host = fusion_host(fused, j - 1)
+    if j - host > chain[host]:
+        return (
+            f"stage {stages[host].name!r} can run at most {chain[host]} stages after it "
+            f"({stats.MAX_FUSED} at most, each stateless and like it)"
+        )
+    return None
+
+
 def fuse_all(stages: list[StageSpec] | tuple[StageSpec, ...]) -> tuple[bool, ...]:
     """``stages``' shape with every stage fused that may be, in pipeline order (the fewest
     processes): what :meth:`Fusion.set_fused` accepts one stage after the other. A pipeline
@@ -48,9 +67,7 @@ def fuse_all(stages: list[StageSpec] | tuple[StageSpec, ...]) -> tuple[bool, ...
     chain = chain_lengths(stages)
     fused = [s.fused for s in stages]
     for j in range(1, len(stages)):
-        host = fusion_host(fused, j - 1)
-        if not fused[j] and fuse_blocker(stages[j - 1], stages[j]) is None:
-            fused[j] = j - host <= chain[host]
+        fused[j] = fused[j] or fuse_error(stages, chain, j, fused) is None
     return tuple(fused)
 
 
@@ -110,19 +127,7 @@ class Fusion:
 
     # ---------------------------------------------------------------- router side
     def _fuse_error(self, j: int, fused: list[bool]) -> str | None:
-        if j == 0:
-            return "the first stage has no stage before it"
-        stages = self.spec.stages
-        why = fuse_blocker(stages[j - 1], stages[j])
-        if why is not None:
-            return why
-        host = fusion_host(fused, j - 1)
-        if j - host > self._chain_len[host]:
-            return (
-                f"stage {self._names[host]!r} can run at most {self._chain_len[host]} stages "
-                f"after it ({stats.MAX_FUSED} at most, each stateless and like it)"
-            )
-        return None
+        return fuse_error(self.spec.stages, self._chain_len, j, fused)
 
     def _depth(self, i: int) -> int:
         """How many stages after ``i`` its workers run now (0 unless ``i`` hosts a group)."""
