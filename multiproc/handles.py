@@ -103,12 +103,8 @@ def ensure_server(preload: tuple[str, ...] = ()) -> None:
         return
     fs = forkserver._forkserver
     with fs._lock:
-        if fs._forkserver_pid is not None:
-            pid, _ = os.waitpid(fs._forkserver_pid, os.WNOHANG)
-            if not pid:
-                return  # still running
-            os.close(fs._forkserver_alive_fd)  # it died: start another
-            fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+        if fs._forkserver_pid is not None and not _forget_if_ended(fs):
+            return  # still running
         modules = [m for m in fs._preload_modules if m not in sys.modules]
         del ctx
         with socket.socket(socket.AF_UNIX) as listener:
@@ -166,6 +162,35 @@ def _sweep_if_gone(owner: int) -> None:
             arena.unlink_segment(name)
         except OSError:
             pass
+
+
+def _forget_if_ended(fs) -> bool:
+    """With ``fs._lock`` held: whether the fork server has ended; if so, forget it (the next
+    :func:`ensure_server` starts another)."""
+    pid, _ = os.waitpid(fs._forkserver_pid, os.WNOHANG)
+    if not pid:
+        return False
+    os.close(fs._forkserver_alive_fd)
+    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
+    return True
+
+
+def server_ended(wait_s: float = 2.0) -> bool:
+    """Whether the fork server this process started has ended, waiting up to ``wait_s`` for a
+    killed one to be reaped: launching a worker through a server that was just killed can fail
+    (EOF, refused) while ``waitpid`` still sees it running. False for a spawned server or none."""
+    fs = forkserver._forkserver
+    pid = fs._forkserver_pid
+    if pid is None or forked_server() is None:
+        return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        with fs._lock:
+            if fs._forkserver_pid != pid or _forget_if_ended(fs):
+                return True  # ended (and maybe replaced already)
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.01)
 
 
 def forked_server() -> int | None:
@@ -331,8 +356,13 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
         daemon=True,
         name=f"multiproc-worker-{h.wid}",
     )
-    p.start()
-    child.close()
+    try:
+        p.start()
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
     h.conn, h.proc, h.pid = parent, p, p.pid
     _start_sender(h)
 

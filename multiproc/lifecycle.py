@@ -49,23 +49,35 @@ class Workers:
         self._workers[wid] = h
         st.slots.add(slot)
         n_alive = max(1, self._n_active(stage) + 1)
-        if not h.thread:
-            self._check_server()
-        args = (
-            # In a list the worker empties (worker._Worker).
-            [self._offload_bytes[stage] if remote else self._stage_bytes[stage]],
-            wid,
-            slot,
-            index,
-            f"ttp_{self._tag}_stats",
-            MAX_SLOTS,
-            seg_name,
-            size,
-            policy.budget_share(st.budget, n_alive),
-            self._chains[stage],
-        )
-        h.start_ns = time.monotonic_ns()
-        handles.start_worker(h, args, self._preload)
+
+        def launch() -> None:
+            if not h.thread:
+                self._check_server()
+            args = (
+                # In a list the worker empties (worker._Worker).
+                [self._offload_bytes[stage] if remote else self._stage_bytes[stage]],
+                wid,
+                slot,
+                index,
+                f"ttp_{self._tag}_stats",
+                MAX_SLOTS,
+                seg_name,
+                size,
+                policy.budget_share(st.budget, n_alive),
+                self._chains[stage],
+            )
+            h.start_ns = time.monotonic_ns()
+            handles.start_worker(h, args, self._preload)
+
+        try:
+            launch()
+        except (EOFError, OSError):
+            # A fork server killed a moment ago can still look alive to waitpid: once it is
+            # reaped, launch again through its successor (stages pickled again for it).
+            if h.thread or not handles.server_ended():
+                raise
+            log.warning("stage %r: the fork server ended while starting a worker", s.name)
+            launch()
         if self._depth(stage):
             self._send(h, P.Fuse(self._depth(stage)))
         if self._run is not None:

@@ -43,6 +43,52 @@ def test_arrays_older_than_the_fork_server_are_viewed_in_its_memory_the_rest_in_
     assert lines["restarted"] == "sums=[4096.0, 4096.0, 4096.0]", r.stdout
 
 
+def test_a_worker_started_as_the_fork_server_is_killed_starts_through_its_successor():
+    # waitpid can see a server killed a moment ago as running: the launch of the crashed worker's
+    # replacement through it fails (EOF, refused); the executor waits for it to be reaped and
+    # launches again through a new one.
+    r = _subproc.run(_KILLED_SERVER, timeout_s=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.splitlines()[-1] == "new_server=True raced=True sums=[4096.0, 4096.0, 4096.0]"
+
+
+_KILLED_SERVER = """
+import os, signal, threading
+import multiprocessing.forkserver as fs
+from multiproc import Executor, ExecutorSpec, StageSpec, handles
+from tests.multiproc import _fns
+
+class Sum:
+    def __init__(self):
+        import numpy as np
+        self.data = np.ones(1 << 20, dtype=np.float32)
+    def __call__(self, x):
+        return float(self.data[::256].sum())
+
+racing, raced = threading.Event(), []
+forget, ended = handles._forget_if_ended, handles.server_ended
+handles._forget_if_ended = lambda f: False if racing.is_set() else forget(f)
+def server_ended(wait_s=2.0):
+    raced.append(racing.is_set())
+    racing.clear()
+    return ended(wait_s)
+handles.server_ended = server_ended
+
+spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range),
+                     StageSpec("m", "map", Sum(), workers=1)))
+with Executor(spec) as ex:
+    it = ex.run([(0, 1), (1, 2), (2, 3)])
+    first = next(it)
+    old = fs._forkserver._forkserver_pid
+    racing.set()
+    os.kill(old, signal.SIGKILL)
+    os.kill(next(h.pid for h in ex._workers.values() if h.stage == 1), signal.SIGKILL)
+    sums = [first, *it]
+    new = fs._forkserver._forkserver_pid
+    print(f"new_server={new not in (None, old)} raced={raced == [True]} sums={sums}")
+"""
+
+
 _VIEWS = (-1.0, 26.0, 1000.0, 5 * 512 + 3, False, 3 * 512 + 5, True, 14, 9, True)
 _FROM_SERVER = """
 import os, signal, time
