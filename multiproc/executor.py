@@ -26,7 +26,6 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
-from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 from . import arena, buffers, handles, lifetime, offload, policy, stats
@@ -41,6 +40,7 @@ from .frames import Order, Run, StageState
 from .frames import WorkerState as WS
 from .fusion import Fusion
 from .lifecycle import MAX_SLOTS, Workers
+from .poller import Poller
 from .router import Router
 from .spec import ExecutorSpec, check_picklable
 
@@ -138,6 +138,7 @@ class Executor(Router, Workers, Fusion, Faults):
         self._seg_bytes: collections.Counter = collections.Counter()  # stage -> bytes in arenas
         self._sizes: dict = {}  # (segment, offset) -> bytes
         self._pending_free: dict = {}  # wid -> offsets to send
+        self._outgoing: dict | None = None  # wid -> (handle, messages) while handling an event
         self._pending_count: collections.Counter = collections.Counter()  # wid -> frames queued
         # The router holds the executor weakly (see _route): an executor nobody references is
         # collected, and its finalizer stops the workers.
@@ -402,7 +403,8 @@ class Executor(Router, Workers, Fusion, Faults):
             if me() is None or not lifetime.is_owner(res.pid):
                 return
             frees.append((ref.segment, ref.offset))
-            res.wake()
+            if not res.reporting:  # else the router takes it at the report it waits for
+                res.wake()
 
         return release
 
@@ -440,6 +442,7 @@ class Executor(Router, Workers, Fusion, Faults):
         """The router thread: holds the executor only while it handles events, never while it
         waits, so that dropping the last reference elsewhere collects the executor."""
         ex = ref()
+        poller = Poller()
         try:
             while ex is not None and not stop.is_set():
                 waitables, live, timeout = ex._waitables()
@@ -451,7 +454,7 @@ class Executor(Router, Workers, Fusion, Faults):
                 # Every event that matters (a message, a death, a command, a release by the
                 # consumer, the finalizer) makes one of these ready; the timeout is only the
                 # deadline of a stage's timeout_s.
-                ready = mp_wait(waitables, timeout)
+                ready = poller.wait(waitables, timeout)
                 if stop.is_set():
                     return
                 ex = ref()

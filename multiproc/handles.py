@@ -26,13 +26,13 @@ import gc
 import io
 import multiprocessing as mp
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import (
     connection,
@@ -48,6 +48,8 @@ from . import arena, forking, lifetime
 from . import protocol as P
 from . import worker as _worker
 from .frames import WorkerState
+from .outbox import Outbox
+from .poller import pipe_poller
 
 # numpy.random: every worker seeds numpy's global generator per batch; imported in the server,
 # its pages are shared (imported in each worker, ~1 MiB of each one's own).
@@ -264,6 +266,10 @@ class _WorkerProcess(ForkServerProcess):
         return _NoMainPopen(process_obj)
 
 
+def _never() -> bool:
+    return False
+
+
 @dataclass
 class WorkerHandle:
     """The executor's view of one worker."""
@@ -287,21 +293,19 @@ class WorkerHandle:
     owes: set = field(default_factory=set)  # (segment, offset) handed to it, not yet released
     blocked: bool = False
     flushing: bool = False
-    outbox: object = None
-    sender: object = None
+    outbox: Outbox | None = None
+    readable: Callable[[], bool] = _never  # whether ``conn`` has a message (or hung up)
 
-    def post(self, msg) -> None:
-        """Queue a message for the worker. Never blocks: a worker busy sending to the router
-        (its pipe full) must not stall the router, or both would wait on each other."""
-        self.outbox.put(msg)
+    def post(self, *msgs) -> None:
+        """Send messages to the worker, in order. Never blocks: a worker busy sending to the
+        router (its pipe full) must not stall the router, or both would wait on each other."""
+        assert self.outbox is not None, "posted to a worker not started"
+        self.outbox.post(*msgs)
 
     def close_outbox(self, timeout_s: float = 1.0) -> None:
-        """Stop the sender thread after what is queued has been sent (or the pipe broke)."""
-        if self.outbox is None:
-            return
-        self.outbox.put(None)
-        if self.sender is not None and self.sender is not threading.current_thread():
-            self.sender.join(timeout_s)
+        """Post nothing more, after what is queued has been sent (or the pipe broke)."""
+        if self.outbox is not None:
+            self.outbox.close(timeout_s)
 
     @property
     def sentinel(self):
@@ -311,27 +315,13 @@ class WorkerHandle:
         return self.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.RETIRING)
 
 
-def _send_loop(conn, outbox: queue.SimpleQueue) -> None:
-    while True:
-        msg = outbox.get()
-        if msg is None:
-            return
-        try:
-            conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError, OSError, EOFError):
-            return  # the worker is gone; its sentinel or EOF tells the router
-
-
 def _start_sender(h: WorkerHandle) -> None:
-    h.outbox = queue.SimpleQueue()
-    h.sender = threading.Thread(
-        target=_send_loop, args=(h.conn, h.outbox), name=f"multiproc-send-{h.wid}", daemon=True
-    )
-    h.sender.start()
+    h.readable = pipe_poller(h.conn)
+    h.outbox = Outbox(h.conn, f"multiproc-send-{h.wid}")
 
 
 def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) -> None:
-    """Start the worker's process (or thread) with its private pipe and sender thread."""
+    """Start the worker's process (or thread) with its private pipe and outbox."""
     if h.thread:
         parent, child = mp.Pipe(duplex=True)
         t = threading.Thread(
@@ -422,6 +412,10 @@ class Resources:
     # write to a closed descriptor number could land in whatever file reused it.
     wake_lock: threading.Lock = field(default_factory=threading.Lock)
     router: threading.Thread | None = None
+    # Set by the router after each event: a worker has work in flight, so a message (or its
+    # death) wakes the router soon, and a released frame waits for that wake instead of making
+    # one of its own (see Executor._sink_release).
+    reporting: bool = False
 
     def wake(self) -> None:
         """Wake the router (a no-op once released)."""
@@ -447,13 +441,11 @@ class Resources:
                 continue  # interrupted before its start: nothing to tell
             if h.alive():
                 h.post(P.wire(P.Exit()))
-            h.post(None)  # the sender thread ends after delivering "exit"
         deadline = time.monotonic() + timeout_s
         try:
             for h in list(self.workers.values()):
                 stop_worker(h, max(0.0, deadline - time.monotonic()))
-                if h.sender is not None:
-                    h.sender.join(max(0.0, deadline - time.monotonic()))
+                h.close_outbox(max(0.0, deadline - time.monotonic()))
                 if h.conn is not None:
                     try:
                         h.conn.close()

@@ -9,6 +9,11 @@ raises a worker's error to the consumer. The state it works on is created by
 by id), ``_run`` (``Run``), ``_pending_count`` (frames queued or in flight per producer),
 ``_seg_refs`` / ``_seg_bytes`` / ``_sizes`` / ``_pending_free`` (arena accounting), ``_error``,
 ``_closed``, ``_cond``, ``_res``.
+
+Messages that handling one event has for a worker are sent together at its end, in one write
+(``_send``, :mod:`multiproc.outbox`). After each event the router says whether some worker has
+work in flight (``Resources.reporting``): its report will wake the router, so a frame the
+consumer releases meanwhile does not wake it again.
 """
 
 from __future__ import annotations
@@ -36,7 +41,19 @@ class Router:
         self._res.wake()
 
     def _send(self, h: handles.WorkerHandle, msg) -> None:
-        h.post(P.wire(msg))
+        out = self._outgoing
+        if out is None:
+            h.post(P.wire(msg))
+        elif h.wid in out:
+            out[h.wid][1].append(P.wire(msg))
+        else:
+            out[h.wid] = (h, [P.wire(msg)])
+
+    def _post_outgoing(self) -> None:
+        """Send what one event's handling had for each worker, in one write per worker."""
+        out, self._outgoing = self._outgoing, None
+        for h, msgs in (out or {}).values():
+            h.post(*msgs)
 
     def _maybe_unlink(self, seg: str) -> None:
         wid = self._by_seg.get(seg)
@@ -346,65 +363,78 @@ class Router:
 
     def _on_ready(self, ready: list, live: list) -> bool:
         """Handle what woke the router; False when the executor is closed."""
-        wake_r = self._res.wake_r
         with self._cond:
             if self._closed:
                 return False
-            if wake_r in ready:
-                try:
-                    os.read(wake_r, 65536)
-                except BlockingIOError:
-                    pass
-            conn_of = {id(h.conn): h for h in live}
-            sent_of = {h.sentinel: h for h in live if h.sentinel is not None}
-            dead = []
-            for r in ready:
-                if r == wake_r:
-                    continue
-                h = conn_of.get(id(r))
-                if h is not None:
-                    self._drain_conn(h, dead)
-                    continue
-                h = sent_of.get(r)
-                if h is not None:
-                    # Read what it sent before dying: committed work counts.
-                    self._drain_conn(h, dead)
-                    if h not in dead:
-                        dead.append(h)
-            for h in dead:
-                if h.alive() or h.state == WS.GONE:
-                    self._finish_worker(h)
-            while self._commands:
-                cmd = self._commands.popleft()
-                if cmd[0] == "resize":
-                    self._resize(cmd[1], cmd[2], cmd[3])
-                elif cmd[0] == "budget":
-                    self._stages[cmd[1]].budget = cmd[2]
-                    self._rebudget(cmd[1])
-                elif cmd[0] == "fusion":
-                    self._apply_fusion()
-                elif cmd[0] == "concurrency":
-                    for h in self._workers.values():
-                        if h.stage == cmd[1] and h.state in (WS.STARTING, WS.READY):
-                            self._send(h, P.Concurrency(cmd[2]))
-            while self._sink_frees:
-                seg, off = self._sink_frees.popleft()
-                self._free(seg, off)
-            self._check_timeouts()
-            if self._error is None:
-                self._dispatch()
-                if any(self._fused):
-                    self._settle_fusion()
-                self._check_progress()
-                self._break_stall()
-            self._flush_frees()
-            if self._error is not None:
-                self._cond.notify_all()
+            self._outgoing = {}  # see _send
+            try:
+                self._handle(ready, live)
+            finally:
+                self._post_outgoing()
         return True
+
+    def _handle(self, ready: list, live: list) -> None:
+        wake_r = self._res.wake_r
+        if wake_r in ready:
+            try:
+                os.read(wake_r, 65536)
+            except BlockingIOError:
+                pass
+        conn_of = {id(h.conn): h for h in live}
+        sent_of = {h.sentinel: h for h in live if h.sentinel is not None}
+        dead = []
+        for r in ready:
+            if r == wake_r:
+                continue
+            h = conn_of.get(id(r))
+            if h is not None:
+                self._drain_conn(h, dead)
+                continue
+            h = sent_of.get(r)
+            if h is not None:
+                # Read what it sent before dying: committed work counts.
+                self._drain_conn(h, dead)
+                if h not in dead:
+                    dead.append(h)
+        for h in dead:
+            if h.alive() or h.state == WS.GONE:
+                self._finish_worker(h)
+        while self._commands:
+            cmd = self._commands.popleft()
+            if cmd[0] == "resize":
+                self._resize(cmd[1], cmd[2], cmd[3])
+            elif cmd[0] == "budget":
+                self._stages[cmd[1]].budget = cmd[2]
+                self._rebudget(cmd[1])
+            elif cmd[0] == "fusion":
+                self._apply_fusion()
+            elif cmd[0] == "concurrency":
+                for h in self._workers.values():
+                    if h.stage == cmd[1] and h.state in (WS.STARTING, WS.READY):
+                        self._send(h, P.Concurrency(cmd[2]))
+        while self._sink_frees:
+            seg, off = self._sink_frees.popleft()
+            self._free(seg, off)
+        self._check_timeouts()
+        if self._error is None:
+            self._dispatch()
+            if any(self._fused):
+                self._settle_fusion()
+            self._check_progress()
+            self._break_stall()
+        self._flush_frees()
+        if self._error is not None:
+            self._cond.notify_all()
+        res = self._res
+        res.reporting = self._error is None and any(
+            h.inflight and not h.blocked for h in live if h.alive()
+        )
+        if not res.reporting and self._sink_frees:
+            res.wake()  # released while the flag still said a report would come
 
     def _drain_conn(self, h: handles.WorkerHandle, dead: list) -> None:
         try:
-            while h.conn.poll():
+            while h.readable():
                 msg = h.conn.recv()
                 self._on_message(h, msg)
                 if h.state == WS.GONE:
