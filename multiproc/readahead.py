@@ -27,11 +27,11 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing.connection import wait
 from typing import Any
 
 from . import concurrency, stats
 from . import protocol as P
+from .poller import Poller
 
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
@@ -88,6 +88,7 @@ class ReadAhead:
         self._threads: ThreadPoolExecutor | None = None
         self._wake: tuple[int, int] | None = None  # a pipe a finished read writes a byte to
         self._wake_lock = threading.Lock()  # no write to the pipe once close() closed it
+        self._poller = Poller()
 
     def units_at_once(self, fn: Callable[..., Any], unit: Any) -> int:
         """How many units like ``unit`` to read at once for the stage function ``fn``: 1
@@ -151,7 +152,7 @@ class ReadAhead:
         assert self._wake is not None
         watch = [self._wake[0]] if conn is None else [self._wake[0], conn]
         while not r.done:
-            ready = wait(watch)
+            ready = self._poller.wait(watch, None)
             if self._wake[0] in ready:
                 try:
                     os.read(self._wake[0], 4096)
@@ -174,7 +175,7 @@ class ReadAhead:
 
 class ReadsAhead:
     """The worker side: a source worker (``worker._Worker``) that reads units side by side.
-    The worker provides ``readahead``, ``stage``, ``cell``, ``conn``, ``deferred``,
+    The worker provides ``readahead``, ``stage``, ``cell``, ``conn``, ``conn_ready``, ``deferred``,
     ``chain_ns``, ``chain_cpu_ns``, ``_handle_control(msg)``, ``_commit_unit(...)`` and
     ``_add_own_time(t0, c0)``."""
 
@@ -219,7 +220,7 @@ class ReadsAhead:
                         self.deferred.popleft()
                         reads.append(ra.start(fn, nxt.unit_id, nxt.unit, nxt.skip_frames))
                         continue
-                elif self.conn.poll(0) if head.done else ra.wait(head, self.conn):
+                elif self.conn_ready() if head.done else ra.wait(head, self.conn):
                     msg = P.read(self.conn.recv())
                     if not self._handle_control(msg):
                         self.deferred.append(msg)

@@ -29,6 +29,7 @@ from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
 from .emit import Emitter
 from .items import estimated_size, exc_payload, short_repr
+from .poller import pipe_poller
 from .readahead import ReadAhead, ReadsAhead
 from .spec import Skipped
 
@@ -59,6 +60,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         chain: tuple[bytes, ...] = (),
     ):
         self.conn = conn
+        self.conn_ready = pipe_poller(conn)  # a message waits (Connection.poll costs ~20 us)
         # The stage's pickle comes in a list emptied here: a tuple of arguments stays alive on
         # the stack of the process's run() for the worker's whole life, and a map-style
         # dataset's pickle can be as large as the dataset.
