@@ -53,7 +53,7 @@ def test_a_worker_started_as_the_fork_server_is_killed_starts_through_its_succes
 
 
 _KILLED_SERVER = """
-import os, signal, threading
+import os, signal, threading, time
 import multiprocessing.forkserver as fs
 from multiproc import Executor, ExecutorSpec, StageSpec, handles
 from tests.multiproc import _fns
@@ -63,6 +63,7 @@ class Sum:
         import numpy as np
         self.data = np.ones(1 << 20, dtype=np.float32)
     def __call__(self, x):
+        time.sleep(0.3)  # still on the next item when its worker is killed
         return float(self.data[::256].sum())
 
 racing, raced = threading.Event(), []
