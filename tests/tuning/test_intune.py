@@ -11,6 +11,7 @@ import torch
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, Tuner
 from torchtune_pipe.tuning.intune import (
     ACTIONS_PER_STAGE,
+    WORKER_DELTAS,
     ActionSpace,
     InTuneTuner,
     MemoryModel,
@@ -129,6 +130,36 @@ def test_only_stages_that_can_use_workers_grow():
                        max_concurrency=64, runqueue=0.014)  # fmt: skip
     assert not can_use_workers(fetch)
     assert can_use_workers(dataclasses.replace(fetch, concurrency=64))
+
+
+def test_no_worker_is_added_while_the_workers_queue_for_a_cpu():
+    from torchtune_pipe.tuning.planner import cpu_saturated
+
+    # A map-style loader on 2 cores (numbers of a live run): two workers read with 64 calls in
+    # flight each and collate (fused) at 322 batches/s; they waited for a CPU 32% of their
+    # runnable time while the machine was busy elsewhere. The network added a third worker
+    # there (57 MiB more, and no more batches/s once the dip passed); only moves stay open.
+    fetch = StageStats("fetch", 2, max_workers=64, items_per_s=322.2, busy=0.437,
+                       cpu_s_per_item=8.1e-4, io_bound=True, concurrency=64,
+                       max_concurrency=64, runqueue=0.1386, fusable=True)  # fmt: skip
+    collate = StageStats("collate", 0, max_workers=64, items_per_s=322.2, busy=0.56,
+                         cpu_s_per_item=2.15e-3, fused=True, fusable=True,
+                         runqueue=0.1776)  # fmt: skip
+    obs = Observation((fetch, collate), 322.2, 2.0, 8 * GiB, 300 * MiB)
+    alloc = Allocation((2, 0), (64 * MiB, 64 * MiB), fused=(False, True))
+    space = ActionSpace(2)
+    assert cpu_saturated(obs)
+    grows = [_index(0, k) for k, dw in enumerate(WORKER_DELTAS) if dw > 0]
+    mask = space.mask(obs, alloc)
+    assert not any(mask[i] for i in grows) and mask[_index(0, 1)]  # fewer stays open
+    # The same interval with workers that got a CPU whenever they could run: they may grow.
+    free = [dataclasses.replace(st, runqueue=0.01) for st in (fetch, collate)]
+    obs = dataclasses.replace(obs, stages=tuple(free))
+    assert not cpu_saturated(obs)
+    assert any(space.mask(obs, alloc)[i] for i in grows)
+    # Not measured (the simulator): never saturated.
+    unknown = [dataclasses.replace(st, runqueue=None) for st in (fetch, collate)]
+    assert not cpu_saturated(dataclasses.replace(obs, stages=tuple(unknown)))
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():

@@ -13,7 +13,7 @@ import torch
 from .base import Allocation, MiB, Observation, StageStats, memory_parts
 from .cluster import local_total, remote_of
 from .concurrency import settled_concurrency
-from .planner import Plan
+from .planner import Plan, cpu_saturated
 from .safety import MEMORY_SAFE_SHARE, is_io_bound, oversubscribe_factor
 
 WORKER_DELTAS = (1, -1, 5, -5)
@@ -129,6 +129,9 @@ class ActionSpace:
         # When the consumer (the model) is the bottleneck every buffer fills, and a larger
         # one only holds more waiting items: no buffer may grow then.
         consumer_bound = obs.consumer_step_s * obs.throughput >= CONSUMER_BOUND
+        # Workers that queue for a CPU: another process would take its CPU from them (the
+        # plan's budget, planner.cpu_saturated); workers only move or go.
+        saturated = cpu_saturated(obs)
         for i, st in enumerate(obs.stages):
             base = 1 + ACTIONS_PER_STAGE * i
             if st.fused:
@@ -140,6 +143,8 @@ class ActionSpace:
                 elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
                     new = self.apply(alloc, base + k, obs)
                     grown = local_total(new, obs) - total_w
+                    if saturated and grown > 0:
+                        continue
                     fits_mem = worst + per_worker * grown <= limit
                     fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
                     mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw

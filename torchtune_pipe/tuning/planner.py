@@ -167,16 +167,7 @@ def plan(
     r = per_delivered(obs)
     g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
     now = tuple(s.fused for s in obs.stages)
-    # A fused stage's busy time is a share of its host's workers' wall time.
-    hosts = [obs.workers[fusion_host(now, i)] for i in range(n)]
-
-    def per_item(share: list[float]) -> list[float]:
-        # Worker seconds per delivered item that each stage's workers spent in ``share``.
-        return [
-            w * share[i] / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
-            for i, (w, s) in enumerate(zip(hosts, obs.stages, strict=True))
-        ]
-
+    per_item = _per_item(obs, r)
     a = per_item([s.busy for s in obs.stages])
     if all(s.runqueue is not None for s in obs.stages):
         q = per_item([s.runqueue for s in obs.stages])
@@ -487,6 +478,39 @@ class _Model:
         return rate, tuple(out)
 
 
+def _per_item(obs: Observation, r: list[float]):
+    """Worker seconds per delivered item that each stage's workers spent in a given share of
+    their wall time (``r``: :func:`per_delivered`). A fused stage's share is of its host's
+    workers' wall time."""
+    now = tuple(s.fused for s in obs.stages)
+    hosts = [obs.workers[fusion_host(now, i)] for i in range(len(obs.stages))]
+
+    def per_item(share: list[float]) -> list[float]:
+        return [
+            w * share[i] / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
+            for i, (w, s) in enumerate(zip(hosts, obs.stages, strict=True))
+        ]
+
+    return per_item
+
+
+def cpu_saturated(obs: Observation) -> bool:
+    """Whether the busy stages' workers waited for a CPU ``1 - SATURATED`` of their runnable
+    time or more (live only: the simulator measures no run queue): :func:`cpu_budget` then
+    allows no CPU beyond what they use now, and no tuner adds a worker (a dip in rows/s on
+    cores that are taken, by the pipeline or by others, is not a stage short of processes)."""
+    stages = obs.stages
+    if not stages or any(s.runqueue is None for s in stages):
+        return False
+    if any(s.items_per_s <= 0 and not s.idle for s in stages):
+        return False
+    r = per_delivered(obs)
+    g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(stages)]
+    q = _per_item(obs, r)([s.runqueue or 0.0 for s in stages])
+    idle = [s.idle and s.items_per_s <= 0 for s in stages]
+    return _free_share(g, q, idle) == 0.0
+
+
 def cpu_budget(x: float, g: list[float], q: list[float], idle: list[bool], cpus: float) -> float:
     """The CPUs the plan may spend at most: ``cpus`` while the busy stages' workers get a CPU
     whenever they can run; only what they use now (``x * sum g``) once they wait for one a
@@ -495,13 +519,19 @@ def cpu_budget(x: float, g: list[float], q: list[float], idle: list[bool], cpus:
     in their bursts, the consumer, other processes): another process then takes its CPU from
     them, and the fluid model, which sees only the stages' CPU, would promise it a share of
     cores nobody has to give."""
+    used = x * sum(g)
+    return min(cpus, used + max(0.0, cpus - used) * _free_share(g, q, idle))
+
+
+def _free_share(g: list[float], q: list[float], idle: list[bool]) -> float:
+    """How much of the CPU it does not use the plan may spend (:func:`cpu_budget`): 1 while
+    the busy stages' workers ran a ``SATURATED`` share of their runnable time or more (or
+    nothing ran), 0 at or below it, in between in proportion."""
     run = sum(g[i] + q[i] for i in range(len(g)) if not idle[i])
     if run <= 0.0:
-        return cpus
-    used = x * sum(g)
+        return 1.0
     share = sum(g[i] for i in range(len(g)) if not idle[i]) / run
-    free = min(1.0, max(0.0, (share - SATURATED) / (1.0 - SATURATED)))
-    return min(cpus, used + max(0.0, cpus - used) * free)
+    return min(1.0, max(0.0, (share - SATURATED) / (1.0 - SATURATED)))
 
 
 def workers_for(rate: float, u: float, headroom: float) -> int:
