@@ -21,7 +21,7 @@ import struct
 import threading
 from multiprocessing import reduction
 
-_MAX = 0x7FFFFFFF  # Connection's plain header; a bigger message is never a router's
+_MAX = 0x7FFFFFFF  # the longest message Connection's 4-byte header holds
 
 
 class Outbox:
@@ -43,9 +43,10 @@ class Outbox:
         parts = []
         for msg in msgs:
             data = reduction.ForkingPickler.dumps(msg)
-            if len(data) > _MAX:
-                raise ValueError(f"{self._name}: a message of {len(data)} bytes")
-            parts += (struct.pack("!i", len(data)), data)
+            n = len(data)
+            # Connection's header: the length, or -1 and an 8-byte length past 2 GiB.
+            head = struct.pack("!i", n) if n <= _MAX else struct.pack("!iQ", -1, n)
+            parts += (head, data)
         buf: bytes | memoryview = b"".join(parts)
         with self._lock:
             if self._closed:

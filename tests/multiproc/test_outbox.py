@@ -58,6 +58,21 @@ def test_a_full_pipe_never_blocks_the_poster_and_keeps_the_order():
         worker.close()
 
 
+def test_a_message_past_the_short_header_uses_connections_long_one(monkeypatch):
+    from multiproc import outbox
+
+    monkeypatch.setattr(outbox, "_MAX", 10)  # as a message over 2 GiB would
+    router, worker = mp.Pipe(duplex=True)
+    box = Outbox(router, "outbox-long")
+    try:
+        box.post(("x" * 100, 1), ("y", 2))
+        assert worker.recv() == ("x" * 100, 1) and worker.recv() == ("y", 2)
+    finally:
+        box.close()
+        router.close()
+        worker.close()
+
+
 def test_posting_to_a_gone_worker_or_after_close_raises_nothing():
     router, worker = mp.Pipe(duplex=True)
     box = Outbox(router, "outbox-gone")
