@@ -315,7 +315,7 @@ class WorkerHandle:
         return self.state in (WorkerState.STARTING, WorkerState.READY, WorkerState.RETIRING)
 
 
-def _start_sender(h: WorkerHandle) -> None:
+def _open_outbox(h: WorkerHandle) -> None:
     h.readable = pipe_poller(h.conn)
     h.outbox = Outbox(h.conn, f"multiproc-send-{h.wid}")
 
@@ -332,7 +332,7 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
             daemon=True,
         )
         h.conn, h.proc = parent, t
-        _start_sender(h)
+        _open_outbox(h)
         t.start()
         h.pid = os.getpid()
         return
@@ -354,7 +354,7 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
     finally:
         child.close()
     h.conn, h.proc, h.pid = parent, p, p.pid
-    _start_sender(h)
+    _open_outbox(h)
 
 
 def describe_exit(h: WorkerHandle) -> str:

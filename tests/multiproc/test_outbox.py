@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import threading
@@ -18,18 +19,25 @@ def _threads(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def test_messages_go_straight_into_the_pipe_without_a_sender_thread():
+@contextlib.contextmanager
+def _pipe(name: str):
+    """An outbox on the router's end of a fresh pipe, and the worker's end; all closed after."""
     router, worker = mp.Pipe(duplex=True)
-    box = Outbox(router, "outbox-direct")
+    box = Outbox(router, name)
     try:
-        box.post(("a", 1))
-        box.post(("b", 2), ("c", 3))  # several at once: one write
-        assert box.thread is None and not _threads("outbox-direct")
-        assert [worker.recv() for _ in range(3)] == [("a", 1), ("b", 2), ("c", 3)]
+        yield box, router, worker
     finally:
         box.close()
         router.close()
         worker.close()
+
+
+def test_messages_go_straight_into_the_pipe_without_a_sender_thread():
+    with _pipe("outbox-direct") as (box, _, worker):
+        box.post(("a", 1))
+        box.post(("b", 2), ("c", 3))  # several at once: one write
+        assert box.thread is None and not _threads("outbox-direct")
+        assert [worker.recv() for _ in range(3)] == [("a", 1), ("b", 2), ("c", 3)]
 
 
 def test_a_full_pipe_never_blocks_the_poster_and_keeps_the_order():
@@ -62,15 +70,9 @@ def test_a_message_past_the_short_header_uses_connections_long_one(monkeypatch):
     from multiproc import outbox
 
     monkeypatch.setattr(outbox, "_MAX", 10)  # as a message over 2 GiB would
-    router, worker = mp.Pipe(duplex=True)
-    box = Outbox(router, "outbox-long")
-    try:
+    with _pipe("outbox-long") as (box, _, worker):
         box.post(("x" * 100, 1), ("y", 2))
         assert worker.recv() == ("x" * 100, 1) and worker.recv() == ("y", 2)
-    finally:
-        box.close()
-        router.close()
-        worker.close()
 
 
 def test_posting_to_a_gone_worker_or_after_close_raises_nothing():
@@ -85,16 +87,10 @@ def test_posting_to_a_gone_worker_or_after_close_raises_nothing():
 
 
 def test_the_outbox_keeps_the_pipe_blocking_for_the_reader():
-    router, worker = mp.Pipe(duplex=True)
-    box = Outbox(router, "outbox-blocking")
-    try:
+    with _pipe("outbox-blocking") as (_, router, worker):
         assert os.get_blocking(router.fileno())
         threading.Timer(0.2, worker.send, args=("late",)).start()
         assert router.recv() == "late"  # a blocking read, not BlockingIOError
-    finally:
-        box.close()
-        router.close()
-        worker.close()
 
 
 def test_the_poller_reports_ready_objects_and_follows_a_changing_set():

@@ -162,10 +162,9 @@ def plan(
     n = len(obs.stages)
     # An idle stage (no work this interval, e.g. a source done with the epoch) keeps its
     # workers: the interval says nothing about what it needs.
-    idle = [s.idle and s.items_per_s <= 0 for s in obs.stages]
     io = [is_io_bound(s) for s in obs.stages]
     r = per_delivered(obs)
-    g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
+    g, idle = _cpu_and_idle(obs, r)
     now = tuple(s.fused for s in obs.stages)
     per_item = _per_item(obs, r)
     a = per_item([s.busy for s in obs.stages])
@@ -478,6 +477,13 @@ class _Model:
         return rate, tuple(out)
 
 
+def _cpu_and_idle(obs: Observation, r: list[float]) -> tuple[list[float], list[bool]]:
+    """Each stage's CPU seconds per delivered item (``r``: :func:`per_delivered`), and whether
+    it had no work this interval (idle and emitting nothing)."""
+    g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
+    return g, [s.idle and s.items_per_s <= 0 for s in obs.stages]
+
+
 def _per_item(obs: Observation, r: list[float]):
     """Worker seconds per delivered item that each stage's workers spent in a given share of
     their wall time (``r``: :func:`per_delivered`). A fused stage's share is of its host's
@@ -505,9 +511,8 @@ def cpu_saturated(obs: Observation) -> bool:
     if any(s.items_per_s <= 0 and not s.idle for s in stages):
         return False
     r = per_delivered(obs)
-    g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(stages)]
+    g, idle = _cpu_and_idle(obs, r)
     q = _per_item(obs, r)([s.runqueue or 0.0 for s in stages])
-    idle = [s.idle and s.items_per_s <= 0 for s in stages]
     return _free_share(g, q, idle) == 0.0
 
 
