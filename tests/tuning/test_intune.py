@@ -370,6 +370,45 @@ def test_a_change_of_fusion_is_judged_on_the_first_interval_that_starts_in_the_n
     assert any(tuner.step(obs_of(fusing, 4e4)).fused)
 
 
+def test_a_plan_that_moves_only_a_fused_stages_target_is_not_undone_by_a_dip():
+    from torchtune_pipe.tuning.intune_space import changes_processes, changes_workers
+
+    # The UDF-heavy Criteo pipeline on 2 cores (numbers of a live run): two readers run the
+    # feature UDFs fused, one worker batches. Each step the plan asks for what runs now and
+    # moves only the fused UDF's target (1 -> 2, the workers it would get if split again).
+    # That ran the same processes, so a dip of 6% in the next second (noise) is no move to
+    # undo: undone, it put the plan off for ten steps, and the network took a reader away
+    # (half the rows/s for a second, at an epoch's start).
+    def obs_of(rate: float, udf_busy: float, udf_runqueue: float) -> Observation:
+        # fmt: off
+        read = StageStats("read", 2, max_workers=4, items_per_s=4 * rate, busy=0.18,
+                          cpu_s_per_item=4.6e-4, runqueue=0.011, hop_s_per_item=2.3e-5,
+                          memory_bytes=140 * MiB)
+        feat = StageStats("features", 0, max_workers=4, items_per_s=4 * rate, busy=0.015,
+                          cpu_s_per_item=3.9e-5, runqueue=0.001, fused=True, fusable=True)
+        udf = StageStats("extra_cost", 0, max_workers=4, items_per_s=4 * rate, busy=udf_busy,
+                         cpu_s_per_item=2.54e-3, runqueue=udf_runqueue, fused=True,
+                         fusable=True)
+        batch = StageStats("batch", 1, max_workers=4, items_per_s=rate, busy=0.11,
+                           blocked_in=0.89, cpu_s_per_item=3.2e-4, runqueue=0.06,
+                           hop_s_per_item=1.3e-4, memory_bytes=70 * MiB)
+        return Observation((read, feat, udf, batch), rate, 2.0, 24 * GiB, 300 * MiB,
+                           consumer_cpus=0.06)
+        # fmt: on
+
+    runs = Allocation((2, 0, 0, 1), (64 * MiB,) * 4, fused=(False, True, True, False))
+    target = runs.replace(workers=(2, 1, 2, 1))
+    assert changes_workers(runs, target) and not changes_processes(runs, target)
+    assert changes_processes(runs, target.replace(workers=(1, 1, 2, 1)))
+    assert changes_processes(runs, target.replace(fused=(False, True, False, False)))
+    tuner = InTuneTuner()
+    tuner.reset(obs_of(150.0, 0.8, 0.05), start=runs)
+    assert tuner.step(obs_of(164.0, 0.95, 0.15)).workers == (2, 1, 2, 1)  # the plan: same processes
+    got = tuner.step(obs_of(153.0, 0.8, 0.05))
+    assert tuner.pending is not None and tuner.pending.mask[tuner.actions.plan_index]
+    assert got.workers[0] == 2 and got.workers[3] == 1
+
+
 def test_removing_a_worker_from_a_stage_that_runs_none_leaves_it_at_none():
     # A fused stage reports 0 workers; an unmasked removal (the Gymnasium checker's random
     # actions ignore the mask) must not ask for -1 of them.

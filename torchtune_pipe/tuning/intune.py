@@ -60,7 +60,7 @@ from .intune_space import (
     Action,
     ActionSpace,
     MemoryModel,
-    changes_workers,
+    changes_processes,
     cpu_cap,
     fit_memory,
     rescale,
@@ -393,7 +393,7 @@ class InTuneTuner:
         self._taken = index
         self._last = self.actions.decode(index)
         self._alloc = self.actions.apply(p.current, index, p.obs, p.planned)
-        if changes_workers(p.current, self._alloc):
+        if changes_processes(p.current, self._alloc):
             self._before = (p.current, p.obs.throughput)
         ran = tuple(s.fused for s in p.obs.stages)
         self._settling = (self._alloc.fused or ran) != ran or moves_split(

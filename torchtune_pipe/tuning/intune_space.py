@@ -179,6 +179,22 @@ def changes_workers(old: Allocation, new: Allocation) -> bool:
     return old.workers != new.workers or (old.fused or (False,) * n) != (new.fused or (False,) * n)
 
 
+def changes_processes(old: Allocation, new: Allocation) -> bool:
+    """Whether ``new`` runs other worker processes than ``old``: other counts on the stages
+    that run their own, other stages fused, or other workers remote. Unlike
+    :func:`changes_workers`, a fused stage's count (only its target for when it is split
+    again) does not count: the undo judges what ran, and a plan that only moves such a target
+    ran the same processes (``fused`` empty: as in ``old``)."""
+    n = len(old.workers)
+    if new.remote and (old.remote or (0,) * n) != new.remote:
+        return True
+    was = old.fused or (False,) * n
+    now = new.fused or was
+    return was != now or [w for w, f in zip(old.workers, was, strict=True) if not f] != [
+        w for w, f in zip(new.workers, now, strict=True) if not f
+    ]
+
+
 def can_use_workers(st: StageStats) -> bool:
     """Whether more workers could raise ``st``'s rate: it is not measured yet, its workers are
     busy at least ``GROW_MIN_BUSY`` of the time, or it waits on I/O. A stage whose workers
