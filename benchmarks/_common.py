@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import math
 import os
@@ -97,11 +98,20 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def machine_info() -> dict[str, Any]:
-    """Facts that make a benchmark number comparable: CPUs, memory, versions, time."""
-    import numpy
+    """Facts that make a benchmark number comparable: CPUs, memory, versions, time.
+
+    Versions come from the installed packages' metadata, not their import: a harness that
+    measures its children's PSS must map none of their libraries (``benchmarks/_peers_data.py``).
+    """
     import psutil
-    import torch
 
     vm = psutil.virtual_memory()
     freq = psutil.cpu_freq()
@@ -116,16 +126,11 @@ def machine_info() -> dict[str, Any]:
         "memory_available_bytes": vm.available,
         "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
+        "torch": _version("torch"),
+        "numpy": _version("numpy"),
+        "torchdata": _version("torchdata"),
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
-    try:
-        import torchdata
-
-        info["torchdata"] = torchdata.__version__
-    except ImportError:
-        info["torchdata"] = None
     return info
 
 

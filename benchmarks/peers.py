@@ -224,18 +224,36 @@ def scenario_spec(name: str, base: dict, args: argparse.Namespace) -> tuple[dict
     return spec, plan
 
 
-def base_spec(paths: list[str], duration_s: float) -> dict:
-    """What every contender of every scenario reads (``scenario_spec`` adds to it)."""
-    from examples.dlrm.criteo import DEFAULT_TABLE_SIZES
+def base_spec(paths: list[str], duration_s: float, table_sizes: list[int] | None = None) -> dict:
+    """What every contender of every scenario reads (``scenario_spec`` adds to it);
+    ``table_sizes`` None: the example's defaults (which imports torch here, see
+    :func:`prepare_data`)."""
+    if table_sizes is None:
+        from examples.dlrm.criteo import DEFAULT_TABLE_SIZES
 
+        table_sizes = list(DEFAULT_TABLE_SIZES)
     return {
         "paths": paths,
         "chunk_rows": 128,
         "chunk_bytes": 1 << 20,
         "batch_size": 512,
         "duration_s": duration_s,
-        "table_sizes": list(DEFAULT_TABLE_SIZES),  # Features()'s; tfdata-ops hashes into them
+        "table_sizes": table_sizes,  # Features()'s; tfdata-ops hashes into them
     }
+
+
+def prepare_data(data_dir: str, files: int, rows: int, criteo: bool) -> tuple[list[str], list[int]]:
+    """``(paths, table_sizes)``: :func:`ensure_data` (when ``criteo``) and the example's table
+    sizes, from a child process, so that this one maps no library a contender maps
+    (``benchmarks/_peers_data.py``: the trees' PSS would be unequally discounted)."""
+    argv = [sys.executable, "-m", "benchmarks._peers_data", data_dir, str(files), str(rows),
+            "1" if criteo else "0"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"peers: preparing the data failed:\n{done.stderr}")
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    return out["paths"], out["table_sizes"]
 
 
 def ensure_data(data_dir: str, files: int, rows: int) -> list[str]:
@@ -356,12 +374,12 @@ def main(argv: list[str] | None = None) -> dict:
     criteo = [n for n in scenarios if n in CRITEO_SCENARIOS]
     duration = args.duration or (2.0 if quick else DEFAULT_WINDOW_S)
     files, rows = (1, 20_000) if quick else (4, 100_000)
-    paths = ensure_data(args.data_dir, files, rows) if criteo else []
+    paths, table_sizes = prepare_data(args.data_dir, files, rows, bool(criteo))
     cores = usable_cores()
     env = spdl_env(args.spdl_path)
     spdl_ok = env is not None
     env = env or dict(os.environ, PYTHONPATH=str(REPO))
-    base = base_spec(paths, duration)
+    base = base_spec(paths, duration, table_sizes)
     results: dict[str, Any] = {
         "machine": machine_info(),
         "config": dict(

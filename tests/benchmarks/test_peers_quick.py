@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -48,6 +51,27 @@ def test_contenders_sweep_workers_zero_to_twice_the_cores():
     assert [f"dataloader-w{w}" for w in range(5)] == labels[:5]
     assert {f"torchtune_pipe-{t}" for t in peers.TUNERS} <= set(labels)
     assert not any(label.startswith("spdl") for label in labels)
+
+
+def test_the_harness_maps_no_library_of_its_contenders(tmp_path):
+    # PSS splits a page among every process mapping it, the harness included: a harness that
+    # imported torch (for its version, or the example's table sizes) took half of a
+    # one-process tool's torch pages and a fifth of a four-process tree's.
+    code = (
+        "import sys\n"
+        "from benchmarks import peers\n"
+        f"paths, sizes = peers.prepare_data({str(tmp_path)!r}, 1, 50, True)\n"
+        "spec = peers.base_spec(paths, 1.0, sizes)\n"
+        "info = peers.machine_info()\n"
+        "assert len(paths) == 1 and len(sizes) == 26 and info['torch'], (paths, sizes, info)\n"
+        "print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=peers.REPO, capture_output=True,
+                          text=True, env=dict(os.environ, PYTHONPATH=str(peers.REPO)))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+    with open(tmp_path / "day_0_50.txt") as f:
+        assert len(f.readlines()) == 50
 
 
 @pytest.mark.timeout(240)  # ~20 s on an idle machine; a loaded shared one is far slower
