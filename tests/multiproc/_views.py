@@ -73,6 +73,8 @@ def _numpy_base(dtype: str, n: int) -> np.ndarray:
         return (i + 1j * -i).astype(dtype)
     if dtype == "uint8":
         return (i % 251).astype(dtype)
+    if dtype == "float16":
+        return (i % 2048 + 1).astype(dtype)  # exact in float16, no overflow to inf
     return (i + 1).astype(dtype)
 
 
