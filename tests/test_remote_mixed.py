@@ -42,6 +42,10 @@ def _remote_items(loader) -> int:
     return loader.tunable.executor.snapshot().stage("feat").remote_items_out
 
 
+def _remote_calls(loader) -> int:
+    return loader.tunable.executor.snapshot().stage("feat").calls.n
+
+
 @pytest.mark.usefixtures("ray_cluster")
 def test_an_auto_stage_moves_workers_to_the_cluster_and_back_mid_epoch():
     n = 1280
@@ -63,6 +67,9 @@ def test_an_auto_stage_moves_workers_to_the_cluster_and_back_mid_epoch():
         _poll("two actors", lambda: len(_actors("feat")) == 2)
         # The pipeline runs ahead of its consumer into its buffers: remote items come.
         _poll("items made on the cluster", lambda: _remote_items(loader) > 0)
+        # A worker counts a frame's items as it sends the frame and the frame's remote call as
+        # it books the frame's time, just after: the interval holds a call once one is booked.
+        _poll("a remote call booked", lambda: _remote_calls(loader) > 0)
         for _ in range(100):
             got[next(it)] += 1
         obs = live.observe()
