@@ -77,6 +77,7 @@ def test_an_auto_stage_moves_workers_to_the_cluster_and_back_mid_epoch():
         assert (feat.workers, feat.remote_workers, feat.remotable) == (3, 2, True)
         assert loader.tunable.allocation().remote == (0, 2)
         assert 0 < feat.remote_items_per_s <= feat.items_per_s
+        assert 0 < feat.net_s_per_item < 2 / feat.remote_items_per_s  # two remote workers
         assert obs.rpc_s > 0 and obs.network_bytes_per_s >= 0  # fitted to the remote calls
         _check(obs, "live", flowing=False)
         # Back onto the host: the actors end with their workers, nothing is lost.

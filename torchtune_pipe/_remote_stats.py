@@ -13,9 +13,7 @@ from multiproc import Snapshot, StageSnapshot
 from multiproc.offload import CallSums
 
 
-def placement_stats(
-    s: StageSnapshot, p: StageSnapshot | None, out: int, busy_ns: int, cpu_ns: int, dt: float
-) -> dict:
+def placement_stats(s: StageSnapshot, p: StageSnapshot | None, out: int, dt: float) -> dict:
     """A stage's remote and network fields (``telemetry.observe``) over the interval from
     snapshot ``p`` (None: from the start) to ``s``."""
     bytes_out = s.bytes_out - (p.bytes_out if p is not None else 0)
@@ -25,12 +23,15 @@ def placement_stats(
         "bytes_per_item": bytes_out / out if out > 0 and bytes_out > 0 else 0.0,
         "items_per_call": items / frames if frames > 0 and items >= frames else 1.0,
     }
+    # The calls' wait beyond the remote function's own wall time (us), summed: the round
+    # trips and the bytes' time (a stage's local workers make no remote calls).
+    waited_us = max(0, s.calls.sy - (p.calls.sy if p is not None else 0))
     if s.placement != "local":  # placement="ray": every worker remote
         return {
             **fields,
             "remote_workers": s.workers,
             "remote_items_per_s": max(0, out) / dt,
-            "net_s_per_item": max(0.0, (busy_ns - cpu_ns) / 1e9 / out) if out > 0 else 0.0,
+            "net_s_per_item": waited_us / 1e6 / out if out > 0 else 0.0,
         }
     if not s.remotable:
         return fields
@@ -42,14 +43,12 @@ def placement_stats(
         return max(0, getattr(s, attr) - (getattr(p, attr) if p is not None else 0))
 
     r_out = d("remote_items_out")
-    r_busy = max(0, d("remote_busy_ns") - d("remote_blocked_out_ns"))
-    r_wait = max(0, r_busy - d("remote_cpu_ns"))
     return {
         **fields,
         "remotable": True,
         "remote_workers": s.remote_workers,
         "remote_items_per_s": r_out / dt,
-        "net_s_per_item": r_wait / 1e9 / r_out if r_out > 0 else 0.0,
+        "net_s_per_item": waited_us / 1e6 / r_out if r_out > 0 else 0.0,
     }
 
 

@@ -208,10 +208,10 @@ def observe(
 
     A stage whose ``placement`` is not ``"local"`` (``placement="ray"``) runs every worker
     remote: ``remote_workers`` is its workers, ``remote_items_per_s`` its items, and
-    ``net_s_per_item`` its workers' wall time per item less their CPU per item (the actor's
-    included): the call's round trip and the bytes' time. A ``placement="auto"`` stage
-    connected to Ray is ``remotable``: the same fields from its offload workers' own counters
-    (0 while none runs remote). ``bytes_per_item`` is what the stage's outputs measured (0
+    ``net_s_per_item`` its calls' wall time beyond the function's own on the actor, per item
+    (the round trips and the bytes' time, as the workers book each call). A
+    ``placement="auto"`` stage connected to Ray is ``remotable``: the same fields from its
+    offload workers' own counters (0 while none runs remote). ``bytes_per_item`` is what the stage's outputs measured (0
     where they were not), ``items_per_call`` its items per frame. ``rpc_s`` and
     ``network_bytes_per_s`` are fitted to the interval's remote calls (a line of each call's
     wait beyond its function's time over its bytes, :func:`~torchtune_pipe._remote_stats.network`); 0 without any.
@@ -266,7 +266,7 @@ def observe(
                 memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
                 fused=s.fused,
                 fusable=s.fusable,
-                **placement_stats(s, p, out, busy_ns, cpu_ns, dt),
+                **placement_stats(s, p, out, dt),
             )
         )
     if consumer_items is not None:

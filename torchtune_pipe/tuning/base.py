@@ -109,9 +109,9 @@ class StageStats:
             costs stage ``i - 1``'s ``bytes_per_item`` in, its own out.
         net_s_per_item: wall seconds a remote worker waited on the network per item it
             emitted (the call's round trip shared over its items, plus bytes over bandwidth
-            both ways; s/item). Live: its wall time per item less its CPU per item. 0 without
-            remote workers (a tuner predicts it from ``Observation.rpc_s`` and
-            ``Observation.network_bytes_per_s``).
+            both ways; s/item). Live: its remote calls' wall time beyond the function's own wall
+            time on the actor, per item. 0 without remote workers (a tuner predicts it from
+            ``Observation.rpc_s`` and ``Observation.network_bytes_per_s``).
         hop_cpu_s_per_item: host CPU seconds a remote worker spent per item it emitted on the
             hop to the cluster (packing, unpacking, the call), charged to local cores (s/item;
             the network hop, not the channel hop of ``hop_s_per_item``). Simulator
