@@ -73,7 +73,7 @@ def test_action_space_decodes_every_action():
 
 
 def test_mask_blocks_going_below_one_worker():
-    obs = _obs(workers=(1, 4, 3))
+    obs = _obs(workers=(1, 4, 3), busy=(0.5, 0.8, 0.3))
     mask = ActionSpace(3).mask(obs, obs.allocation())
     assert not mask[_index(0, 1)]  # -1 on a single worker
     assert not mask[_index(0, 3)]  # -5
@@ -113,10 +113,10 @@ def test_only_stages_that_can_use_workers_grow():
     from torchtune_pipe.tuning.intune_space import can_use_workers
 
     # Plenty of CPUs: the UDF (busy) may grow, the source and parse (waiting on it) may not.
-    obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 1.0), cpus=16)
+    obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 0.85), cpus=16)
     mask = ActionSpace(3).mask(obs, obs.allocation())
     assert [bool(mask[_index(i, 0)]) for i in range(3)] == [False, False, True]
-    assert mask[_index(2, 1)]  # shrinking stays open
+    assert mask[_index(2, 1)]  # shrinking stays open (below flat out)
     st = obs.stages[0]
     assert can_use_workers(dataclasses.replace(st, io_bound=True))  # waits on I/O
     assert can_use_workers(dataclasses.replace(st, items_per_s=0.0))  # not measured yet
@@ -370,43 +370,113 @@ def test_a_change_of_fusion_is_judged_on_the_first_interval_that_starts_in_the_n
     assert any(tuner.step(obs_of(fusing, 4e4)).fused)
 
 
+def _criteo_udf(
+    rate: float, udf_busy: float, udf_runqueue: float, readers: int = 2, used: int = 300 * MiB
+) -> Observation:
+    """The UDF-heavy Criteo pipeline on 2 cores (numbers of a live run): the readers run the
+    feature UDFs fused, one worker batches; ``rate`` batches/s."""
+    # fmt: off
+    read = StageStats("read", readers, max_workers=4, items_per_s=4 * rate, busy=0.18,
+                      cpu_s_per_item=4.6e-4, runqueue=0.011, hop_s_per_item=2.3e-5,
+                      memory_bytes=70 * MiB * readers)
+    feat = StageStats("features", 0, max_workers=4, items_per_s=4 * rate, busy=0.015,
+                      cpu_s_per_item=3.9e-5, runqueue=0.001, fused=True, fusable=True)
+    udf = StageStats("extra_cost", 0, max_workers=4, items_per_s=4 * rate, busy=udf_busy,
+                     cpu_s_per_item=2.54e-3, runqueue=udf_runqueue, fused=True,
+                     fusable=True)
+    batch = StageStats("batch", 1, max_workers=4, items_per_s=rate, busy=0.11,
+                       blocked_in=0.89, cpu_s_per_item=3.2e-4, runqueue=0.06,
+                       hop_s_per_item=1.3e-4, memory_bytes=70 * MiB)
+    return Observation((read, feat, udf, batch), rate, 2.0, 24 * GiB, used, consumer_cpus=0.06)
+    # fmt: on
+
+
+UDF_RUNS = Allocation((2, 0, 0, 1), (64 * MiB,) * 4, fused=(False, True, True, False))
+
+
 def test_a_plan_that_moves_only_a_fused_stages_target_is_not_undone_by_a_dip():
     from torchtune_pipe.tuning.intune_space import changes_processes, changes_workers
 
-    # The UDF-heavy Criteo pipeline on 2 cores (numbers of a live run): two readers run the
-    # feature UDFs fused, one worker batches. Each step the plan asks for what runs now and
-    # moves only the fused UDF's target (1 -> 2, the workers it would get if split again).
-    # That ran the same processes, so a dip of 6% in the next second (noise) is no move to
-    # undo: undone, it put the plan off for ten steps, and the network took a reader away
-    # (half the rows/s for a second, at an epoch's start).
-    def obs_of(rate: float, udf_busy: float, udf_runqueue: float) -> Observation:
-        # fmt: off
-        read = StageStats("read", 2, max_workers=4, items_per_s=4 * rate, busy=0.18,
-                          cpu_s_per_item=4.6e-4, runqueue=0.011, hop_s_per_item=2.3e-5,
-                          memory_bytes=140 * MiB)
-        feat = StageStats("features", 0, max_workers=4, items_per_s=4 * rate, busy=0.015,
-                          cpu_s_per_item=3.9e-5, runqueue=0.001, fused=True, fusable=True)
-        udf = StageStats("extra_cost", 0, max_workers=4, items_per_s=4 * rate, busy=udf_busy,
-                         cpu_s_per_item=2.54e-3, runqueue=udf_runqueue, fused=True,
-                         fusable=True)
-        batch = StageStats("batch", 1, max_workers=4, items_per_s=rate, busy=0.11,
-                           blocked_in=0.89, cpu_s_per_item=3.2e-4, runqueue=0.06,
-                           hop_s_per_item=1.3e-4, memory_bytes=70 * MiB)
-        return Observation((read, feat, udf, batch), rate, 2.0, 24 * GiB, 300 * MiB,
-                           consumer_cpus=0.06)
-        # fmt: on
-
-    runs = Allocation((2, 0, 0, 1), (64 * MiB,) * 4, fused=(False, True, True, False))
-    target = runs.replace(workers=(2, 1, 2, 1))
-    assert changes_workers(runs, target) and not changes_processes(runs, target)
-    assert changes_processes(runs, target.replace(workers=(1, 1, 2, 1)))
-    assert changes_processes(runs, target.replace(fused=(False, True, False, False)))
+    # Each step the plan asks for what runs now and moves only the fused UDF's target (1 -> 2,
+    # the workers it would get if split again). That ran the same processes, so a dip of 6%
+    # in the next second (noise) is no move to undo: undone, it put the plan off for ten
+    # steps, and the network took a reader away (half the rows/s for a second, at an epoch's
+    # start).
+    target = UDF_RUNS.replace(workers=(2, 1, 2, 1))
+    assert changes_workers(UDF_RUNS, target) and not changes_processes(UDF_RUNS, target)
+    assert changes_processes(UDF_RUNS, target.replace(workers=(1, 1, 2, 1)))
+    assert changes_processes(UDF_RUNS, target.replace(fused=(False, True, False, False)))
     tuner = InTuneTuner()
-    tuner.reset(obs_of(150.0, 0.8, 0.05), start=runs)
-    assert tuner.step(obs_of(164.0, 0.95, 0.15)).workers == (2, 1, 2, 1)  # the plan: same processes
-    got = tuner.step(obs_of(153.0, 0.8, 0.05))
+    tuner.reset(_criteo_udf(150.0, 0.8, 0.05), start=UDF_RUNS)
+    assert tuner.step(_criteo_udf(164.0, 0.95, 0.15)).workers == (2, 1, 2, 1)  # same processes
+    got = tuner.step(_criteo_udf(153.0, 0.8, 0.05))
     assert tuner.pending is not None and tuner.pending.mask[tuner.actions.plan_index]
     assert got.workers[0] == 2 and got.workers[3] == 1
+
+
+def test_no_worker_is_taken_from_a_group_that_works_flat_out():
+    from torchtune_pipe.tuning.intune_space import group_busy
+
+    # The readers spend a fifth of their time reading and the rest in the fused UDFs: the
+    # group is busy 0.995 of the time and waited for a CPU 0.06 of it. Read alone (0.18),
+    # the readers looked idle to the network, which took one away (a third of the rows/s).
+    space = ActionSpace(4)
+    flat_out = _criteo_udf(150.0, 0.8, 0.05)
+    assert group_busy(flat_out)[0] == pytest.approx(0.995)
+    removals = [_index(0, k) for k, dw in enumerate(WORKER_DELTAS) if dw < 0]
+    mask = space.mask(flat_out, UDF_RUNS)
+    assert not any(mask[i] for i in removals) and mask[0]
+    # The same busy share, mostly spent waiting for a CPU: fewer workers lose nothing.
+    queued = _criteo_udf(150.0, 0.8, 0.5)
+    assert mask_of(space, queued)[_index(0, 1)]
+    # Over the memory limit a worker goes anyway.
+    over = dataclasses.replace(flat_out, memory_limit_bytes=300 * MiB)
+    assert mask_of(space, over)[_index(0, 1)]
+    # Nor does a busier stage take one from them on a full machine.
+    busier_batch = dataclasses.replace(
+        flat_out, stages=(*flat_out.stages[:3], dataclasses.replace(flat_out.stages[3], busy=0.5))
+    )
+    grown = space.apply(UDF_RUNS, _index(3, 0), busier_batch)
+    assert grown.workers[0] == 2
+    # The state gives the network the group's busy share on the readers' row too.
+    encoder = StateEncoder(4)
+    encoder.update_references(flat_out)
+    state = encoder.encode(flat_out, UDF_RUNS, None)
+    assert state[2] == pytest.approx(0.995)
+
+
+def mask_of(space: ActionSpace, obs: Observation) -> torch.Tensor:
+    return space.mask(obs, obs.allocation().replace(fused=UDF_RUNS.fused))
+
+
+def test_an_undo_is_the_steps_only_worker_move():
+    # A third reader made the group queue for the CPUs: rows/s fell 10%. The next step goes
+    # back to two readers and moves no other worker: the network's next choice, the undone
+    # move barred, would be judged against an interval that ran neither.
+    tuner = InTuneTuner()
+    tuner.reset(_criteo_udf(152.0, 0.8, 0.05), start=UDF_RUNS)
+    tuner.prepare(_criteo_udf(152.0, 0.8, 0.05))
+    grown = tuner.take(_index(0, 0))
+    assert grown.workers[0] == 3
+    got = tuner.step(_criteo_udf(137.0, 0.7, 0.23, readers=3))
+    assert got.workers[0] == 2 and got.workers[3] == 1
+    assert tuner.pending is not None
+    assert not (tuner.pending.mask & tuner.actions.worker_moves()).any()
+    assert tuner.pending.mask[0]
+
+
+def test_a_plan_that_adds_a_process_for_a_sliver_of_throughput_is_shut():
+    from torchtune_pipe.tuning.intune import GROW_MIN_GAIN, _grows_for_little
+    from torchtune_pipe.tuning.planner import Plan
+
+    # A third reader (~60 MiB of parse buffers) for 0.2% more rows/s by the plan's model.
+    three = UDF_RUNS.replace(workers=(3, 1, 2, 1))
+    assert _grows_for_little(Plan(three, 154.6, 154.3), UDF_RUNS)  # +0.2% for 60 MiB
+    assert not _grows_for_little(Plan(three, 154.3 * (1 + 2 * GROW_MIN_GAIN), 154.3), UDF_RUNS)
+    fewer = UDF_RUNS.replace(workers=(1, 1, 2, 1))
+    assert not _grows_for_little(Plan(fewer, 150.0, 154.3), UDF_RUNS)  # not more processes
+    # A fused stage's target is no process of its own.
+    assert not _grows_for_little(Plan(UDF_RUNS.replace(workers=(2, 1, 2, 1)), 150, 150), UDF_RUNS)
 
 
 def test_removing_a_worker_from_a_stage_that_runs_none_leaves_it_at_none():

@@ -6,14 +6,16 @@ One step (:meth:`InTuneTuner.step`) is :meth:`~InTuneTuner.prepare`, a choice, a
 1. ``prepare`` starts from the allocation that ran (the observation's: the hard limits may have
    changed the last decision), then: after a CPU-count change carries it over
    (:func:`~.intune_space.rescale`); else undoes a worker move after which throughput fell by
-   more than ``REVERT_DROP`` (the move is masked for ``TABU_STEPS`` steps); else returns to the
+   more than ``REVERT_DROP`` (the move is masked for ``TABU_STEPS`` steps, and the undo is the
+   step's only worker move); else returns to the
    best allocation of the last ``GUARD_WINDOW`` steps when the current one is worse by more
    than ``GUARD_DROP``. It fits the result to memory (:func:`~.intune_space.fit_memory`),
    computes the planner's allocation (:func:`~.planner.plan`), encodes the state
    (:class:`~.intune_state.StateEncoder`) and masks the actions
    (:meth:`~.intune_space.ActionSpace.mask`).
 2. The Q network (:mod:`~torchtune_pipe.tuning.dqn`) takes the masked arg-max; the plan action
-   is taken without asking it when the plan promises more than ``PLAN_MIN_GAIN``.
+   is taken without asking it when the plan promises more than ``PLAN_MIN_GAIN``, and shut
+   when it starts more worker processes for less than ``GROW_MIN_GAIN``.
 3. ``take`` applies the action (:meth:`~.intune_space.ActionSpace.apply`).
 
 **Actions** (``2 + 6 * n_stages``): the no-op; per stage ``+1, -1, +5, -5`` workers, buffer
@@ -116,6 +118,11 @@ GUARD_WINDOW = 20
 GUARD_DROP = 0.05
 # The plan is taken without asking the network when it promises this much more throughput.
 PLAN_MIN_GAIN = 0.05
+# A plan that starts more worker processes is open only when it promises this much more
+# throughput: each process holds its memory (a Criteo reader ~60 MiB of parse buffers), and
+# a plan that adds one for a fraction of a percent, by a model that is itself that noisy, only
+# raises the run's peak.
+GROW_MIN_GAIN = 0.02
 # The first allocation's worst case is fitted to this share of MEMORY_SAFE_SHARE of the limit:
 # a start measured under nothing yet (no per-worker memory) keeps more headroom than a step.
 START_MEMORY_SHARE = 0.9
@@ -322,6 +329,7 @@ class InTuneTuner:
         self.encoder.update_references(obs)
         self.memory.update(obs)
         current = self._ran(obs)
+        undone = False
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
@@ -329,6 +337,7 @@ class InTuneTuner:
             current = self._before[0]
             if self._taken is not None:
                 self._tabu[self._taken] = TABU_STEPS
+            undone = True
         else:
             current = self._guard(obs, current)
         self._before = None
@@ -348,6 +357,13 @@ class InTuneTuner:
         )  # fmt: skip
         state = self.encoder.encode(obs, current, self._last, planned)
         mask = mask_split_moves(self.actions.mask(obs, current, self.memory, planned), obs, current)
+        if planned is not None and _grows_for_little(planned, current):
+            mask[self.actions.plan_index] = False
+        if undone:
+            # The undo is this step's worker move: another one on top of it (the network's
+            # next choice, with the move just undone barred) would be judged against the
+            # interval that ran the undone move, and is not what that interval measured.
+            mask &= ~self.actions.worker_moves()
         for index, left in list(self._tabu.items()):
             mask[index] = False
             if left <= 1:
@@ -488,6 +504,17 @@ class InTuneTuner:
         elif self.finetune:
             agent.enable_training(seed=self.seed, config=self.config)
         return agent
+
+
+def _grows_for_little(planned: Plan, now: Allocation) -> bool:
+    """Whether ``planned`` runs more worker processes than ``now`` for less than
+    ``GROW_MIN_GAIN`` more throughput by its model (host and cluster splits are judged
+    apart)."""
+    a = planned.allocation
+    if any(a.remote) or any(now.remote):
+        return False
+    grows = _processes(a) > _processes(now)
+    return grows and planned.throughput < (1 + GROW_MIN_GAIN) * planned.current
 
 
 def _processes(a: Allocation) -> int:

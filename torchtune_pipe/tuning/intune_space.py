@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocation, MiB, Observation, StageStats, memory_parts
+from .base import Allocation, MiB, Observation, StageStats, fusion_host, memory_parts
 from .cluster import local_total, remote_of
 from .concurrency import settled_concurrency
 from .planner import Plan, cpu_saturated
@@ -50,6 +50,16 @@ class ActionSpace:
         self.n_stages = n_stages
         self.n = 2 + ACTIONS_PER_STAGE * n_stages
         self.plan_index = self.n - 1
+
+    def worker_moves(self) -> torch.Tensor:
+        """Bool mask of the actions that change workers: every stage's worker deltas and the
+        plan."""
+        moves = torch.zeros(self.n, dtype=torch.bool)
+        for i in range(self.n_stages):
+            base = 1 + ACTIONS_PER_STAGE * i
+            moves[base : base + len(WORKER_DELTAS)] = True
+        moves[self.plan_index] = True
+        return moves
 
     def decode(self, index: int) -> Action:
         """The action with number ``index`` (0 is the no-op)."""
@@ -99,7 +109,8 @@ class ActionSpace:
                 obs, alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
             )
             for _ in range(max(0, need)):
-                j = idlest_donor(workers, obs, keep=act.stage, below=obs.stages[act.stage].busy)
+                below = group_busy(obs)[act.stage]
+                j = idlest_donor(workers, obs, keep=act.stage, below=below)
                 if j is None:
                     break
                 workers[j] -= 1
@@ -116,7 +127,8 @@ class ActionSpace:
         """Bool mask of the actions that keep ``alloc`` within every hard limit.
 
         The plan action is open when ``planned`` changes the workers or which stages run
-        fused (the planner already kept the plan within the CPU and memory budgets).
+        fused (the planner already kept the plan within the CPU and memory budgets). A stage
+        whose workers run flat out (:func:`working_flat_out`) loses none but for memory.
         """
         mask = torch.zeros(self.n, dtype=torch.bool)
         mask[0] = True
@@ -132,6 +144,7 @@ class ActionSpace:
         # Workers that queue for a CPU: another process would take its CPU from them (the
         # plan's budget, planner.cpu_saturated); workers only move or go.
         saturated = cpu_saturated(obs)
+        flat_out = working_flat_out(obs)
         for i, st in enumerate(obs.stages):
             base = 1 + ACTIONS_PER_STAGE * i
             if st.fused:
@@ -139,7 +152,8 @@ class ActionSpace:
             w, b = alloc.workers[i], alloc.buffer_bytes[i]
             for k, dw in enumerate(WORKER_DELTAS):
                 if dw < 0:
-                    mask[base + k] = w + dw >= max(1, st.min_workers)
+                    keep = flat_out[i] and not over_memory
+                    mask[base + k] = w + dw >= max(1, st.min_workers) and not keep
                 elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
                     new = self.apply(alloc, base + k, obs)
                     grown = local_total(new, obs) - total_w
@@ -162,6 +176,31 @@ class ActionSpace:
             # makes them wait on each other, and the workers hold most of the memory anyway.
             mask[base + 5] = b > MiB and (over_memory or consumer_bound or b > KEEP_BUFFER_BYTES)
         return mask
+
+
+# Workers busy at least this share of the time, less the time they waited for a CPU, work
+# flat out: one fewer slows their stage by its share (unless for memory, none is removed).
+FLAT_OUT_BUSY = 0.9
+
+
+def group_busy(obs: Observation, less_runqueue: bool = False) -> list[float]:
+    """Each stage's busy share, a stage that hosts fused stages busy for the whole group its
+    workers run: its own share plus theirs (each a share of the host's workers), at most 1.
+    ``less_runqueue``: less the time the workers waited for a CPU (where measured)."""
+    fused = tuple(st.fused for st in obs.stages)
+    busy = [st.busy - ((st.runqueue or 0.0) if less_runqueue else 0.0) for st in obs.stages]
+    for j in range(len(busy)):
+        h = fusion_host(fused, j)
+        if h != j:
+            busy[h] += busy[j]
+    return [clip(b, 0.0, 1.0) for b in busy]
+
+
+def working_flat_out(obs: Observation) -> list[bool]:
+    """Which stages' workers run flat out (:data:`FLAT_OUT_BUSY`, by :func:`group_busy` less
+    the run queue): two Criteo readers that spend a fifth of their time reading and the rest
+    in a fused UDF work flat out, not as idle readers to take away."""
+    return [b >= FLAT_OUT_BUSY for b in group_busy(obs, less_runqueue=True)]
 
 
 # The consumer is the bottleneck when it is busy at least this share of the time.
@@ -221,16 +260,18 @@ def idlest_donor(
     workers: list[int], obs: Observation, keep: int | None = None, below: float = math.inf
 ) -> int | None:
     """The stage that can best give up a worker: the most idle workers (``workers * (1 -
-    busy)``) among stages above their minimum and busy less than ``below``, ``keep``
-    excepted; None when none can."""
+    busy)``, a stage hosting fused stages busy for its group, :func:`group_busy`) among
+    stages above their minimum and busy less than ``below``, ``keep`` excepted; None when
+    none can."""
+    busy = group_busy(obs)
     donors = [
         j
         for j, st in enumerate(obs.stages)
-        if j != keep and workers[j] > max(1, st.min_workers) and st.busy < below
+        if j != keep and workers[j] > max(1, st.min_workers) and busy[j] < below
     ]
     if not donors:
         return None
-    return max(donors, key=lambda j: workers[j] * (1.0 - obs.stages[j].busy))
+    return max(donors, key=lambda j: workers[j] * (1.0 - busy[j]))
 
 
 def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:

@@ -10,7 +10,7 @@ import math
 import torch
 
 from .base import Allocation, Observation
-from .intune_space import WORKER_DELTAS, Action, clip, distance
+from .intune_space import WORKER_DELTAS, Action, clip, distance, group_busy
 from .planner import Plan
 from .safety import is_io_bound, oversubscribe_factor
 
@@ -115,14 +115,15 @@ class StateEncoder:
         cpus = max(obs.cpus, 1.0)
         mem = max(1, obs.memory_limit_bytes)
         x = obs.throughput
+        busy = group_busy(obs)
         feats: list[float] = []
         for i, st in enumerate(obs.stages):
             w = alloc.workers[i]
             moved = last is not None and last.stage == i
             feats += [
                 w / cpus,
-                w * st.busy / cpus,
-                st.busy,
+                w * busy[i] / cpus,
+                busy[i],
                 st.blocked_in,
                 st.blocked_out,
                 alloc.buffer_bytes[i] / mem,

@@ -32,10 +32,11 @@ Where the run-queue delay is not measured (the simulator), ``q_i = g_i / phi - g
 ``phi`` the CPU rate a runnable worker got: the median of ``g_i / a_i`` over CPU-bound stages
 (1 when there are none, at most 1).
 
-For a target rate ``T`` stage ``i`` needs ``n_i = max(ceil(T * u_i), round(headroom * T *
-u_i))`` workers (:func:`workers_for`: the headroom absorbs noise and heavy-tailed items; its
-margin is rounded to the nearest worker, the need itself always covered: a CPU-bound stage on 2
-cores needs 2 workers, and a third, 1.2 x 2 rounded up, only time-slices the same cores), each
+For a target rate ``T`` stage ``i`` needs ``n_i = max(ceil(T * u_i * (1 - NEED_SLACK)),
+round(headroom * T * u_i))`` workers (:func:`workers_for`: the headroom absorbs noise and
+heavy-tailed items; its margin is rounded to the nearest worker, the need itself always covered
+but for ``NEED_SLACK`` (2%): a CPU-bound stage on 2 cores needs 2 workers, and a third, 1.2 x 2
+rounded up or a need measured at 2.03, only time-slices the same cores), each
 charged the CPU it would use,
 ``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
 :mod:`~torchtune_pipe.tuning.safety`). The plan
@@ -102,6 +103,10 @@ _BISECT_STEPS = 40
 # stage measures it (StageStats.hop_s_per_item) and the least it prices a hop at: ~2.5 us per
 # row in the UDF-heavy peers scenario.
 HOP_S_PER_ITEM = 2.5e-6
+# A need at most this share above a whole number of workers is met by that number: the next
+# process would buy at most this much (a CPU-bound group on 2 cores measured at 2.03 workers'
+# need would start a third process that time-slices the same cores, for its memory).
+NEED_SLACK = 0.02
 # A group (a stage and those fused into it) whose worker seconds per item exceed its CPU by
 # less than this share is CPU-bound: the rest is measurement noise (_Model.groups).
 WAIT_NOISE = 0.05
@@ -541,14 +546,15 @@ def _free_share(g: list[float], q: list[float], idle: list[bool]) -> float:
 
 def workers_for(rate: float, u: float, headroom: float) -> int:
     """Workers a stage of ``u`` worker seconds per item needs for ``rate`` items/s: the need
-    ``rate * u`` rounded up, and the headroom's margin over it rounded to the nearest worker."""
+    ``rate * u`` rounded up (less ``NEED_SLACK`` of it first), and the headroom's margin over
+    it rounded to the nearest worker."""
     need = rate * u
-    return max(math.ceil(need - 1e-9), math.floor(headroom * need + 0.5 - 1e-9))
+    return max(math.ceil(need * (1 - NEED_SLACK) - 1e-9), math.floor(headroom * need + 0.5 - 1e-9))
 
 
 def capacity(workers: int, u: float, headroom: float) -> float:
     """The highest rate ``workers`` cover in :func:`workers_for` (its inverse)."""
-    return min(workers / u, (workers + 0.5) / (headroom * u))
+    return min(workers / ((1 - NEED_SLACK) * u), (workers + 0.5) / (headroom * u))
 
 
 def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) -> list[float]:
