@@ -66,7 +66,8 @@ def transition_reward(
 class StateEncoder:
     """Turns observations into scale-free state vectors for one pipeline length.
 
-    Per stage: workers and CPU actually used as fractions of ``cpus``, busy, blocked-in and
+    Per stage: workers and CPU actually used as fractions of ``cpus``, busy (a stage that
+    hosts fused stages: its group's, :func:`~.intune_space.group_busy`), blocked-in and
     blocked-out fractions, buffer bytes as a fraction of the memory limit, buffer fill, an
     I/O-bound flag, an at-max-workers flag and the last action's worker and buffer change
     on that stage. Global: throughput relative to the best and to the first throughput since
