@@ -211,8 +211,9 @@ def observe(
     ``net_s_per_item`` its calls' wall time beyond the function's own on the actor, per item
     (the round trips and the bytes' time, as the workers book each call). A
     ``placement="auto"`` stage connected to Ray is ``remotable``: the same fields from its
-    offload workers' own counters (0 while none runs remote). ``bytes_per_item`` is what the stage's outputs measured (0
-    where they were not), ``items_per_call`` its items per frame. ``rpc_s`` and
+    offload workers' own counters (0 while none runs remote). ``bytes_per_item`` is what the
+    stage's outputs measured (0 where they were not), ``items_per_call`` its items per frame.
+    ``rpc_s`` and
     ``network_bytes_per_s`` are fitted to the interval's remote calls (a line of each call's
     wait beyond its function's time over its bytes, :func:`~torchtune_pipe._remote_stats.network`); 0 without any.
     """

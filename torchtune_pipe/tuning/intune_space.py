@@ -108,8 +108,8 @@ class ActionSpace:
             need = sum(workers) - cpu_cap(
                 obs, alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
             )
+            below = group_busy(obs)[act.stage]
             for _ in range(max(0, need)):
-                below = group_busy(obs)[act.stage]
                 j = idlest_donor(workers, obs, keep=act.stage, below=below)
                 if j is None:
                     break
