@@ -4,7 +4,11 @@ must not disturb the caller's draws."""
 
 from __future__ import annotations
 
+import base64
 import random
+from typing import Any
+
+from .errors import StateError
 
 
 def rng_states() -> tuple:
@@ -58,3 +62,34 @@ def seed_all(seed: int) -> None:
         if device is not None and device.is_initialized():
             device.manual_seed_all(seed)
     np.random.seed(seed % (1 << 32))
+
+
+def rng_state_text(state: Any) -> str:
+    """A torch generator's state (a uint8 tensor) as base64 text: plain data for a saved
+    loader state."""
+    return base64.b64encode(state.numpy().tobytes()).decode("ascii")
+
+
+def rng_state_from_text(value: Any, field: str) -> Any:
+    """A torch generator's state from :func:`rng_state_text` (or the uint8 tensor itself), as
+    ``torch.set_rng_state`` takes it.
+
+    Raises:
+        StateError: ``value`` is neither, or not of a CPU generator state's size; the message
+            names ``field``.
+    """
+    import torch
+
+    size = torch.get_rng_state().numel()  # every CPU generator's state has this size
+    if isinstance(value, str):
+        try:
+            raw = base64.b64decode(value.encode("ascii"), validate=True)
+        except ValueError:
+            raw = b""
+        value = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else None
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.numel() != size:
+        raise StateError(
+            f"Loader: {field} is not a generator state of {size} bytes (base64 text from "
+            "Loader.state_dict()); load a state saved by this loader"
+        )
+    return value

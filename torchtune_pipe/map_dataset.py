@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from typing import Any
 
 from multiproc import concurrency
 
-from ._rng import rng_states, same_rng_states, seed_all
+from ._rng import rng_state_from_text, rng_state_text, rng_states, same_rng_states, seed_all
+from ._state import map_source_fingerprint
+from .errors import StateError
 
 __all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
 
@@ -255,13 +257,40 @@ class MapDatasetSource:
         if buf:
             yield PackedEntries.pack(buf, batched)
 
-    def units_state(self) -> dict | None:
-        """The random state the last ``units()`` call started from (to replay its order)."""
-        return self._rng_state
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides which samples an epoch yields, by field, for a saved state to match:
+        see :func:`torchtune_pipe._state.map_source_fingerprint`."""
+        return map_source_fingerprint(self)
 
-    def load_units_state(self, state: dict | None) -> None:
-        """Make the next ``units()`` call draw the same order as the one ``state`` came from."""
-        self._replay = state
+    def units_state(self) -> dict | None:
+        """The random state the last ``units()`` call started from (to replay its order), as
+        plain data: each generator's state in base64."""
+        if self._rng_state is None:
+            return None
+        return {k: None if v is None else rng_state_text(v) for k, v in self._rng_state.items()}
+
+    def load_units_state(self, state: Mapping | None) -> None:
+        """Make the next ``units()`` call draw the same order as the one ``state`` came from
+        (what :meth:`units_state` returned; states that hold the generators' states as
+        tensors load too).
+
+        Raises:
+            StateError: ``state`` is not such a state (the message names the field).
+        """
+        if state is None:
+            self._replay = None
+            return
+        if not isinstance(state, Mapping) or "torch" not in state:
+            raise StateError(
+                "Loader: state['units_state'] must map 'torch' and 'generator' to generator "
+                f"states, got {type(state).__name__}"
+            )
+        self._replay = {
+            k: None
+            if state.get(k) is None
+            else rng_state_from_text(state[k], f"state['units_state'][{k!r}]")
+            for k in ("torch", "generator")
+        }
 
     def calls_per_unit(self, unit: IndexUnit) -> int | None:
         """The ``__getitem__`` calls a read of ``unit`` runs at once on its worker's threads
