@@ -194,14 +194,31 @@ def test_probe_reads_at_most_once_per_interval_and_counts_its_cost():
     assert probe.read(empty) is first and probe.reads == 1
     assert first.consumer_bytes == 123 and first.used_bytes == 123
     assert probe.mean_read_s == first.read_s > 0
-    # Stale: the old reading comes back at once and a fresh one follows.
+    # Stale: a fresh reading, at once (the memory of now, not of the last reading's time).
     probe.min_interval_s, held[0] = 0.0, 456
-    assert probe.read(empty) is first
-    deadline = time.monotonic() + DEADLINE_S
-    while probe.last.used_bytes != 456:
-        assert time.monotonic() < deadline, "the fresh reading never arrived"
-        time.sleep(0.01)  # polling with a deadline: the refresh thread has no event to wait on
-    assert probe.reads >= 2
+    fresh = probe.read(empty)
+    assert fresh.used_bytes == 456 and probe.last is fresh and probe.reads == 2
+
+
+def _hold_from_first_item(x):
+    """A ``udf`` that holds (and touches) 100 MB from its first item on."""
+    if not _HELD:
+        _HELD.append(np.ones(100 << 20, np.uint8))
+    return x
+
+
+def test_an_observation_reads_the_memory_of_when_it_is_made():
+    pipe = Pipeline.from_source(_Ids(), buffer_bytes=1 << 20).map(
+        _hold_from_first_item, name="udf", workers=1, max_workers=1, buffer_bytes=1 << 20
+    )
+    with pipe.loader() as loader:
+        it = iter(loader)
+        next(it)  # the udf worker made it: it holds its 100 MB now
+        # Its reading at the start is too old to report now, however little time has passed.
+        loader.tunable.meter.memory.min_interval_s = 0.0
+        obs = loader.observe()
+        assert obs.stages[1].memory_bytes >= 100 * MiB
+        it.close()
 
 
 def test_process_memory_counts_this_process_and_skips_gone_ones():

@@ -257,7 +257,7 @@ class MemoryProbe:
         consumer_bytes: what the consumer's process holds for the pipeline now.
         min_interval_s: a reading younger than this is returned again (a tuner and a
             progress display each observe every interval; the reading costs milliseconds
-            per process); an older one is returned too while a fresh one is taken.
+            per process); an older one is replaced by a fresh one before it is returned.
         cgroup_root, self_cgroup: where :func:`cgroup_memory` looks.
 
     Attributes:
@@ -276,7 +276,6 @@ class MemoryProbe:
         self._cgroup = (cgroup_root, self_cgroup)
         self._lock = threading.Lock()
         self._last: tuple[float, MemoryReading] | None = None
-        self._refreshing = False
         self.reads = 0
         self.read_s_total = 0.0
 
@@ -291,35 +290,20 @@ class MemoryProbe:
         return self.read_s_total / self.reads if self.reads else 0.0
 
     def read(self, snapshot: Snapshot) -> MemoryReading:
-        """The pipeline's memory; ``snapshot`` must list its workers
+        """The pipeline's memory now; ``snapshot`` must list its workers
         (``Executor.snapshot(per_worker=True)``).
 
-        The first call reads at once; later calls return the latest reading at once and,
-        when it is older than ``min_interval_s``, start a fresh one on a short-lived thread:
-        a tuning step never waits on ``/proc`` (tens of milliseconds for processes that hold
-        hundreds of megabytes), and a reading is at most one interval old.
+        A reading younger than ``min_interval_s`` is returned again; an older one is not: the
+        caller waits for a fresh one (tens of milliseconds for processes that hold hundreds
+        of megabytes), so that an observation reports the memory of when it is made, however
+        long since the last one (a ``Loader.observe()`` seconds into an epoch, a tuner's
+        first step). Callers at the same moment share one reading.
         """
         with self._lock:
-            if self._last is None:
+            if self._last is None or time.monotonic() - self._last[0] >= self.min_interval_s:
                 self._store(self._timed(snapshot))
-                assert self._last is not None
-                return self._last[1]
-            stale = time.monotonic() - self._last[0] >= self.min_interval_s
-            if stale and not self._refreshing:
-                self._refreshing = True
-                threading.Thread(
-                    target=self._refresh, args=(snapshot,), name="ttp-memory", daemon=True
-                ).start()
+            assert self._last is not None
             return self._last[1]
-
-    def _refresh(self, snapshot: Snapshot) -> None:
-        try:
-            reading = self._timed(snapshot)
-        finally:
-            with self._lock:
-                self._refreshing = False
-        with self._lock:
-            self._store(reading)
 
     def _timed(self, snapshot: Snapshot) -> MemoryReading:
         t0 = time.perf_counter()
