@@ -47,10 +47,10 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-import cloudpickle
 import numpy as np
 
 from . import arena, lifetime
+from .pickler import StagePickler
 
 MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file each is no gain
 FILE_SUFFIX = "_pickled"  # an executor's file is ttp_<tag>_pickled (memory.py counts it apart)
@@ -83,9 +83,10 @@ class BufferFile:
         return self._created
 
     def dumps(self, obj: Any, server: int | None = None) -> bytes:
-        """``obj`` pickled by cloudpickle, its large arrays referred to in the memory of fork
-        server ``server`` (a pid; only for a pickle loaded by that server's children) where it
-        holds them unchanged, else written to the file."""
+        """``obj`` pickled by cloudpickle (:class:`~multiproc.pickler.StagePickler`), its large
+        arrays referred to in the memory of fork server ``server`` (a pid; only for a pickle
+        loaded by that server's children) where it holds them unchanged, else written to the
+        file."""
         out = io.BytesIO()
         held = _ServerMemory(server) if server is not None else None
         self._files = None  # this process's shared file mappings, read once per pickle
@@ -210,7 +211,7 @@ class _Unwritten(BufferFile):
         return 0
 
 
-class _Pickler(cloudpickle.CloudPickler):
+class _Pickler(StagePickler):
     def __init__(self, file: io.BytesIO, out: BufferFile, held: _ServerMemory | None = None):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._out = out

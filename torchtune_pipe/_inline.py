@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
 from multiproc import Skipped, TooManyErrorsError
+from multiproc.items import short_repr
 from multiproc.reducers import DROPPED
 from multiproc.spec import too_many_errors
 
@@ -20,10 +22,43 @@ def run_inline(pipeline: StageChain, works: list[Work], epoch: int) -> Iterator[
     """Run the pipeline in the calling thread (no workers): the tagged stream of items."""
     src = pipeline.stages[0]
     read = ReadTagged(pipeline.source, skip=src.on_error == "skip")
-    stream: Iterator[tuple] = _inline_source(src, (t for w in works for t in read(w)))
+    stream: Iterator[tuple] = _inline_source(src, _read(src, read, works))
     for st in pipeline.stages[1:]:
         stream = _inline_stage(st, stream, epoch)
     return stream
+
+
+def _note(e: BaseException, st: Stage, where: str) -> None:
+    """Say where ``e`` was raised, as the executor says it of a worker's error."""
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(
+            f"raised in stage {st.name!r}, in the calling process (pid {os.getpid()}), {where}"
+        )
+
+
+def _read(st: Stage, read: ReadTagged, works: list[Work]) -> Iterator[Any]:
+    """The works' tagged items; an error names the work unit and the item it was reading."""
+    for w in works:
+        items = read(w)
+        k = 0
+        while True:
+            try:
+                t = next(items)
+            except StopIteration:
+                break
+            except Exception as e:
+                _note(e, st, f"work unit {short_repr(w)}, item {k}")
+                raise
+            if type(t) is tuple and t[1] >= 0:
+                k = t[1] + 1
+            yield t
+
+
+def _item(t: tuple) -> str:
+    """A tagged item in words: its place in its work unit, or a batch's items'."""
+    if t[0] >= 0:
+        return f"item {t[1]} of work unit {t[0]}"
+    return f"the batch of (work unit, item) {short_repr(list(t[1]))}"
 
 
 class _Skips:
@@ -69,17 +104,30 @@ def _inline_stage(st: Stage, stream: Iterator[tuple], epoch: int) -> Iterator[tu
         for t in stream:
             skips.items_in += 1
             try:
-                yield fn(t)
+                out = fn(t)
             except Exception as e:
                 if st.on_error == "raise":
+                    _note(e, st, _item(t))
                     raise
                 skips.skipped(e, f"item {t[1]} of unit {t[0]}")
+                continue
+            yield out
         return
     reducer = TaggedReducer(reducer_factory(st))(epoch, 0)
     for t in stream:
-        for _, out in reducer.push(None, t):
+        try:
+            ready = reducer.push(None, t)
+        except Exception as e:
+            _note(e, st, _item(t))
+            raise
+        for _, out in ready:
             if out is not DROPPED:
                 yield out
-    for _, out in reducer.flush():
+    try:
+        ready = reducer.flush()
+    except Exception as e:
+        _note(e, st, "the end of the epoch (the items it held)")
+        raise
+    for _, out in ready:
         if out is not DROPPED:
             yield out

@@ -22,13 +22,19 @@ from .sources import SkippingSource, read_indexed
 from .stages import Stage
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Work:
     """What the executor's source stage receives: a unit, its position, items to skip."""
 
     pos: int
     unit: Any
     skip: frozenset = frozenset()
+
+    def __repr__(self) -> str:
+        # In error notes, whole (multiproc.items.short_repr cuts at 120 characters): the
+        # unit's own repr, and how many of its items a resume skips, not which.
+        skip = f", {len(self.skip)} skipped" if self.skip else ""
+        return f"Work(pos={self.pos}, unit={self.unit!r}{skip})"
 
 
 class ReadTagged:

@@ -241,12 +241,20 @@ class DataLoader:
         from torch.utils.data import IterableDataset
         from torch.utils.data._utils.collate import default_collate, default_convert
 
-        auto = num_workers == "auto"
-        if not auto and (not isinstance(num_workers, int) or num_workers < 0):
-            raise ValueError(
-                "num_workers option should be non-negative (or 'auto'); use num_workers=0 to "
-                "disable multiprocessing."
-            )
+        auto = isinstance(num_workers, str) and num_workers == "auto"
+        if not auto:
+            import operator
+
+            if isinstance(num_workers, str) or not hasattr(num_workers, "__index__"):
+                raise ValueError(
+                    f"num_workers option should be an int >= 0 or 'auto', got {num_workers!r}"
+                )
+            num_workers = operator.index(num_workers)  # any integral, numpy's too, as torch
+            if num_workers < 0:
+                raise ValueError(
+                    f"num_workers option should be non-negative (or 'auto'), got {num_workers}; "
+                    "use num_workers=0 to disable multiprocessing."
+                )
         if timeout < 0:
             raise ValueError("timeout option should be non-negative")
         if num_workers == 0 and prefetch_factor is not None:

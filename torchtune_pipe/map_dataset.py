@@ -17,7 +17,7 @@ from .errors import StateError
 __all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class IndexUnit:
     """A work unit of a map-style dataset: consecutive entries of the sampler's order.
 
@@ -31,6 +31,23 @@ class IndexUnit:
     id: int
     entries: Sequence[Any]
     seed: int | None = None
+
+    def __repr__(self) -> str:
+        # Bounded, for error notes: an epoch's unit may hold thousands of indices.
+        return f"IndexUnit(id={self.id}, entries={_brief(self.entries)})"
+
+
+def _brief(values: Any, head: int = 3) -> str:
+    """A bounded repr of a sequence of indices (or of batches of them): its first ``head``
+    values, the last and the count when it holds more than ``2 * head``."""
+    values = list(values)
+    shown = values if len(values) <= 2 * head else values[:head]
+    parts = [_brief(v, head) if isinstance(v, (list, tuple)) else repr(v) for v in shown]
+    if len(shown) < len(values):
+        last = values[-1]
+        parts += ["...", _brief(last, head) if isinstance(last, (list, tuple)) else repr(last)]
+        return f"[{', '.join(parts)}] ({len(values)})"
+    return f"[{', '.join(parts)}]"
 
 
 class PackedEntries(Sequence):
@@ -98,7 +115,7 @@ class PackedEntries(Sequence):
         return PackedEntries, (self._flat, self._ends)
 
     def __repr__(self) -> str:
-        return f"PackedEntries({list(self)!r})"
+        return f"PackedEntries({_brief(self)})"
 
 
 # Samples per work unit of an unbatched map-style dataset, by default: as many as a frame holds
@@ -310,7 +327,10 @@ class MapDatasetSource:
             yield item
 
     def read_from(self, unit: IndexUnit, skip: frozenset) -> Iterator[tuple[int, Any]]:
-        """``(k, item)`` for the unit's entries not in ``skip``, fetching only those."""
+        """``(k, item)`` for the unit's entries not in ``skip``, fetching only those.
+
+        What ``__getitem__`` (or ``__getitems__``) raises gets a note naming the index and
+        the item's place in the epoch (the batch and its samples)."""
         if unit.seed is not None:
             seed_all(unit.seed)
         ds = self.dataset
@@ -318,29 +338,60 @@ class MapDatasetSource:
         for k, entry in enumerate(unit.entries):
             if k in skip:
                 continue
-            if not self.batched:
-                yield k, ds[entry]
-            elif getitems:
-                yield k, getitems(entry)
-            else:
-                yield k, self._fetch_batch(entry)
+            n = unit.id * self.entries_per_unit + k  # the item's place in the epoch's order
+            try:
+                if not self.batched:
+                    item = ds[entry]
+                elif getitems:
+                    item = getitems(entry)
+                else:
+                    item = self._fetch_batch(entry, n)
+            except Exception as e:
+                if not self.batched:
+                    _note(e, f"dataset[{entry!r}] raised it: sample {n} of the epoch")
+                elif getitems:
+                    _note(e, f"dataset.__getitems__() raised it: {_batch(n, entry)}")
+                raise
+            yield k, item
 
-    def _fetch_batch(self, entry: list) -> list:
-        """One batch's samples; on the worker's threads when its stage's concurrency is above
-        1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
+    def _fetch_batch(self, entry: list, n: int) -> list:
+        """Batch ``n``'s samples; on the worker's threads when its stage's concurrency is
+        above 1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
         generators: threads would interleave the draws, and batches would differ run to run.
         The first batch a process reads is read serially to find that out."""
         ds = self.dataset
         if self._draws is None:
             before = rng_states()
-            out = [ds[i] for i in entry]
+            out = _read_each(ds, entry, n)
             self._draws = not same_rng_states(before, rng_states())
             return out
         pool = concurrency.current()
         if pool.width <= 1 or self._draws:
-            return [ds[i] for i in entry]
+            return _read_each(ds, entry, n)
         outs = pool.map(ds.__getitem__, entry)
-        for o in outs:
+        for i, o in zip(entry, outs, strict=True):
             if o.error is not None:
+                _note(o.error, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
                 raise o.error
         return [o.value for o in outs]
+
+
+def _read_each(ds: Any, entry: list, n: int) -> list:
+    """``[ds[i] for i in entry]``, the failing index noted."""
+    out = []
+    for i in entry:
+        try:
+            out.append(ds[i])
+        except Exception as e:
+            _note(e, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
+            raise
+    return out
+
+
+def _batch(n: int, entry: list) -> str:
+    return f"batch {n} of the epoch, samples {_brief(entry)}"
+
+
+def _note(e: BaseException, text: str) -> None:
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(text)

@@ -11,6 +11,7 @@ from torchtune_pipe.tuning import (
     TuningLoop,
     run_episode,
 )
+from torchtune_pipe.tuning.base import ExecutorClosedError
 from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, oversubscribe_factor
 from torchtune_pipe.tuning.testing import LinearTunable
 
@@ -94,6 +95,39 @@ def test_tuner_exception_stops_the_loop_and_is_raised_by_stop(tmp_path):
     last = json.loads(log_path.read_text().splitlines()[-1])
     assert last["error"] == "RuntimeError: boom in step"
     loop.stop()  # reported once; a second stop is quiet
+
+
+class ClosingTunable(SignallingTunable):
+    """A live pipeline's executor closed after ``closed_after`` observations."""
+
+    def __init__(self, *args, closed_after=2, **kw):
+        super().__init__(*args, **kw)
+        self.closed_after = closed_after
+
+    def observe(self):
+        if self.calls >= self.closed_after:
+            self.observed.set()
+            raise ExecutorClosedError("Executor: snapshot() after close()")
+        return super().observe()
+
+
+def test_a_pipeline_closed_under_the_loop_ends_it_quietly(tmp_path, caplog):
+    pipe = ClosingTunable((0.01, 0.02), cpus=4, target=99, closed_after=2)
+    log_path = tmp_path / "decisions.jsonl"
+    loop = TuningLoop(pipe, ShiftingTuner(), interval_s=0.005, log_path=str(log_path)).start()
+    assert pipe.observed.wait(WAIT_S)
+    loop.stop()  # its epoch ended (an error, a break): reported there, not by the loop
+    assert loop.error is None and loop.steps == 2 and not loop.running
+    assert "stopped by an error" not in caplog.text
+    assert all("error" not in json.loads(line) for line in log_path.read_text().splitlines())
+
+
+def test_a_pipeline_closed_before_the_loops_first_step_is_an_error():
+    pipe = ClosingTunable((0.01, 0.02), cpus=4, closed_after=0)
+    loop = TuningLoop(pipe, ShiftingTuner(), interval_s=0.005).start()
+    assert pipe.observed.wait(WAIT_S)
+    with pytest.raises(ExecutorClosedError):  # whoever started it handed it a closed one
+        loop.stop()
 
 
 def test_context_manager_surfaces_tuner_error():

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 # One rule for which stage's workers run a fused stage, live and in the simulator.
+from multiproc.errors import ExecutorClosedError as ExecutorClosedError
 from multiproc.spec import fusion_host as fusion_host
 from multiproc.stats import MAX_FUSED
 
@@ -460,7 +461,12 @@ class Tunable(Protocol):
     """Something a tuner can steer: a running pipeline or a simulated one."""
 
     def observe(self) -> Observation:
-        """Stats since the previous call, plus machine facts."""
+        """Stats since the previous call, plus machine facts.
+
+        Raises:
+            ExecutorClosedError: (a live pipeline) its executor was closed; so does
+                ``apply``. A tuning loop that has stepped the pipeline ends quietly on it.
+        """
         ...
 
     def apply(self, allocation: Allocation) -> None:

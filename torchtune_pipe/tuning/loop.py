@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import IO
 
-from .base import Allocation, Observation, StageStats, Tunable, Tuner
+from .base import Allocation, ExecutorClosedError, Observation, StageStats, Tunable, Tuner
 from .safety import Guarded, LimitsFn
 
 log = logging.getLogger(__name__)
@@ -298,15 +298,26 @@ class TuningLoop:
                 if self._stop.wait(max(0.0, deadline - time.perf_counter())):
                     break
                 self._tick(out, first=False)
-        except BaseException as exc:  # reported by stop(), never swallowed
-            self._error = exc
-            log.error("tuning loop (%s) stopped by an error", _tuner_name(self.tuner), exc_info=exc)
-            if out is not None:
-                self._write(out, {"error": f"{type(exc).__name__}: {exc}", "step": self._steps})
+        except ExecutorClosedError as exc:
+            if not self._steps:  # handed a closed pipeline: whoever started the loop erred
+                self._failed(exc, out)
+            else:
+                # Closed under the loop: its epoch ended (an error, a break, Ctrl-C), which is
+                # reported where it happened; the loop has nothing left to steer.
+                log.debug("tuning loop (%s) ended: %s", _tuner_name(self.tuner), exc)
+        except BaseException as exc:
+            self._failed(exc, out)
         finally:
             self._ended_at = time.perf_counter()
             if out is not None:
                 out.close()
+
+    def _failed(self, exc: BaseException, out: IO[str] | None) -> None:
+        """Record what ended the loop: reported by :meth:`stop`, never swallowed."""
+        self._error = exc
+        log.error("tuning loop (%s) stopped by an error", _tuner_name(self.tuner), exc_info=exc)
+        if out is not None:
+            self._write(out, {"error": f"{type(exc).__name__}: {exc}", "step": self._steps})
 
     def _tick(self, out: IO[str] | None, first: bool) -> None:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
