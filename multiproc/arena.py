@@ -1,7 +1,10 @@
 """Shared-memory arenas: where payloads live between stages.
 
-Every producing worker owns one arena segment in /dev/shm, created once when the worker
-starts (never per item). The worker alone allocates from it (no cross-process lock, so a
+Every producing worker owns one arena segment in /dev/shm (or the directory
+``MULTIPROC_SHM_DIR`` names, :mod:`multiproc.shm`), created once when the worker starts (never
+per item), sparse: a block's pages are reserved when it is allocated (:meth:`Segment.reserve`),
+so a full /dev/shm makes the worker wait or send the frame through its pipe instead of
+killing it with SIGBUS. The worker alone allocates from it (no cross-process lock, so a
 worker killed at any instant cannot leave a lock held); consumers map it read-only by name and
 report releases back through the executor, which forwards them to the owner. The byte budget
 of a stage's outbound channel is split across its workers' arenas; a full arena blocks its
@@ -23,9 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import lifetime, serialize
+from . import lifetime, serialize, shm
+from .errors import SharedMemoryError
 
-SHM_DIR = "/dev/shm"
+SHM_DIR = shm.DEFAULT_DIR  # the default; shm.directory() is where segments are
 ALIGN = 64
 # Frames whose serialized size is below this travel inline in the control message.
 INLINE_MAX_BYTES = 16 * 1024
@@ -46,29 +50,87 @@ class ShmRef:
     buffer_sizes: tuple[int, ...]
 
 
-class Segment:
-    """A named shared-memory file mapped into this process."""
+def _path(name: str) -> str:
+    return os.path.join(shm.directory(), name)
 
-    def __init__(self, name: str, size: int, create: bool):
+
+def _no_room(what: str, e: OSError) -> SharedMemoryError:
+    return SharedMemoryError(shm.no_room(what, shm.directory(), e))
+
+
+class Segment:
+    """A named shared-memory file mapped into this process.
+
+    ``create``: make it, with every page reserved (the executor's counters: small, written
+    at once). ``writer``: the arena of the worker that writes it; its blocks' pages are
+    reserved as they are allocated (:meth:`reserve`).
+
+    Raises:
+        SharedMemoryError: ``create`` and the directory has no room for it.
+    """
+
+    def __init__(self, name: str, size: int, create: bool, writer: bool = False):
         self.name = name
-        self.path = os.path.join(SHM_DIR, name)
+        self.path = _path(name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
-        with lifetime.uninterrupted() if create else contextlib.nullcontext():
-            fd = os.open(self.path, flags, 0o600)
-            if create:
-                lifetime.track(name)  # with its creation: Ctrl-C cannot land between them
+        try:
+            with lifetime.uninterrupted() if create else contextlib.nullcontext():
+                fd = os.open(self.path, flags, 0o600)
+                if create:
+                    lifetime.track(name)  # with its creation: Ctrl-C cannot land between them
+        except OSError as e:
+            if create and e.errno in shm.NO_ROOM:
+                raise _no_room(f"segment {name}", e) from e
+            raise
+        keep = False
         try:
             if create:
-                # Sparse: pages are only backed by memory once written, so a segment sized
-                # for the largest budget costs nothing until it is used.
                 os.ftruncate(fd, size)
+                if not shm.reserve(fd, 0, size):
+                    os.close(fd)
+                    fd = -1
+                    remove_segment(name)
+                    raise SharedMemoryError(
+                        shm.no_room(f"the executor's counters ({size >> 10} KiB)", shm.directory())
+                    )
             else:
                 size = os.fstat(fd).st_size
             self.size = size
             self.mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            keep = writer
         finally:
-            os.close(fd)
+            if fd >= 0 and not keep:
+                os.close(fd)
         self.view = memoryview(self.mm)
+        self._fd = fd if keep else -1
+        # Pages reserved so far, one byte each (writer only): a block whose pages are all
+        # reserved is written without a system call.
+        self._reserved = bytearray(-(-size // mmap.PAGESIZE)) if keep else None
+        self.refused = False  # a reservation failed since the worker last asked (took_refusal)
+        if keep:
+            weakref.finalize(self, os.close, fd)
+
+    def reserve(self, offset: int, size: int) -> bool:
+        """Back the pages of ``[offset, offset + size)`` with memory before they are written
+        (:func:`multiproc.shm.reserve`); False, and :attr:`refused` set, when the directory
+        has no room. Always True for a segment not opened as the writer."""
+        if self._reserved is None:
+            return True
+        lo = offset // mmap.PAGESIZE
+        hi = -(-(offset + size) // mmap.PAGESIZE)
+        if self._reserved.find(0, lo, hi) < 0:
+            return True
+        start = lo * mmap.PAGESIZE
+        if not shm.reserve(self._fd, start, min(hi * mmap.PAGESIZE, self.size) - start):
+            self.refused = True
+            return False
+        self._reserved[lo:hi] = b"\1" * (hi - lo)
+        return True
+
+    def took_refusal(self) -> bool:
+        """Whether a reservation failed since the last call."""
+        refused, self.refused = self.refused, False
+        return refused
 
     def release(self, start: int, size: int) -> None:
         """Give the memory behind ``[start, start + size)`` back to the system (the whole pages
@@ -77,6 +139,10 @@ class Segment:
         hi = (start + size) // mmap.PAGESIZE * mmap.PAGESIZE
         if hi > lo:
             self.mm.madvise(mmap.MADV_REMOVE, lo, hi - lo)
+            if self._reserved is not None:
+                n = (hi - lo) // mmap.PAGESIZE
+                p = lo // mmap.PAGESIZE
+                self._reserved[p : p + n] = bytes(n)
 
     def unlink(self) -> None:
         """Remove the segment created here (see :func:`remove_segment`)."""
@@ -84,49 +150,39 @@ class Segment:
 
 
 def sweep_stale_segments(prefix: str = "ttp_") -> list[str]:
-    """Remove segments left by executors whose process no longer exists.
-
-    Segments are named ``ttp_<pid>_...`` after the process that created them. The fork
-    server, or else the resource tracker, unlinks the segments of a killed owner
-    (:mod:`multiproc.lifetime`); this sweep is the fallback for one that was killed too.
-    Returns the names removed.
-    """
-    removed = []
-    try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return removed
-    for name in names:
-        parts = name.split("_")
-        if not name.startswith(prefix) or len(parts) < 3 or not parts[1].isdigit():
-            continue
-        pid = int(parts[1])
-        try:
-            os.kill(pid, 0)
-            continue  # alive (or not ours to signal): leave it
-        except ProcessLookupError:
-            pass
-        except PermissionError:
-            continue
+    """Remove segments left by executors that no longer exist: the provably dead ones
+    (:func:`multiproc.lifetime.stale`). The fork server, or else the resource tracker, unlinks
+    the segments of a killed owner (:mod:`multiproc.lifetime`); this sweep is the fallback for
+    one that was killed too. Returns the names removed."""
+    removed = lifetime.stale(_listing(prefix))
+    for name in removed:
         unlink_segment(name)
-        removed.append(name)
     return removed
 
 
 def unlink_segment(name: str) -> None:
     """Unlink a segment this process did not create (e.g. a dead process's)."""
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        os.unlink(_path(name))
     except FileNotFoundError:
         pass
 
 
 def create_segment(name: str, size: int) -> None:
     """Create a sparse segment of ``size`` bytes, tracked (:func:`multiproc.lifetime.track`)
-    so it is unlinked even if this process is killed; remove it with :func:`remove_segment`."""
-    with lifetime.uninterrupted():  # created and tracked, or neither (Ctrl-C)
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-        lifetime.track(name)
+    so it is unlinked even if this process is killed; remove it with :func:`remove_segment`.
+
+    Raises:
+        SharedMemoryError: the directory has no room for one more file.
+    """
+    try:
+        with lifetime.uninterrupted():  # created and tracked, or neither (Ctrl-C)
+            fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            lifetime.track(name)
+    except OSError as e:
+        if e.errno in shm.NO_ROOM:
+            raise _no_room(f"segment {name}", e) from e
+        raise
     try:
         os.ftruncate(fd, size)
     finally:
@@ -137,24 +193,30 @@ def remove_segment(name: str) -> None:
     """Unlink a segment made by :func:`create_segment` (or ``Segment(create=True)``); one
     never made (its creation was interrupted) or already removed is left alone."""
     try:
-        os.unlink(os.path.join(SHM_DIR, name))
+        os.unlink(_path(name))
     except FileNotFoundError:
         return
     lifetime.untrack(name)
 
 
-def segment_names(prefix: str) -> list[str]:
-    """The names of the segments named ``prefix...`` (none without a ``SHM_DIR``)."""
+def _listing(prefix: str) -> list[str]:
     try:
-        return [n for n in os.listdir(SHM_DIR) if n.startswith(prefix)]
+        return [n for n in os.listdir(shm.directory()) if n.startswith(prefix)]
     except FileNotFoundError:
         return []
+
+
+def segment_names(prefix: str) -> list[str]:
+    """The names of the segments named ``prefix...`` (none without the directory), but for
+    those of executors alive in another process (:func:`multiproc.lifetime.held_elsewhere`:
+    the same pid in another PID namespace sharing the directory)."""
+    return lifetime.not_held_elsewhere(_listing(prefix))
 
 
 def remove_segments(prefix: str) -> list[str]:
     """Remove every segment of this process named ``prefix...`` (see :func:`remove_segment`):
     those an interrupted start made but did not record. Returns the names removed."""
-    names = segment_names(prefix)
+    names = _listing(prefix)
     for name in names:
         remove_segment(name)
     return names
@@ -251,6 +313,9 @@ def encode(obj, allocator: Allocator | None, segment: Segment | None):
         return ("inline", header, [bytes(b.raw()) for b in buffers]), total
     off = allocator.alloc(total)
     if off is None:
+        return None, total
+    if not segment.reserve(off, total):  # the directory is full: as if the arena were
+        allocator.free(off)
         return None, total
     dst = segment.view[off : off + total]
     dst[: len(header)] = header

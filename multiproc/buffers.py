@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arena, lifetime
+from . import lifetime, shm
 from .pickler import StagePickler
 
 MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file each is no gain
@@ -70,7 +70,7 @@ class BufferFile:
 
     def __init__(self, name: str):
         self.name = name
-        self.path = os.path.join(arena.SHM_DIR, name)
+        self.path = os.path.join(shm.directory(), name)
         self.size = 0
         self._fd = -1
         self._created = False
@@ -229,7 +229,7 @@ def _room_for(nbytes: int) -> bool:
     channels' arenas (a container's is often 64 MiB): an array that does not fit travels in
     the pickle, as it would without this module."""
     try:
-        st = os.statvfs(arena.SHM_DIR)
+        st = os.statvfs(shm.directory())
     except OSError:
         return False
     return st.f_bavail * st.f_frsize >= 2 * nbytes + ROOM_LEFT_BYTES
@@ -386,7 +386,7 @@ def _bytes(where: tuple, nbytes: int) -> np.ndarray:
 def _mapping(name: str) -> mmap.mmap:
     mm = _maps.get(name)
     if mm is None:
-        fd = os.open(os.path.join(arena.SHM_DIR, name), os.O_RDONLY)
+        fd = os.open(os.path.join(shm.directory(), name), os.O_RDONLY)
         try:
             # Copy-on-write: a worker that writes an array changes its own copy of the page.
             mm = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)

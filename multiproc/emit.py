@@ -38,7 +38,7 @@ class Emitter:
         if payload is not None:
             return payload, nbytes
         t0 = _ns()
-        self._say(P.Blocked(self.wid, self._take_frees()))
+        self._say(P.Blocked(self.wid, self._take_frees(), self.seg.took_refusal()))
         since = self.cell[stats.IN_FN_SINCE_NS]
         self.cell[stats.IN_FN_SINCE_NS] = 0  # waiting for room is not being stuck in fn
         try:

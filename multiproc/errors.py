@@ -20,6 +20,12 @@ class WorkerDiedError(ExecutorError):
     """Workers died more often than ``max_restarts`` allows (SIGKILL, segfault, OOM kill)."""
 
 
+class SharedMemoryError(ExecutorError):
+    """The shared-memory directory (``/dev/shm``, or ``MULTIPROC_SHM_DIR``) has no room even
+    for the executor's counters. The message gives its size and free bytes, and the fixes:
+    more room (``docker run --shm-size``) or another directory (``MULTIPROC_SHM_DIR``)."""
+
+
 class RemoteTraceback(Exception):
     """Holds the formatted traceback of an exception raised in a worker (as ``__cause__``)."""
 

@@ -28,11 +28,12 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from . import arena, buffers, handles, lifetime, offload, policy, stats
+from . import arena, buffers, handles, lifetime, offload, policy, shm, stats
 from . import protocol as P
 from .errors import (
     ExecutorClosedError,
     ExecutorError,
+    SharedMemoryError,
     SpecError,
 )
 from .faults import Faults
@@ -63,10 +64,15 @@ class Executor(Router, Workers, Fusion, Faults):
         self.spec = spec
         # Segments are named ttp_<pid>_...: the fork server sweeps that prefix (lifetime.py).
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
+        # Read before the fork server is forked, so that it and its workers agree (shm.py).
+        self._room = shm.Room(shm.directory(), policy.MIN_SHARE_BYTES)
         # Large arrays of the stage pickles: in the fork server's memory, or in one shared
         # file the workers map (buffers.py).
         self._buffers = buffers.BufferFile(f"ttp_{self._tag}{buffers.FILE_SUFFIX}")
         self._preload = self._start_server()
+        # Held until close, made before any other segment (lifetime.Alive): a sweep in another
+        # PID namespace sharing the directory sees these segments alive.
+        self._alive = _alive(self._tag)
         try:
             self._pickle_stages()
             self._offload_bytes = {
@@ -78,6 +84,7 @@ class Executor(Router, Workers, Fusion, Faults):
             self._buffers.close()
             if self._buffers.created:
                 arena.remove_segment(self._buffers.name)
+            _release_alive(self._alive)
             raise
         self._buffers.close()
         if not _swept.is_set():
@@ -105,7 +112,7 @@ class Executor(Router, Workers, Fusion, Faults):
         self._res = handles.Resources(
             os.getpid(), self._workers, self._segments, self._cache, prefix=f"ttp_{self._tag}_"
         )
-        self._finalizer = weakref.finalize(self, self._res.release)
+        self._finalizer = weakref.finalize(self, _release, self._res, self._alive)
         try:
             self._start()
         except BaseException:
@@ -119,11 +126,20 @@ class Executor(Router, Workers, Fusion, Faults):
         os.set_blocking(res.wake_w, False)
         res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", MAX_SLOTS, create=True)
         self._counters = res.counters
+        # Budgets that fit what the shared-memory directory has free (shm.Room).
+        budgets = self._room.fit([s.buffer_bytes for s in spec.stages])
+        if budgets != [s.buffer_bytes for s in spec.stages]:
+            log.info(
+                "%s has %d MiB free: channel budgets lowered to %s MiB",
+                self._room.path,
+                shm.usage(self._room.path)[1] >> 20,
+                [round(b / (1 << 20), 1) for b in budgets],
+            )
         self._stages = [
             StageState(
                 i,
                 s.workers,
-                s.buffer_bytes,
+                budgets[i],
                 s.concurrency,
                 remote=s.offload.workers if s.offload else 0,
             )  # fmt: skip
@@ -409,6 +425,38 @@ class Executor(Router, Workers, Fusion, Faults):
         return release
 
     # ---------------------------------------------------------------- helpers
+    def _set_stage_budget(self, stage: int, budget_bytes: int) -> None:
+        """A budget for ``stage`` (set_budget's), within what the shared-memory directory
+        leaves this executor (shm.Room); the router thread only."""
+        others = sum(st.budget for st in self._stages if st.index != stage)
+        self._stages[stage].budget = self._room.clamp(budget_bytes, others)
+        self._rebudget(stage)
+
+    def _on_no_room(self, stage: int) -> None:
+        """A worker of ``stage`` found the shared-memory directory full: read its free bytes
+        again and lower the budgets to fit (workers give back the pages they hold beyond); the
+        frame that did not fit waits for room or travels through the pipe. The router only."""
+        held = sum(self._seg_bytes.values())
+        if not self._room.refit(held):
+            return
+        size, free = shm.usage(self._room.path)
+        log.warning(
+            "stage %r: %s is full (%.1f of %.1f MiB free): channel budgets lowered to fit "
+            "%.1f MiB; frames that do not fit travel through the workers' pipes (slower). "
+            "See docker run --shm-size, or %s",
+            self._names[stage],
+            self._room.path,
+            free / (1 << 20),
+            size / (1 << 20),
+            self._room.cap_bytes / (1 << 20),
+            shm.DIR_ENV,
+        )
+        budgets = self._room.fit([st.budget for st in self._stages])
+        for st, b in zip(self._stages, budgets, strict=True):
+            if b != st.budget:
+                st.budget = b
+                self._rebudget(st.index)
+
     def _stage_index(self, stage: str | int) -> int:
         if isinstance(stage, int) and not isinstance(stage, bool):
             if 0 <= stage < len(self._names):
@@ -469,3 +517,31 @@ class Executor(Router, Workers, Fusion, Faults):
                 if ex._error is None:
                     ex._error = e
                 ex._cond.notify_all()
+
+
+def _alive(tag: str) -> lifetime.Alive:
+    path = os.path.join(shm.directory(), lifetime.alive_name(tag))
+    try:
+        return lifetime.Alive(path)
+    except OSError as e:
+        if e.errno in shm.NO_ROOM:
+            raise SharedMemoryError(
+                shm.no_room("a new executor's files", shm.directory(), e)
+            ) from e
+        raise
+
+
+def _release_alive(alive: lifetime.Alive) -> None:
+    """Remove and unlock the alive file (after every other segment of its executor)."""
+    if lifetime.is_owner(alive.pid):
+        arena.remove_segment(os.path.basename(alive.path))
+        alive.close()
+
+
+def _release(res: handles.Resources, alive: lifetime.Alive) -> None:
+    """The executor's finalizer: everything :meth:`handles.Resources.release` gives back, then
+    its alive file."""
+    try:
+        res.release()
+    finally:
+        _release_alive(alive)

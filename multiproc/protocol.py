@@ -188,11 +188,14 @@ class Frees(NamedTuple):
 
 
 class Blocked(NamedTuple):
-    """The worker's next frame does not fit its arena; it waits (see ``policy``)."""
+    """The worker's next frame does not fit its arena; it waits (see ``policy``).
+    ``no_room``: the arena had room under the budget, but the shared-memory directory had no
+    pages for it (:mod:`multiproc.shm`)."""
 
     TAG = "blocked"
     wid: int
     frees: list
+    no_room: bool = False
 
 
 class Unblocked(NamedTuple):

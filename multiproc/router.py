@@ -23,7 +23,7 @@ import os
 import pickle
 import time
 
-from . import arena, handles, policy
+from . import arena, handles, policy, shm
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -243,9 +243,11 @@ class Router:
                 self._on_outputs(h, msg)
             case P.Frees(_, frees):
                 self._take_frees(h, frees)
-            case P.Blocked(_, frees):
+            case P.Blocked(_, frees, no_room):
                 h.blocked = True
                 self._take_frees(h, frees)
+                if no_room:
+                    self._on_no_room(h.stage)
                 if policy.may_spill(self._pending_count[h.wid]):
                     self._spill_ok(h)
             case P.Unblocked():
@@ -404,8 +406,7 @@ class Router:
             if cmd[0] == "resize":
                 self._resize(cmd[1], cmd[2], cmd[3])
             elif cmd[0] == "budget":
-                self._stages[cmd[1]].budget = cmd[2]
-                self._rebudget(cmd[1])
+                self._set_stage_budget(cmd[1], cmd[2])
             elif cmd[0] == "fusion":
                 self._apply_fusion()
             elif cmd[0] == "concurrency":
@@ -454,6 +455,8 @@ class Router:
             h.proc.join(0.5)
         if why is None:
             why = handles.describe_exit(h)
+            if why.startswith("killed by SIGBUS"):
+                why += shm.sigbus_hint(shm.directory())
         if h.state == WS.RETIRING and not h.inflight and not h.held:
             self._on_gone(h, died=False)
             return

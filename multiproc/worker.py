@@ -74,7 +74,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.cell = memoryview(self.row)
         self.row[stats.PID] = os.getpid()
         self.row[stats.STARTED_NS] = time.monotonic_ns()
-        self.seg = Segment(seg_name, seg_size, create=False)
+        self.seg = Segment(seg_name, seg_size, create=False, writer=True)
         self.alloc = Allocator(seg_size, budget)
         self.shrunk = False  # the budget shrank: release free pages once frames fit it
         self.cache = MappingCache()
