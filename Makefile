@@ -11,15 +11,21 @@ STAMP  := $(VENV)/.installed
 
 venv: $(STAMP)
 
-# torch==2.13.0 (CPU) is installed only when the interpreter has no torch of its own, so a
-# user's CUDA build is kept (the venv then sees it through --system-site-packages).
+# torch is installed first, and only when the interpreter has no torch of its own, so a user's
+# CUDA build is kept (the venv then sees it through --system-site-packages). Without an NVIDIA
+# driver it comes from PyTorch's CPU index: PyPI's Linux wheels are CUDA builds, several GB with
+# their nvidia-* packages. README.md's "Install" gives the same two paths.
+TORCH_VERSION ?= 2.13.0
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
 	  echo "using the interpreter's own torch"; \
 	  test -x $(PY) || $(PYTHON) -m venv --system-site-packages $(VENV); \
 	else \
 	  test -x $(PY) || $(PYTHON) -m venv $(VENV); \
-	  $(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0; \
+	  $(PY) -c "import torch" 2>/dev/null || \
+	    $(PIP) install -q torch==$(TORCH_VERSION) $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
 	fi
 	# .[dev] includes Ray (2.x, about 80 MB), so tests/test_remote.py runs a two-node cluster.
 	$(PIP) install -q -e ".[dev]"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -27,6 +28,23 @@ def run(cmd: list[str], cwd: Path, env: dict, timeout: float = 120) -> str:
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, f"{cmd}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout + done.stderr
+
+
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def test_the_readme_installs_torch_for_the_machine_first_as_make_does():
+    # Left to pip, `torch>=2.4` is PyPI's torch: a CUDA build of several GB, even on a CPU box.
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("\n## Install\n", 1)[1].split("\n## ", 1)[0]
+    cpu_step = f"pip install torch --index-url {CPU_INDEX}"
+    assert cpu_step in section
+    assert section.index(cpu_step) < section.index('pip install "torchtune-pipe')
+    requirement = re.search(r'"torch(>=[^"]+)"', (ROOT / "pyproject.toml").read_text())[1]
+    assert f"`torch{requirement}`" in section  # the supported versions, as pyproject says
+    makefile = (ROOT / "Makefile").read_text()
+    version = re.search(r"^TORCH_VERSION \?= (\S+)", makefile, re.M)[1]
+    assert f"torch=={version}" in section and CPU_INDEX in makefile  # make's path is the same
 
 
 @pytest.mark.timeout(300)
