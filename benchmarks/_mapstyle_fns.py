@@ -11,7 +11,6 @@ differs.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -225,13 +224,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    code = main(sys.argv[1:])
-    # The result is on disk: skip interpreter teardown, where torchdata.nodes' prefetch
-    # thread can abort the process ("terminate called without an active exception"). Worker
-    # processes go first: skipped teardown would leave them holding the harness's pipes.
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        child.kill()
-    sys.stdout.flush()
-    os._exit(code)
+    _consume.exit_now(main(sys.argv[1:]))

@@ -61,8 +61,10 @@ def set_affinity(procs: list[psutil.Process], cpus: list[int]) -> None:
 
 def watch_tree(proc: subprocess.Popen, plan: dict, done: threading.Event, out: TreeWatch) -> None:
     """Samples the tree's CPU times every ``_SAMPLE_S`` and its PSS every ``_PSS_EVERY``
-    samples until ``done``; applies the rescale plan and the memory cap."""
+    samples (``plan["pss_every"]`` where given: short runs want more) until ``done``; applies
+    the rescale plan and the memory cap."""
     all_cpus = sorted(os.sched_getaffinity(0))
+    pss_every = plan.get("pss_every", _PSS_EVERY)
     first_marker = plan["first_marker"]
     t_first = None
     tick = 0
@@ -71,7 +73,7 @@ def watch_tree(proc: subprocess.Popen, plan: dict, done: threading.Event, out: T
         pss, tick = 0, tick + 1
         for p in procs:
             try:
-                if tick % _PSS_EVERY == 0:
+                if tick % pss_every == 0:
                     pss += p.memory_full_info().pss
                 t = p.cpu_times()
                 out.cpu_s[p.pid] = t.user + t.system
