@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import time
 
-import cloudpickle
-
-from . import stats
+from . import inherit, stats
 
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
@@ -57,7 +55,7 @@ class Chain:
     def _chained(self, d: int):
         """The spec of the stage ``d`` after this worker's own, ready to run here."""
         while len(self.chain) < d:
-            st = cloudpickle.loads(self.chain_bytes[len(self.chain)])
+            st = inherit.loads(self.chain_bytes[len(self.chain)])
             if st.init is not None:
                 st.init(st.name, self.index)
             self.chain.append(st)

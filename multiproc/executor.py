@@ -43,6 +43,7 @@ from .fusion import Fusion
 from .lifecycle import MAX_SLOTS, Workers
 from .poller import Poller
 from .router import Router
+from .snapshot import Snapshot
 from .spec import ExecutorSpec, check_picklable
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,15 @@ class Executor(Router, Workers, Fusion, Faults):
 
     Args:
         spec: the stages and options.
+        snapshot: where process workers come from (:class:`multiproc.snapshot.Snapshot`,
+            taken with :meth:`~multiproc.snapshot.Snapshot.take` on ``spec.stages``): the
+            executor owns it from here on and ends it when it closes. None: one taken now.
     """
 
-    def __init__(self, spec: ExecutorSpec):
+    # Bound with the class: close() runs where module globals may be gone (module docstring).
+    _is_owner = staticmethod(lifetime.is_owner)
+
+    def __init__(self, spec: ExecutorSpec, snapshot: Snapshot | None = None):
         if not isinstance(spec, ExecutorSpec):
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
         self.spec = spec
@@ -69,10 +76,15 @@ class Executor(Router, Workers, Fusion, Faults):
         # Large arrays of the stage pickles: in the fork server's memory, or in one shared
         # file the workers map (buffers.py).
         self._buffers = buffers.BufferFile(f"ttp_{self._tag}{buffers.FILE_SUFFIX}")
-        self._preload = self._start_server()
+        self._preload = self._start_server(snapshot)
         # Held until close, made before any other segment (lifetime.Alive): a sweep in another
         # PID namespace sharing the directory sees these segments alive.
-        self._alive = _alive(self._tag)
+        try:
+            self._alive = _alive(self._tag)
+        except BaseException:
+            if self._snapshot is not None:
+                self._snapshot.stop()
+            raise
         try:
             self._pickle_stages()
             self._offload_bytes = {
@@ -84,6 +96,8 @@ class Executor(Router, Workers, Fusion, Faults):
             self._buffers.close()
             if self._buffers.created:
                 arena.remove_segment(self._buffers.name)
+            if self._snapshot is not None:
+                self._snapshot.stop()
             _release_alive(self._alive)
             raise
         self._buffers.close()
@@ -110,7 +124,12 @@ class Executor(Router, Workers, Fusion, Faults):
         # Everything to give back, reachable by the finalizer from the first resource on: a
         # Ctrl-C anywhere below still releases what was made before it.
         self._res = handles.Resources(
-            os.getpid(), self._workers, self._segments, self._cache, prefix=f"ttp_{self._tag}_"
+            os.getpid(),
+            self._workers,
+            self._segments,
+            self._cache,
+            prefix=f"ttp_{self._tag}_",
+            snapshot=self._snapshot,
         )
         self._finalizer = weakref.finalize(self, _release, self._res, self._alive)
         try:
@@ -344,7 +363,7 @@ class Executor(Router, Workers, Fusion, Faults):
         if self._res.stop.is_set():
             self._closed = True  # released already (at interpreter exit, module globals may
             return  # be gone by the time a leftover run iterator is collected)
-        if not lifetime.is_owner(self._res.pid):
+        if not self._is_owner(self._res.pid):
             return
         with self._lock:
             if self._closed:

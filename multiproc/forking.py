@@ -11,6 +11,7 @@ import of that module in the server or in any worker it forks).
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import threading
 import time
@@ -75,16 +76,44 @@ def forget_imports_in_flight() -> None:
             locks.pop(name, None)
 
 
-def close_fds_but(keep: tuple[int, ...]) -> None:
-    """Close every file descriptor of this process but ``keep`` (a forked server must not
-    hold the parent's pipes and sockets open: their readers would never see them close)."""
+def detach_fds_but(keep: tuple[int, ...]) -> None:
+    """In a forked server: let go of every inherited pipe, socket and shared-memory segment
+    but ``keep``, and keep every other file open, as a forked DataLoader worker does (a
+    dataset's open file, a sqlite or LMDB handle). A pipe or socket the server kept open would
+    never be seen closed by its reader (another executor's worker, another server's "alive"
+    pipe); a segment it kept would hold its memory after the owner removed it. Each is
+    replaced by ``/dev/null`` rather than closed, so that its number is not reused while some
+    inherited object still refers to it: such an object then reads nothing and writes nowhere
+    (a socket call fails), instead of reaching whatever file took the number."""
     try:
         fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
     except OSError:
         fds = list(range(3, os.sysconf("SC_OPEN_MAX")))
-    for fd in fds:
-        if fd not in keep:
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in fds:
+            if fd in keep or fd == null or not _detached(fd):
+                continue
             try:
-                os.close(fd)
+                os.dup2(null, fd, inheritable=os.get_inheritable(fd))
             except OSError:
                 pass
+    finally:
+        os.close(null)
+
+
+def _detached(fd: int) -> bool:
+    """Whether a forked server lets go of ``fd`` (see :func:`detach_fds_but`)."""
+    try:
+        mode = os.fstat(fd).st_mode
+    except OSError:
+        return False  # closed already (the directory listing's own descriptor)
+    if stat.S_ISDIR(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return False
+    if stat.S_ISREG(mode):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            return False
+        return os.path.basename(path).startswith("ttp_") and path.startswith("/dev/shm/")
+    return True  # pipes, sockets, eventfds and other anonymous files

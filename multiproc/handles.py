@@ -1,23 +1,22 @@
 """The router's handle of each worker, and starting and stopping workers.
 
-Worker processes come from a fork server (multiprocessing's), a single-threaded process
-started once, which forks a child per worker: spawning a fresh interpreter per worker costs
-hundreds of milliseconds of imports, forking a server that has them costs a few.
+Worker processes come from a fork server, a single-threaded process that forks a child per
+worker: spawning a fresh interpreter per worker costs hundreds of milliseconds of imports,
+forking a server that has them costs a few.
 
-The server itself is forked from this process the first time it is needed (a loader's
-construction, before the executor starts any thread), not spawned as a new interpreter as
-multiprocessing does: a spawned one imports torch again (a second or more before the first
-worker can start) and holds its own copy of everything it imports (~75 MiB of torch), where a
-forked one shares this process's pages until either writes them, and the workers it forks share
-them too. Only the forking thread lives on in the server; the fork waits for other threads'
-imports to end, and the server closes every inherited file descriptor but its own
-(:mod:`multiproc.forking`), runs nothing of this process but the server loop, and imports what
-the stages need that this process has not imported. ``MULTIPROC_FORKSERVER=spawn`` (read when the
-server starts) keeps multiprocessing's spawned server instead: for a process whose state must
-not be copied at all (e.g. one that holds a CUDA context it cannot have forked; torch refuses
-CUDA in a forked child anyway, as it does in DataLoader workers). A process that has imported
-Ray gets the spawned server too (:func:`fork_unsafe`): gRPC's threads do not survive a fork,
-and workers forked from such a copy died of SIGSEGV as they started.
+Each executor's server (:class:`ForkServer`) is forked from this process when a snapshot is
+taken (:mod:`multiproc.snapshot`; a loader takes one at ``iter()``), not spawned as a new
+interpreter as multiprocessing does: its workers see the process as it was then, share its
+pages until either writes them, and inherit its open files. Only the forking thread lives on
+in the server; the fork waits for other threads' imports to end, and the server lets go of the
+pipes, sockets and segments it inherited (:mod:`multiproc.forking`), runs nothing of this
+process but the server loop, and ends when its executor closes (after its workers).
+``MULTIPROC_FORKSERVER=spawn`` (read when an executor starts) or ``start_method="spawn"`` keeps
+multiprocessing's spawned server instead, shared by the executors of the process: for a process
+whose state must not be copied at all (e.g. one that holds a CUDA context it cannot have
+forked; torch refuses CUDA in a forked child anyway, as it does in DataLoader workers). A
+process that has imported Ray gets the spawned server too (:func:`fork_unsafe`): gRPC's threads
+do not survive a fork, and workers forked from such a copy died of SIGSEGV as they started.
 """
 
 from __future__ import annotations
@@ -85,6 +84,12 @@ def warm(preload: tuple[str, ...] = ()) -> None:
 SPAWN_ENV = "MULTIPROC_FORKSERVER"
 
 
+def spawn_requested() -> bool:
+    """Whether workers start from multiprocessing's spawned server (``MULTIPROC_FORKSERVER=spawn``
+    in the environment) instead of a snapshot of this process."""
+    return os.environ.get(SPAWN_ENV, "").lower() == "spawn"
+
+
 def fork_unsafe() -> str | None:
     """Why this process must not be copied into a fork server, or None: it has loaded gRPC
     (Ray's transport), whose threads and locks a forked copy is left without mid-call, connected
@@ -96,62 +101,125 @@ def fork_unsafe() -> str | None:
 
 
 def ensure_server(preload: tuple[str, ...] = ()) -> None:
-    """Make sure the fork server runs: forked from this process (module docstring), or
-    multiprocessing's spawned one under ``MULTIPROC_FORKSERVER=spawn`` or where
-    :func:`fork_unsafe` says why not (a server already running is kept either way)."""
-    ctx = context(preload)
-    if os.environ.get(SPAWN_ENV, "").lower() == "spawn" or fork_unsafe() is not None:
-        forkserver.ensure_running()
-        return
-    fs = forkserver._forkserver
-    with fs._lock:
-        if fs._forkserver_pid is not None and not _forget_if_ended(fs):
-            return  # still running
-        modules = [m for m in fs._preload_modules if m not in sys.modules]
-        del ctx
+    """Make sure multiprocessing's spawned fork server runs (the server of executors that do
+    not fork theirs from this process: spawn requested, or :func:`fork_unsafe`)."""
+    context(preload)
+    forkserver.ensure_running()
+
+
+@dataclass(eq=False)
+class ForkServer:
+    """A fork server forked from this process (module docstring): its pid, the address
+    workers are launched through, and the write end of its "alive" pipe (every client holds
+    one; the server ends when all are closed)."""
+
+    pid: int
+    address: str
+    alive_w: int
+    owner: int
+    _stopped: bool = False
+
+    @classmethod
+    def start(cls, preload: tuple[str, ...] = ()) -> ForkServer:
+        """Fork a server from this process now; it imports ``preload`` modules this process
+        has not imported."""
+        modules = [m for m in dict.fromkeys(_PRELOAD + list(preload)) if m != "__main__"]
+        modules = [m for m in modules if m not in sys.modules]
         with socket.socket(socket.AF_UNIX) as listener:
             address = connection.arbitrary_address("AF_UNIX")
             listener.bind(address)
             if not util.is_abstract_socket_namespace(address):
                 os.chmod(address, 0o600)
             listener.listen()
-            # Every client owns the write end of "alive"; the server ends when all are gone.
             alive_r, alive_w = os.pipe()
             owner = os.getpid()
             try:
                 pid = forking.fork_between_imports()
                 if pid == 0:  # the server
-                    try:
-                        # Outlives a SIGTERM sent to the whole group, as the resource tracker
-                        # does, to sweep the owner's segments when it is gone (multiproc.lifetime).
-                        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-                        signal.signal(signal.SIGINT, signal.SIG_IGN)
-                        forking.close_fds_but((0, 1, 2, listener.fileno(), alive_r))
-                        forking.forget_imports_in_flight()
-                        # What this process held stays as it is: no collection of the server
-                        # or of a worker frees it (multiproc.buffers reads arrays from it).
-                        gc.freeze()
-                        # Free heap pages it drops are not kept as old copies when the owner
-                        # writes them again.
-                        _worker._trim_heap()
-                        forkserver.main(listener.fileno(), alive_r, modules)
-                    except Exception:  # its clients see only EOF: say why here
-                        print("multiproc: the fork server failed", file=sys.stderr)
-                        traceback.print_exc()
-                    finally:
-                        try:
-                            _sweep_if_gone(owner)
-                        finally:
-                            os._exit(0)
+                    _serve(listener.fileno(), alive_r, modules, owner)
             except BaseException:
                 os.close(alive_w)
                 raise
             finally:
                 os.close(alive_r)
-        fs._forkserver_address = address
-        fs._forkserver_alive_fd = alive_w
-        fs._forkserver_pid = pid
+        _servers[pid] = owner
         lifetime.swept_by(pid)
+        return cls(pid, address, alive_w, owner)
+
+    def ended(self) -> bool:
+        """Whether the server has ended (reaped here if so). Owner only."""
+        if self._stopped:
+            return True
+        try:
+            pid, _ = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid = self.pid  # reaped elsewhere
+        if not pid:
+            return False
+        self._forget()
+        return True
+
+    def stop(self) -> None:
+        """End the server now and reap it; its workers (children that die with it) must be
+        stopped first. Idempotent; does nothing in a process forked from the owner."""
+        if self._stopped or not lifetime.is_owner(self.owner):
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)  # it ignores SIGTERM; the owner lives: no sweep
+            os.waitpid(self.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass
+        self._forget()
+
+    def _forget(self) -> None:
+        self._stopped = True
+        try:
+            os.close(self.alive_w)
+        except OSError:
+            pass
+        _servers.pop(self.pid, None)
+        lifetime.not_swept_by(self.pid, arena.segment_names)
+
+    def wait_ended(self, wait_s: float = 2.0) -> bool:
+        """Whether the server has ended, waiting up to ``wait_s`` for a killed one to be
+        reaped: launching a worker through a server that was just killed can fail (EOF,
+        refused) while ``waitpid`` still sees it running."""
+        deadline = time.monotonic() + wait_s
+        while not self.ended():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+
+_servers: dict[int, int] = {}  # pid of each server this process forked -> its owner
+
+
+def _serve(listener_fd: int, alive_r: int, modules: list[str], owner: int) -> None:
+    """The forked server's life: keep what a forked worker would inherit, let go of what
+    would keep other processes' pipes open, serve launches until no client is left."""
+    try:
+        # Outlives a SIGTERM sent to the whole group, as the resource tracker does, to sweep
+        # the owner's segments when it is gone (multiproc.lifetime).
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        forking.detach_fds_but((0, 1, 2, listener_fd, alive_r))
+        forking.forget_imports_in_flight()
+        _servers.clear()  # the owner's servers are not this process's children
+        # What this process held stays as it is: no collection of the server or of a worker
+        # frees it.
+        gc.freeze()
+        # Free heap pages it drops are not kept as old copies when the owner writes them again.
+        _worker._trim_heap()
+        forkserver.main(listener_fd, alive_r, modules)
+    except Exception:  # its clients see only EOF: say why here
+        print("multiproc: the fork server failed", file=sys.stderr)
+        traceback.print_exc()
+    finally:
+        try:
+            _sweep_if_gone(owner)
+        finally:
+            os._exit(0)
 
 
 def _sweep_if_gone(owner: int) -> None:
@@ -166,50 +234,14 @@ def _sweep_if_gone(owner: int) -> None:
             pass
 
 
-def _forget_if_ended(fs) -> bool:
-    """With ``fs._lock`` held: whether the fork server has ended; if so, forget it (the next
-    :func:`ensure_server` starts another)."""
-    pid, _ = os.waitpid(fs._forkserver_pid, os.WNOHANG)
-    if not pid:
-        return False
-    os.close(fs._forkserver_alive_fd)
-    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = None
-    return True
-
-
-def server_ended(wait_s: float = 2.0) -> bool:
-    """Whether the fork server this process started has ended, waiting up to ``wait_s`` for a
-    killed one to be reaped: launching a worker through a server that was just killed can fail
-    (EOF, refused) while ``waitpid`` still sees it running. False for a spawned server or none."""
-    fs = forkserver._forkserver
-    pid = fs._forkserver_pid
-    if pid is None or forked_server() is None:
-        return False
-    deadline = time.monotonic() + wait_s
-    while True:
-        with fs._lock:
-            if fs._forkserver_pid != pid or _forget_if_ended(fs):
-                return True  # ended (and maybe replaced already)
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.01)
-
-
-def forked_server() -> int | None:
-    """The pid of the fork server when this process forked it (its memory is a copy of this
-    process's at the fork, :mod:`multiproc.buffers`), else None (not started yet, started by
-    the process this one was forked from, or multiprocessing's spawned one)."""
-    pid = forkserver._forkserver._forkserver_pid
-    return pid if pid is not None and pid == lifetime.sweeper() else None
-
-
 class _NoMainPopen(popen_forkserver.Popen):
     """Fork-server launch without re-importing the parent's ``__main__`` in the child.
 
     multiprocessing makes every child import the parent's main script again, so a worker
     costs whatever the script imports (seconds for a Lightning script) and a script without
-    an ``if __name__ == "__main__":`` guard runs again in every worker. Stage functions travel
-    by value (cloudpickle), so workers never need ``__main__``.
+    an ``if __name__ == "__main__":`` guard runs again in every worker. Stage functions are
+    inherited from a snapshot (:mod:`multiproc.snapshot`) or travel by value (cloudpickle),
+    so workers never need ``__main__``.
     """
 
     def _launch(self, process_obj):  # mirrors popen_forkserver.Popen._launch (3.10-3.13)
@@ -223,7 +255,11 @@ class _NoMainPopen(popen_forkserver.Popen):
             reduction.dump(process_obj, buf)
         finally:
             set_spawning_popen(None)
-        self.sentinel, w = _connect(self._fds)
+        server = getattr(process_obj, "_server", None)
+        if server is None:
+            self.sentinel, w = forkserver.connect_to_new_process(self._fds)
+        else:
+            self.sentinel, w = _connect(server, self._fds)
         _parent_w = os.dup(w)
         self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
         with open(w, "wb", closefd=True) as f:
@@ -231,24 +267,21 @@ class _NoMainPopen(popen_forkserver.Popen):
         self.pid = forkserver.read_signed(self.sentinel)
 
 
-def _connect(fds: list[int]) -> tuple[int, int]:
-    """multiprocessing's ``connect_to_new_process``, but a worker of the server this process
-    forked gets no resource tracker: the server removes what the tracker would (this
+def _connect(server: ForkServer, fds: list[int]) -> tuple[int, int]:
+    """multiprocessing's ``connect_to_new_process`` for a server this process forked, whose
+    worker gets no resource tracker: the server removes what the tracker would (this
     process's segments, :func:`multiproc.lifetime.track`), and a tracker is one more process.
     The worker's tracker descriptor writes to ``/dev/null``: what a stage function registers
     there itself (a ``SharedMemory`` it creates) is its own to unlink."""
-    fs = forkserver._forkserver
-    if forked_server() is None or hasattr(fs, "_forkserver_authkey"):
-        return forkserver.connect_to_new_process(fds)  # spawned server, or a newer protocol
     if len(fds) + 4 >= forkserver.MAXFDS_TO_SEND:
         raise ValueError("too many fds")
     with socket.socket(socket.AF_UNIX) as client:
-        client.connect(fs._forkserver_address)
+        client.connect(server.address)
         parent_r, child_w = os.pipe()
         child_r, parent_w = os.pipe()
         null = os.open(os.devnull, os.O_WRONLY)
         try:
-            reduction.sendfds(client, [child_r, child_w, fs._forkserver_alive_fd, null, *fds])
+            reduction.sendfds(client, [child_r, child_w, server.alive_w, null, *fds])
             return parent_r, parent_w
         except BaseException:
             os.close(parent_r)
@@ -320,8 +353,11 @@ def _open_outbox(h: WorkerHandle) -> None:
     h.outbox = Outbox(h.conn, f"multiproc-send-{h.wid}")
 
 
-def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) -> None:
-    """Start the worker's process (or thread) with its private pipe and outbox."""
+def start_worker(
+    h: WorkerHandle, args: tuple, server: ForkServer | None, preload: tuple[str, ...] = ()
+) -> None:
+    """Start the worker's process (or thread) with its private pipe and outbox: forked by
+    ``server``, or by multiprocessing's spawned server when None."""
     if h.thread:
         parent, child = mp.Pipe(duplex=True)
         t = threading.Thread(
@@ -337,7 +373,8 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
         h.pid = os.getpid()
         return
     ctx = context(preload)
-    ensure_server(preload)
+    if server is None:
+        ensure_server(preload)
     parent, child = ctx.Pipe(duplex=True)
     p = _WorkerProcess(
         target=_worker.worker_main,
@@ -346,6 +383,7 @@ def start_worker(h: WorkerHandle, args: tuple, preload: tuple[str, ...] = ()) ->
         daemon=True,
         name=f"multiproc-worker-{h.wid}",
     )
+    p._server = server
     try:
         p.start()
     except BaseException:
@@ -416,6 +454,7 @@ class Resources:
     # death) wakes the router soon, and a released frame waits for that wake instead of making
     # one of its own (see Executor._sink_release).
     reporting: bool = False
+    snapshot: object = None  # the executor's fork server (multiproc.snapshot), ended last
 
     def wake(self) -> None:
         """Wake the router (a no-op once released)."""
@@ -459,6 +498,8 @@ class Resources:
             raise
         finally:
             self._remove_shared()
+            if self.snapshot is not None:
+                self.snapshot.stop()  # after its workers: they die with it
 
     def _remove_shared(self) -> None:
         for name in list(self.segments):

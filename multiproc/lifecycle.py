@@ -19,6 +19,7 @@ from .errors import (
     WorkerDiedError,
 )
 from .frames import WorkerState as WS
+from .snapshot import Snapshot, forks
 from .spec import check_picklable, imported_modules
 
 log = logging.getLogger("multiproc.executor")
@@ -67,14 +68,17 @@ class Workers:
                 self._chains[stage],
             )
             h.start_ns = time.monotonic_ns()
-            handles.start_worker(h, args, self._preload)
+            handles.start_worker(
+                h, args, None if self._snapshot is None else self._snapshot.server, self._preload
+            )
 
         try:
             launch()
         except (EOFError, OSError):
             # A fork server killed a moment ago can still look alive to waitpid: once it is
-            # reaped, launch again through its successor (stages pickled again for it).
-            if h.thread or not handles.server_ended():
+            # reaped, launch again through its successor.
+            snap = self._snapshot
+            if h.thread or snap is None or not snap.server.wait_ended():
                 raise
             log.warning("stage %r: the fork server ended while starting a worker", s.name)
             launch()
@@ -86,52 +90,56 @@ class Workers:
             self._send(h, P.Concurrency(st.concurrency))
         self._rebudget(stage)
 
-    def _start_server(self) -> tuple[str, ...]:
-        """The modules a worker imports to unpickle its stage (the stage functions', and
-        whatever they reference, however wrapped): the fork server imports them once instead
-        of every new worker importing them (what a resize costs). Starts the server with them
-        now where a stage runs process workers: forked now, it holds the stages' arrays
-        (:mod:`multiproc.buffers`) and sweeps the segments made next (:mod:`multiproc.lifetime`)."""
+    def _start_server(self, snapshot: Snapshot | None) -> tuple[str, ...]:
+        """Where process workers come from: ``snapshot`` (or one taken now) of this process,
+        whose stage functions they inherit (:mod:`multiproc.snapshot`); or, where this process
+        must not be forked (``start_method="spawn"``, ``MULTIPROC_FORKSERVER=spawn``,
+        :func:`~multiproc.handles.fork_unsafe`), multiprocessing's spawned server, which
+        imports the modules the stage pickles name once instead of every new worker importing
+        them. Returns those modules (empty for a snapshot)."""
         stages = [offload.local_spec(s) if s.offload else s for s in self.spec.stages]
+        self._snapshot = None
+        if forks(self.spec):
+            self._snapshot = snapshot if snapshot is not None else Snapshot.take(stages)
+            return ()
+        if snapshot is not None:
+            snapshot.stop()
+        if not any(s.worker_type == "process" for s in stages):
+            return ()
         try:
             light = [buffers.dumps_light(s) for s in stages]
         except Exception:  # check_picklable names the stage that does not pickle, next
             return ()
         preload = tuple(dict.fromkeys(m for b in light for m in imported_modules(b)))
-        if any(s.worker_type == "process" for s in stages):
-            handles.ensure_server(preload)
+        handles.ensure_server(preload)
         return preload
 
     def _pickle_stages(self) -> None:
         """Pickle each stage for its local workers (a stage with an offload: its local
-        workers' spec); a process stage's large arrays are referred to in the fork server's
-        memory where it holds them (:mod:`multiproc.buffers`)."""
-        self._server = handles.forked_server()
-        self._stage_bytes = [
-            check_picklable(
-                offload.local_spec(s) if s.offload else s,
-                self._buffers,
-                self._server if s.worker_type == "process" else None,
-            )
-            for s in self.spec.stages
-        ]
+        workers' spec): with references to the snapshot's copy of its functions for process
+        workers of a snapshot, by value otherwise (large arrays in :mod:`multiproc.buffers`'
+        shared file)."""
+        snap = self._snapshot
+        self._stage_bytes = []
+        for s in self.spec.stages:
+            local = offload.local_spec(s) if s.offload else s
+            if snap is not None and s.worker_type == "process":
+                self._stage_bytes.append(check_picklable(local, dumps=snap.dumps))
+            else:
+                self._stage_bytes.append(check_picklable(local, self._buffers))
 
     def _check_server(self) -> None:
-        """Before a process worker starts: the stage pickles refer to the memory of the fork
-        server running now, else (it ended, and another was started) they are made again."""
-        if self._server is None:
-            return
-        handles.ensure_server(self._preload)
-        if handles.forked_server() == self._server:
+        """Before a process worker starts: the snapshot's server still runs, else (killed)
+        another is forked from this process now."""
+        snap = self._snapshot
+        if snap is None or not snap.server.ended():
             return
         log.warning(
-            "the fork server %d ended; stages pickled again for its successor", self._server
+            "the fork server %d of the stages' workers ended; forking another from this "
+            "process (workers started from now on see it as it is now)",
+            snap.server.pid,
         )
-        self._pickle_stages()
-        self._buffers.close()
-        if self._buffers.created:
-            self._segments.add(self._buffers.name)
-        self._set_chains()
+        snap.renew()
 
     def _active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring): all, or

@@ -40,7 +40,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing import resource_tracker
 
 from . import shm
@@ -49,9 +49,11 @@ _PR_SET_PDEATHSIG = 1
 _RTYPE = "shared_memory"  # the tracker unlinks these with shm_unlink, i.e. /dev/shm/<name>
 
 
-def is_owner(pid: int) -> bool:
-    """Whether this process is ``pid`` (False in a child forked from it)."""
-    return os.getpid() == pid
+def is_owner(pid: int, _getpid: Callable[[], int] = os.getpid) -> bool:
+    """Whether this process is ``pid`` (False in a child forked from it). Callable while the
+    interpreter shuts down (a run iterator collected then, in a forked child that exits):
+    it needs no module global, which may be None by then."""
+    return _getpid() == pid
 
 
 @contextlib.contextmanager
@@ -65,21 +67,40 @@ def uninterrupted() -> Iterator[None]:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-# The fork server this process forked, which sweeps its segments when it ends (the pid of
-# this process recorded with it: a child forked from this one has no such server).
-_sweeper: tuple[int, int] | None = None
+# The fork servers this process forked, which sweep its segments when they end (the pid of
+# this process recorded with them: a child forked from this one has no such server).
+_sweepers: tuple[int, set[int]] = (0, set())
 _with_tracker: set[str] = set()  # segments registered with the resource tracker
 
 
 def swept_by(server_pid: int) -> None:
     """Fork server ``server_pid``, forked by this process, sweeps its segments from now on."""
-    global _sweeper
-    _sweeper = (os.getpid(), server_pid)
+    global _sweepers
+    if _sweepers[0] != os.getpid():
+        _sweepers = (os.getpid(), set())
+    _sweepers[1].add(server_pid)
+
+
+def not_swept_by(server_pid: int, live: Callable[[str], list[str]]) -> None:
+    """Fork server ``server_pid`` has ended. When no server is left to sweep, the segments of
+    this process that relied on one (``live(prefix)`` lists them) are registered with the
+    resource tracker instead."""
+    if _sweepers[0] != os.getpid() or server_pid not in _sweepers[1]:
+        return
+    _sweepers[1].discard(server_pid)
+    if _sweepers[1]:
+        return
+    for name in live(segment_prefix(os.getpid())):
+        if name not in _with_tracker:
+            resource_tracker.register("/" + name, _RTYPE)
+            _with_tracker.add(name)
 
 
 def sweeper() -> int | None:
-    """The pid of the fork server that sweeps this process's segments, or None."""
-    return _sweeper[1] if _sweeper is not None and _sweeper[0] == os.getpid() else None
+    """The pid of a fork server that sweeps this process's segments, or None."""
+    if _sweepers[0] != os.getpid() or not _sweepers[1]:
+        return None
+    return next(iter(_sweepers[1]))
 
 
 def segment_prefix(pid: int) -> str:

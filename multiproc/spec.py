@@ -251,6 +251,12 @@ class ExecutorSpec:
             the executor fails with WorkerDiedError.
         credits: frames in flight per worker (dispatched but not finished).
         name: a tag for shared-memory names and logs.
+        start_method: how process workers start. ``"fork"``: from a snapshot of this
+            process (:mod:`multiproc.snapshot`): they see it as it was when the executor was
+            built (or when the snapshot it was given was taken) and inherit what does not
+            pickle, as forked torch DataLoader workers do. ``"spawn"``: from
+            multiprocessing's spawned server, stage functions by pickle (also with
+            ``MULTIPROC_FORKSERVER=spawn``, and in a process that imported Ray).
     """
 
     stages: tuple[StageSpec, ...]
@@ -259,8 +265,13 @@ class ExecutorSpec:
     credits: int = 2
     name: str = "pipe"
     extra: dict = field(default_factory=dict)
+    start_method: Literal["fork", "spawn"] = "fork"
 
     def __post_init__(self) -> None:
+        if self.start_method not in ("fork", "spawn"):
+            raise SpecError(
+                f"ExecutorSpec: start_method must be 'fork' or 'spawn', got {self.start_method!r}"
+            )
         stages = tuple(self.stages)
         object.__setattr__(self, "stages", stages)
         if not stages:
@@ -338,18 +349,75 @@ def fusion_host(fused: Sequence[bool], j: int) -> int:
 
 
 def check_picklable(
-    stage: StageSpec, buffers: BufferFile | None = None, server: int | None = None
+    stage: StageSpec,
+    buffers: BufferFile | None = None,
+    dumps: Callable[[Any], bytes] | None = None,
 ) -> bytes:
-    """Pickle a stage for process workers, or raise SpecError naming the stage; with
-    ``buffers``, its large arrays are referred to in fork server ``server``'s memory or
-    written there (:mod:`multiproc.buffers`)."""
+    """Pickle a stage for its workers, or raise SpecError naming the stage and the attribute
+    that does not pickle: with ``dumps`` (a snapshot's, :mod:`multiproc.snapshot`), else
+    with ``buffers`` (its large arrays in a shared file, :mod:`multiproc.buffers`), else
+    cloudpickle."""
     try:
-        return buffers.dumps(stage, server) if buffers is not None else cloudpickle.dumps(stage)
+        if dumps is not None:
+            return dumps(stage)
+        return buffers.dumps(stage, None) if buffers is not None else cloudpickle.dumps(stage)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
+        where = unpicklable_path(stage.fn, "fn")
+        at = f" at {where}" if where else ""
         raise SpecError(
-            f"stage {stage.name!r}: its function does not pickle for process workers ({e}); "
-            f"make it picklable or use worker_type='thread'"
+            f"stage {stage.name!r}: its function does not pickle{at} ({e}); workers started "
+            "by spawn get it by pickle: make it picklable (e.g. open files in the worker, "
+            "lazily), or start workers by fork (the default)"
         ) from e
+
+
+def unpicklable_path(obj: Any, path: str, depth: int = 6, _seen: set | None = None) -> str:
+    """The attribute path below ``obj`` (named ``path``) of the first value that does not
+    pickle, with its type (e.g. ``fn.source.dataset.f (_io.BufferedReader)``); ``""`` when
+    none is found within ``depth`` levels."""
+    seen = set() if _seen is None else _seen
+    if id(obj) in seen or depth < 0:
+        return ""
+    seen.add(id(obj))
+    children: list[tuple[str, Any]] = []
+    if isinstance(obj, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in obj.items()]
+    elif isinstance(obj, (list, tuple, set, frozenset)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(obj)]
+    else:
+        state = getattr(obj, "__dict__", None)
+        if isinstance(state, dict):
+            children = [(f"{path}.{k}", v) for k, v in state.items()]
+        for k in getattr(type(obj), "__slots__", ()):
+            if isinstance(k, str) and hasattr(obj, k):
+                children.append((f"{path}.{k}", getattr(obj, k)))
+        closure = getattr(obj, "__closure__", None)
+        code = getattr(obj, "__code__", None)
+        if closure and code is not None:
+            children += [
+                (f"{path}.<closure {n}>", c.cell_contents)
+                for n, c in zip(code.co_freevars, closure, strict=False)
+                if _filled(c)
+            ]
+    for name, child in children:
+        found = unpicklable_path(child, name, depth - 1, seen)
+        if found:
+            return found
+    if _seen is None:
+        return ""
+    try:
+        cloudpickle.dumps(obj)
+    except Exception:
+        return f"{path} ({type(obj).__module__}.{type(obj).__qualname__})"
+    return ""
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
 
 
 def imported_modules(pickled: bytes) -> list[str]:

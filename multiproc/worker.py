@@ -21,9 +21,7 @@ import sys
 import time
 import traceback
 
-import cloudpickle
-
-from . import arena, concurrency, lifetime, policy, reducers, serialize, stats
+from . import arena, concurrency, inherit, lifetime, policy, reducers, serialize, stats
 from . import protocol as P
 from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
@@ -64,7 +62,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         # The stage's pickle comes in a list emptied here: a tuple of arguments stays alive on
         # the stack of the process's run() for the worker's whole life, and a map-style
         # dataset's pickle can be as large as the dataset.
-        self.stage = cloudpickle.loads(stage_box.pop())
+        self.stage = inherit.loads(stage_box.pop())
         self.wid = wid
         self.index = index
         self.counters = stats.CounterTable(stats_name, n_slots, create=False)

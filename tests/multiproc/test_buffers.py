@@ -17,9 +17,12 @@ from . import _fns
 
 
 def _run(fn, n=4):
-    # This session's fork server was forked before ``fn`` was made: the arrays go to the file
-    # (the server's memory is tested in a fresh interpreter, below).
-    spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", fn)))
+    # Workers from multiprocessing's spawned server get the stage by pickle: the arrays go to
+    # the file (a snapshot's workers inherit them, tested in a fresh interpreter below).
+    spec = ExecutorSpec(
+        (StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", fn)),
+        start_method="spawn",
+    )
     with Executor(spec) as ex:
         name = ex._buffers.name
         assert os.path.exists(os.path.join(arena.SHM_DIR, name))
@@ -28,18 +31,18 @@ def _run(fn, n=4):
     return out
 
 
-def test_arrays_older_than_the_fork_server_are_viewed_in_its_memory_the_rest_in_the_file():
-    # A fresh interpreter: its first executor forks the fork server after the arrays exist.
+def test_process_workers_inherit_the_snapshots_arrays_thread_workers_get_the_file():
+    # Each executor forks its server when it is built: its workers inherit the stage.
     r = _subproc.run(_FROM_SERVER, timeout_s=120)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in r.stdout.splitlines())
     # Nothing in /dev/shm, each worker views the consumer's own addresses, shares the pages.
     assert lines["server"] == "file=False shared=True private=0", r.stdout
     assert ast.literal_eval(lines["views"]) == {_VIEWS}, r.stdout
-    # Changed after the server was forked: the values of the moment it pickled, not the server's.
-    assert lines["changed"] == "file=True cols3=7.0", r.stdout
-    assert lines["thread"] == "file=True total=4096.0", r.stdout  # threads: never the server's
-    # The server ended (killed): the stages are pickled again for the next one.
+    # Changed before the next executor was built: its workers see the change.
+    assert lines["changed"] == "file=False cols3=7.0", r.stdout
+    assert lines["thread"] == "file=True total=4096.0", r.stdout  # threads: by pickle
+    # The server ended (killed): another is forked for the workers started after.
     assert lines["restarted"] == "sums=[4096.0, 4096.0, 4096.0]", r.stdout
 
 
@@ -54,7 +57,6 @@ def test_a_worker_started_as_the_fork_server_is_killed_starts_through_its_succes
 
 _KILLED_SERVER = """
 import os, signal, threading, time
-import multiprocessing.forkserver as fs
 from multiproc import Executor, ExecutorSpec, StageSpec, handles
 from tests.multiproc import _fns
 
@@ -67,25 +69,25 @@ class Sum:
         return float(self.data[::256].sum())
 
 racing, raced = threading.Event(), []
-forget, ended = handles._forget_if_ended, handles.server_ended
-handles._forget_if_ended = lambda f: False if racing.is_set() else forget(f)
-def server_ended(wait_s=2.0):
+ended, wait_ended = handles.ForkServer.ended, handles.ForkServer.wait_ended
+handles.ForkServer.ended = lambda self: False if racing.is_set() else ended(self)
+def waited(self, wait_s=2.0):
     raced.append(racing.is_set())
     racing.clear()
-    return ended(wait_s)
-handles.server_ended = server_ended
+    return wait_ended(self, wait_s)
+handles.ForkServer.wait_ended = waited
 
 spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range),
                      StageSpec("m", "map", Sum(), workers=1)))
 with Executor(spec) as ex:
     it = ex.run([(0, 1), (1, 2), (2, 3)])
     first = next(it)
-    old = fs._forkserver._forkserver_pid
+    old = ex._snapshot.server.pid
     racing.set()
     os.kill(old, signal.SIGKILL)
     os.kill(next(h.pid for h in ex._workers.values() if h.stage == 1), signal.SIGKILL)
     sums = [first, *it]
-    new = fs._forkserver._forkserver_pid
+    new = ex._snapshot.server.pid
     print(f"new_server={new not in (None, old)} raced={raced == [True]} sums={sums}")
 """
 
@@ -93,7 +95,6 @@ with Executor(spec) as ex:
 _VIEWS = (-1.0, 26.0, 1000.0, 5 * 512 + 3, False, 3 * 512 + 5, True, 14, 9, True)
 _FROM_SERVER = """
 import os, signal, time
-import multiprocessing.forkserver as fs
 import numpy as np
 from multiproc import Executor, ExecutorSpec, StageSpec
 from tests.multiproc import _fns
@@ -122,7 +123,7 @@ views, where, thread_sum, again = _fns.Views(), Where(), Sum(), Sum()
 created, out = run(where)
 assert {o[2] for o in out} == {(48 << 20) // 4096}, out
 print("server", f"file={created} shared={all(o[0] for o in out)} private={max(o[1] for o in out)}")
-created, out = run(views)  # its strided array is a copy made when pickling: the file
+created, out = run(views)
 print("views", set(out))
 views.base[26] = 7.0  # cols[3]
 created, out = run(views)
@@ -134,7 +135,7 @@ spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range),
 with Executor(spec) as ex:
     it = ex.run([(0, 1), (1, 2), (2, 3)])
     first = next(it)
-    os.kill(fs._forkserver._forkserver_pid, signal.SIGKILL)
+    os.kill(ex._snapshot.server.pid, signal.SIGKILL)
     print("restarted", f"sums={[first, *it]}")
 """
 
@@ -194,9 +195,10 @@ def test_the_executor_removes_the_file_when_a_stage_fails_to_pickle():
             return x
 
     spec = ExecutorSpec(
-        (StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", Holder()))
+        (StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", Holder())),
+        start_method="spawn",  # a snapshot's workers inherit it instead
     )
-    with pytest.raises(Exception, match="'m'.*pickle"):
+    with pytest.raises(Exception, match=r"'m'.*pickle at fn\.lock \(_thread\.lock\)"):
         Executor(spec)
     left = {n for n in os.listdir(arena.SHM_DIR) if n.endswith("_pickled")} - before
     assert not left, left

@@ -454,12 +454,16 @@ def test_unpicklable_function_names_the_stage():
         with lock:
             return x
 
-    with pytest.raises(SpecError, match="stage 'locky': its function does not pickle"):
-        Executor(
-            ExecutorSpec(
-                (StageSpec("r", "source", _fns.read_range), StageSpec("locky", "map", uses_lock))
-            )
-        )
+    stages = (StageSpec("r", "source", _fns.read_range), StageSpec("locky", "map", uses_lock))
+    # Spawned workers get it by pickle: the error names the stage and what does not pickle.
+    with pytest.raises(
+        SpecError,
+        match=r"stage 'locky': its function does not pickle at fn\.<closure lock> \(_thread\.lock\)",
+    ):
+        Executor(ExecutorSpec(stages, start_method="spawn"))
+    # Forked workers inherit it, as a forked torch DataLoader worker does.
+    with Executor(ExecutorSpec(stages)) as ex:
+        assert sorted(ex.run([(0, 5)])) == [0, 1, 2, 3, 4]
 
 
 def test_allocator_reuses_and_coalesces():

@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from multiproc import Executor, ExecutorSpec, StageSpec, handles
+from multiproc import Executor, ExecutorSpec, StageSpec
 
 from .. import _subproc
 from . import _fns
@@ -167,12 +167,11 @@ def imported(x):
     return "xml.dom.minidom" in sys.modules
 
 r, w = os.pipe()  # a pipe of this process's: the server must not keep its write end open
-handles.warm()
-os.close(w)
-# EOF once nobody holds the write end (the server closes its copy just after the fork).
-eof = bool(select.select([r], [], [], 20)[0]) and os.read(r, 1) == b""
 with Executor(ExecutorSpec((StageSpec("read", "source", read, workers=1),
                             StageSpec("check", "map", imported, workers=1)))) as ex:
+    os.close(w)
+    # EOF once nobody holds the write end (the server lets go of its copy just after the fork).
+    eof = bool(select.select([r], [], [], 20)[0]) and os.read(r, 1) == b""
     print(set(ex.run([(0, 3)])), eof, flush=True)
 """
 
@@ -198,12 +197,15 @@ def test_the_fork_server_is_forked_from_its_owner_and_holds_none_of_its_files(mo
 def test_a_worker_lets_go_of_its_stages_pickle_once_it_runs():
     # A stage's pickle holds what its function holds (a map-style dataset's tensors): kept
     # alive (by the process object, or the run() frame that called the worker with it), it
-    # would double the worker's memory for its whole life.
-    spec = ExecutorSpec(
-        (StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", _fns.BigBuffers(48)))
-    )
-    with Executor(spec) as ex:
-        assert set(ex.run([(0, 4)])) == {1}
+    # would double the worker's memory for its whole life. A snapshot's worker inherits the
+    # function: none of it is the worker's own.
+    for method, private in (("spawn", 1), ("fork", 0)):
+        spec = ExecutorSpec(
+            (StageSpec("read", "source", _fns.read_range), StageSpec("m", "map", _fns.BigBuffers(48))),
+            start_method=method,
+        )  # fmt: skip
+        with Executor(spec) as ex:
+            assert set(ex.run([(0, 4)])) == {private}, method
 
 
 def _ignores(pid: int, sig: int) -> bool:
@@ -215,15 +217,12 @@ def _ignores(pid: int, sig: int) -> bool:
 def test_the_fork_server_ignores_sigterm_and_its_workers_do_not():
     """The server outlives a SIGTERM sent to the whole group, to sweep the segments once the
     owner is gone; a worker must still die of one."""
-    import multiprocessing.forkserver as fs
-
     spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range, workers=1),))
     with Executor(spec) as ex:
         assert list(ex.run([(0, 3)])) == [0, 1, 2]
         worker = next(h.pid for h in ex._workers.values() if not h.thread)
         assert not _ignores(worker, signal.SIGTERM)
-        if handles.forked_server() is not None:  # not multiprocessing's spawned server
-            assert _ignores(fs._forkserver._forkserver_pid, signal.SIGTERM)
+        assert _ignores(ex._snapshot.server.pid, signal.SIGTERM)
 
 
 _IMPORTING = """
