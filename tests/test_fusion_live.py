@@ -42,7 +42,7 @@ def _observe_until(loader, cond, timeout_s=30.0):
 
 def test_the_observation_reports_a_fused_stage_and_an_allocation_splits_it():
     want = sorted(2 * x - 1 for x in range(20 * 200))
-    with _pipe(fused=True).loader() as loader:
+    with _pipe(fused=True).loader(persistent_workers=True) as loader:
         it = iter(loader)
         got = _take(it, 500)
         obs = _observe_until(loader, lambda o: o.stages[2].workers == 0)

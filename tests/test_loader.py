@@ -152,7 +152,9 @@ class _Shrink:
 def test_a_tuner_steers_the_running_pipeline():
     pipe = Pipeline.from_source(Ids(), max_workers=2).map(_plus_one, workers=2, max_workers=2)
     tuner = _Shrink()
-    with pipe.loader(tuner=tuner, ordered=True, tuning_interval_s=0.05) as loader:
+    with pipe.loader(
+        tuner=tuner, ordered=True, tuning_interval_s=0.05, persistent_workers=True
+    ) as loader:
         out = list(loader)
         assert tuner.steps >= 1  # the loop's first decision runs before the loop stops
         deadline = time.monotonic() + 10
@@ -271,10 +273,33 @@ def test_progress_display_runs_beside_the_epoch_and_stops_with_it():
     assert not [t for t in threading.enumerate() if t.name == "ttp-watch"]
 
 
+def test_fresh_workers_each_epoch_keep_the_allocation_the_tuner_reached():
+    # persistent_workers=False (the default): the workers of an epoch stop at its end; the
+    # next epoch's start from a new snapshot with the allocation the tuner left.
+    pipe = Pipeline.from_source(Ids(), max_workers=2).map(_plus_one, workers=2, max_workers=2)
+    tuner = _Shrink()
+    with pipe.loader(tuner=tuner, ordered=True, tuning_interval_s=0.02) as loader:
+        it = iter(loader)
+        out = [next(it)]
+        deadline = time.monotonic() + 10
+        while loader.tunable.executor.snapshot().stages[1].workers != 1:
+            assert time.monotonic() < deadline, "the tuner's allocation was never applied"
+            time.sleep(0.01)  # polling with a deadline: resizes have no completion event
+        out += list(it)
+        first = loader._executor
+        assert first is None  # stopped with its epoch
+        assert loader.observe().stages[1].workers == 1  # the last epoch's, as it stopped
+        it = iter(loader)
+        out += [next(it)]
+        assert loader.tunable.executor.spec.stages[1].workers == 1  # started as it was left
+        out += list(it)
+    assert out == list(range(1, 31)) * 2
+
+
 def test_stopping_at_len_completes_the_epoch_and_keeps_the_workers():
     """Lightning stops after len(loader) batches without asking for the end of the stream."""
     pipe = Pipeline.from_source(Ids(), workers=2).map(_plus_one).batch(4, collate=None)
-    with pipe.loader(ordered=True) as loader:
+    with pipe.loader(ordered=True, persistent_workers=True) as loader:
         it = iter(loader)
         first = _take(it, len(loader))
         executor = loader._executor
@@ -411,7 +436,7 @@ def test_an_unreferenced_loader_stops_its_workers_without_the_collector():
 
     from . import _subproc
 
-    loader = Pipeline.from_source(Ids(), workers=2).map(_plus_one).loader()
+    loader = Pipeline.from_source(Ids(), workers=2).map(_plus_one).loader(persistent_workers=True)
     assert sorted(loader) == list(range(1, 31))  # the workers stay up for the next epoch
     snap = loader._executor.snapshot(per_worker=True)
     procs = _subproc.processes(w.pid for s in snap.stages for w in s.per_worker)
@@ -482,7 +507,7 @@ class _BadAtIndexed(_BadAt):
 def test_a_failing_source_item_is_skipped_exactly(inline, caplog):
     bad = (100, 250, 251)
     pipe = Pipeline.from_source(_BadAtIndexed(bad=bad), on_error="skip")
-    with pipe.loader(inline=inline) as loader:
+    with pipe.loader(inline=inline, persistent_workers=not inline) as loader:
         assert sorted(loader) == [i for i in range(400) if i not in bad]
         if not inline:
             assert loader._executor.snapshot().stages[0].errors == 3

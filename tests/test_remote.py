@@ -152,7 +152,7 @@ def test_exactly_once_over_two_epochs_while_actors_die_and_the_pool_resizes(ray_
     n = 384
     pipe = Pipeline.from_source(_source(n)).map(spin, name="feat", workers=2, placement="ray")
     want = collections.Counter(x * 10 for x in range(n))
-    with pipe.loader() as loader:
+    with pipe.loader(persistent_workers=True) as loader:  # one pool, two epochs
         killed: list[str] = []
         for epoch in range(2):
             got: collections.Counter = collections.Counter()

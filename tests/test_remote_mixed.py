@@ -29,7 +29,7 @@ def test_without_a_connected_cluster_auto_runs_local_and_imports_no_ray():
         "assert pipe.spec().stages[-1].offload is None\n"
         "with pipe.loader() as loader:\n"
         "    assert sorted(loader) == list(range(40))\n"
-        "    obs = loader.tunable.observe()\n"
+        "    obs = loader.observe()  # the epoch's last, as its workers stopped\n"
         "    assert not obs.stages[-1].remotable and obs.stages[-1].remote_workers == 0\n"
         "    assert obs.cluster_cpus == 0 and obs.rpc_s == 0\n"
         "assert 'ray' not in sys.modules, 'ray was imported'\n"
@@ -52,7 +52,8 @@ def test_an_auto_stage_moves_workers_to_the_cluster_and_back_mid_epoch():
     pipe = Pipeline.from_source(_source(n)).map(spin, name="feat", placement="auto")
     want = collections.Counter(x * 10 for x in range(n))
     got: collections.Counter = collections.Counter()
-    with pipe.loader() as loader:
+    # Workers kept after the epoch: the live pipeline is observed once its items are all out.
+    with pipe.loader(persistent_workers=True) as loader:
         it = iter(loader)
         got[next(it)] += 1  # the executor is up once the first item arrives
         live = Guarded(loader.tunable)

@@ -175,7 +175,7 @@ def test_stage_counters_count_the_users_items_not_the_units_end_marks():
         .map(_plus_one, name="fused", fused=True)
         .map(_plus_one, name="own")
         .batch(100)
-        .loader(tuner=None, batch_at_source=False)  # a sample per item until the batch
+        .loader(tuner=None, batch_at_source=False, persistent_workers=True)  # a sample per item
     )
     with loader:
         assert sum(len(b) for b in loader) == 1000
@@ -186,7 +186,9 @@ def test_stage_counters_count_the_users_items_not_the_units_end_marks():
     }  # fmt: skip
     # The drop-in reads a batch per unit: its fetch stage makes one item per batch, not two.
     # (A worker_init_fn keeps every batch on the workers: no inline fast start.)
-    dl = DataLoader(_Ints(), batch_size=100, num_workers=2, worker_init_fn=_no_init)
+    dl = DataLoader(
+        _Ints(), batch_size=100, num_workers=2, worker_init_fn=_no_init, persistent_workers=True
+    )
     with dl:
         assert len(list(dl)) == 10
         fetch = dl.loader.tunable.executor.snapshot().stages[0]

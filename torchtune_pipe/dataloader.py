@@ -154,6 +154,24 @@ def _first_base_seed(generator: Any) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=g).item())
 
 
+def _start_method(context: Any) -> str:
+    """The executor's start method for torch's ``multiprocessing_context`` (None, a start
+    method's name, or a multiprocessing context): ``"fork"`` or a pickling one."""
+    if context is None:
+        return "fork"
+    name = context if isinstance(context, str) else getattr(context, "get_start_method", None)
+    if callable(name):
+        name = name()
+    if name == "fork":
+        return "fork"
+    if name in ("spawn", "forkserver"):
+        return "spawn"
+    raise ValueError(
+        "multiprocessing_context option should specify a valid start method in "
+        f"['fork', 'spawn', 'forkserver'], but got multiprocessing_context={context!r}"
+    )
+
+
 def _tuner(tuner: Any, auto: bool, weights: Any, options: Mapping[str, Any] | None) -> Any:
     """The tuner the DataLoader's :class:`Loader` runs (a name, a Tuner or None)."""
     if weights is not None:
@@ -202,9 +220,12 @@ class DataLoader:
             ``__getitem__`` draws from the global random generators is always read one call
             at a time per worker.
 
-    Differences from torch: workers come from a fork server (``multiprocessing_context`` is
-    accepted and ignored), are kept across epochs (``persistent_workers`` is implied), and
-    a pipeline that dies is restarted up to 16 times before the error reaches you.
+    Workers see this process as torch's do: as it was at the epoch's ``iter()`` (or at the
+    first ``iter()`` with ``persistent_workers=True``), with what does not pickle inherited,
+    because they fork from a snapshot of it taken there (:mod:`multiproc.snapshot`).
+    ``multiprocessing_context="spawn"`` (or ``"forkserver"``) sends the dataset by pickle
+    instead. Differences from torch: a worker that dies is replaced and its work done again,
+    up to 16 times before the error reaches you.
     ``state_dict()`` / ``load_state_dict()`` resume mid-epoch with exactly the batches not
     yet delivered, whatever the worker counts.
     """
@@ -383,7 +404,11 @@ class DataLoader:
             # The first batches are fetched in this process while the workers start, where
             # that gives the batches workers would: map-style, per-batch seeds, no init.
             fast_start=not iterable and workers > 0 and worker_init_fn is None and seed_each_batch,
-            choose_shape=auto,  # "auto" may read in this process when that is faster
+            # "auto" may read in this process when that is faster; not with persistent
+            # workers, whose view of the process is the first epoch's.
+            choose_shape=auto and not persistent_workers,
+            persistent_workers=persistent_workers,
+            start_method=_start_method(multiprocessing_context),
         )
 
     def __iter__(self) -> Iterator[Any]:

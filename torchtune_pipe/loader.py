@@ -1,6 +1,7 @@
 """The Loader: iterates a running pipeline, epoch after epoch, and lets a tuner steer it.
 
-A :class:`Loader` owns one executor (kept across epochs), an optional tuning loop (a daemon
+A :class:`Loader` owns an executor (one per epoch, or one kept across epochs with
+``persistent_workers=True``), an optional tuning loop (a daemon
 thread stepping a tuner through :class:`RunningPipeline`, the pipeline's
 :class:`~torchtune_pipe.tuning.base.Tunable`), an optional prefetch thread (pinning and device
 transfer, :mod:`torchtune_pipe.prefetch`), and the bookkeeping that makes ``state_dict()`` exact.
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import weakref
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
@@ -44,15 +46,17 @@ from .running import (
     RunningPipeline,
     busy,
     close_held,
+    executor_spec,
     make_tuner,
     start_executor,
     start_tuning,
     start_watch,
+    take_snapshot,
     warm_workers,
 )
 from .sources import ShardedSource
 from .stages import StageChain, items_out
-from .tuning.base import Observation
+from .tuning.base import Allocation, Observation
 from .tuning.loop import write_event
 
 __all__ = ["EpochIterator", "Loader", "RunningPipeline"]
@@ -106,6 +110,16 @@ class Loader:
             batches them with the batching moved into its source, one item per batch, as
             torch's DataLoader does (the same batches; see :mod:`torchtune_pipe._pushdown`);
             ``False`` runs it as written, a sample per item until the batch stage.
+        persistent_workers: what the workers see, as in torch's DataLoader. False: each
+            ``iter()`` takes a snapshot of this process (:mod:`multiproc.snapshot`) and its
+            epoch's workers, fork-started from it, see the process as it was then (a
+            dataset attribute or a global set before the epoch, a ``set_epoch``); they stop
+            at the epoch's end. True: the workers of the first ``iter()`` serve every epoch
+            and keep seeing the process as it was then. The allocation a tuner reached
+            carries over from epoch to epoch either way.
+        start_method: ``"fork"`` (workers fork from the snapshot and inherit what does not
+            pickle: open files, database handles) or ``"spawn"`` (stage functions reach
+            workers by pickle, as under torch's ``multiprocessing_context="spawn"``).
 
     Example:
         >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
@@ -132,6 +146,8 @@ class Loader:
         fast_start: bool = False,
         choose_shape: bool = False,
         batch_at_source: bool = True,
+        persistent_workers: bool = False,
+        start_method: str = "fork",
     ):
         if not isinstance(pipeline, StageChain):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
@@ -145,6 +161,10 @@ class Loader:
             )
         if not isinstance(batch_at_source, bool):
             raise TypeError(f"Loader: batch_at_source must be a bool, got {batch_at_source!r}")
+        if start_method not in ("fork", "spawn"):
+            raise ValueError(
+                f"Loader: start_method must be 'fork' or 'spawn', got {start_method!r}"
+            )
         self.pipeline = (batch_at_source and batched_at_source(pipeline)) or pipeline
         self.tuner = make_tuner(tuner)
         self.ordered = ordered
@@ -159,6 +179,8 @@ class Loader:
         self.even_ranks = even_ranks
         self.fast_start = fast_start
         self.choose_shape = choose_shape
+        self.persistent_workers = bool(persistent_workers)
+        self.start_method = start_method
         self._shape_probe = ShapeProbe()  # what the shape choice measured (choose_shape)
         self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
@@ -167,6 +189,10 @@ class Loader:
         self._progress = Progress(epoch)
         self._units_state: Any = None
         self._executor: Executor | None = None
+        # The next executor's spec and the snapshot its workers fork from, taken at iter().
+        self._next: tuple[Any, Any] | None = None
+        self._allocation: Allocation | None = None  # what the last executor ran with
+        self._final: Observation | None = None  # its last observation, as it stopped
         self._tunable: RunningPipeline | None = None
         self._tuner_started = False  # the tuner has made its first (reset) decision
         self._last_tuning: Any = None  # the loop of the last epoch tuned
@@ -182,14 +208,23 @@ class Loader:
         self._held: dict = {}  # what the finalizer closes when the loader is collected
         self._finalizer = weakref.finalize(self, close_held, self._held, self._pid)
         if not inline:
-            warm_workers(pipeline)
+            warm_workers(pipeline, start_method)
 
     # ------------------------------------------------------------------------ public API
     def __iter__(self) -> Iterator[Any]:
         if self._closed:
             raise RuntimeError("Loader: iterated after close(); create a new loader")
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"Loader: iterated in process {os.getpid()}, forked from process {self._pid} "
+                "that built it; its workers and shared memory are that process's: build a new "
+                "loader in this one"
+            )
         # One epoch at a time: a new iter() ends the previous one, which says so if used again.
         self._end_active("was ended by a new iter() on the loader, which starts a new epoch")
+        if not self.inline and (self._executor is None or not self.persistent_workers):
+            self._drop_executor()
+            self._snapshot_now()
         it = EpochIterator(self._iterate(), self._epoch)
         # Held weakly: an iterator the caller drops (``break``) is collected at once, and its
         # cleanup stops the workers, as when torch's DataLoader iterator goes away.
@@ -263,7 +298,8 @@ class Loader:
         return self._tunable
 
     def observe(self) -> Observation | None:
-        """An observation of the running pipeline now (None when no executor runs yet).
+        """An observation of the running pipeline now; between epochs (no workers run) the
+        last one of the last epoch's pipeline, taken as it stopped; None before the first.
 
         Raises:
             RuntimeError: the loader is closed, or its last epoch ended early (an error, a
@@ -271,16 +307,15 @@ class Loader:
         """
         if self._closed:
             raise RuntimeError("Loader.observe(): the loader is closed; create a new one")
-        if self._tunable is None:
-            return None
-        if self._executor is None:
+        if self._executor is None and self._last_error is not None:
             e = self._last_error
             how = f" with {type(e).__name__}: {e}" if e else ""
             raise RuntimeError(
                 f"Loader.observe(): no pipeline runs: the last epoch ended early{how} and "
                 "stopped its workers; iterate the loader again to start them"
             ) from e
-        return self._tunable.observe()
+        tunable = self._tunable
+        return self._final if tunable is None else tunable.observe()
 
     def close(self) -> None:
         """Stop the iteration, the tuner, the workers; remove shared memory. Idempotent."""
@@ -303,23 +338,60 @@ class Loader:
             it._end(why)
         self._active = None
 
+    def _snapshot_now(self) -> None:
+        """The next executor's spec, and a snapshot of this process for its workers, taken
+        now (at ``iter()``, in the calling thread, as torch forks its workers): what they
+        see of the dataset, the globals, the environment."""
+        spec = executor_spec(
+            self.pipeline, ordered=self.ordered, max_restarts=self.max_restarts,
+            start_fused=bool(getattr(self.tuner, "starts_fused", False)),
+            allocation=self._allocation, start_method=self.start_method,
+        )  # fmt: skip
+        snapshot = take_snapshot(spec)
+        self._next = (spec, snapshot)
+        self._held["snapshot"] = snapshot
+
     def _ensure_executor(self) -> Executor:
         if self._executor is None:
+            if self._next is None:
+                self._snapshot_now()
+            assert self._next is not None
+            (spec, snapshot), self._next = self._next, None
+            self._held.pop("snapshot", None)  # the executor's from here on
             ex, self._tunable = start_executor(
-                self.pipeline, ordered=self.ordered, max_restarts=self.max_restarts,
-                machine=self._machine, clock=self._clock,
+                spec, snapshot=snapshot, machine=self._machine, clock=self._clock,
                 memory_limit_bytes=self.memory_limit_bytes, prefetch_slot=self._prefetch,
-                start_fused=bool(getattr(self.tuner, "starts_fused", False)),
             )  # fmt: skip
             self._executor = ex
             self._held["executor"] = ex
         return self._executor
 
-    def _drop_executor(self) -> None:
+    def _drop_executor(self, background: bool = False) -> None:
+        """Close the executor (keeping the allocation it ran with for the next one) and a
+        snapshot no executor took; ``background``: the executor's workers are stopped on a
+        thread of their own (an epoch that ended whole: the next one need not wait for them;
+        :meth:`close` and the finalizer do)."""
         ex, self._executor = self._executor, None
+        tunable, self._tunable = self._tunable, None
         self._held.pop("executor", None)
+        self._held.pop("snapshot", None)
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt[1] is not None:
+            nxt[1].stop()
         if ex is not None:
-            ex.close()
+            if tunable is not None:
+                try:
+                    self._allocation = tunable.allocation()
+                    self._final = tunable.observe()
+                except Exception:  # closed by a failure: the last allocation stands
+                    pass
+            if background:
+                closing = threading.Thread(target=ex.close, name="ttp-close", daemon=True)
+                closing.start()
+                pending = self._held.setdefault("closing", [])
+                pending[:] = [t for t in pending if t.is_alive()] + [closing]
+            else:
+                ex.close()
 
     def _iterate(self) -> Generator[Any, None, None]:
         sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
@@ -383,6 +455,8 @@ class Loader:
         except BaseException as e:
             self._last_error = e
             raise
+        else:
+            self._last_error = None
         finally:
             # Collected in a forked child, nothing here is the child's to stop (and the
             # executor's locks may be held by threads that do not exist there).
@@ -411,8 +485,9 @@ class Loader:
                     except BaseException as e:
                         loop_error = e
                     loop = None
-                if not complete and not self.inline:
-                    self._drop_executor()  # wakes a prefetch thread waiting on the executor
+                if (not complete or not self.persistent_workers) and not self.inline:
+                    # Wakes a prefetch thread waiting on the executor, at once if it ended early.
+                    self._drop_executor(background=complete)
                 feed.close(timed_out=isinstance(sys.exc_info()[1], LoaderTimeoutError))
                 if watcher is not None:
                     watcher.stop()
@@ -448,7 +523,6 @@ class Loader:
         if watcher is not None:
             watcher.stop()
         self._drop_executor()
-        self._tunable = None
         self.inline = True
 
     def _on_built(self) -> None:
@@ -472,10 +546,11 @@ class Loader:
             return None
         # One tuner per Loader: later epochs continue it (no reset), so allocations and what
         # the agent learned carry over from epoch to epoch.
-        first = not self._tuner_started
-        self._tuner_started = True
         # The last epoch's loop stepped after its first tick: what is left since is its end.
         prev = self._last_tuning
+        if prev is not None and prev.steps >= 1:
+            self._tuner_started = True  # its reset was made: later loops step on
+        first = not self._tuner_started
         hold = prev is not None and prev.steps >= 2 and prev.tunable.tunable is self._tunable
         self._last_tuning = start_tuning(
             self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first,

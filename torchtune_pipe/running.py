@@ -13,8 +13,9 @@ import os
 import weakref
 from typing import Any
 
-from multiproc import Executor
+from multiproc import Executor, ExecutorSpec
 from multiproc.fusion import fuse_all
+from multiproc.snapshot import Snapshot, forks
 
 from . import remote as _remote
 from . import telemetry
@@ -154,13 +155,17 @@ def _prefetched_bytes(slot: list[weakref.ref]) -> int:
     return pre.held_bytes() if pre is not None else 0
 
 
-def warm_workers(pipeline: StageChain) -> None:
-    """Start the worker fork server now, importing what the stages' functions need (the
-    modules their pickles name, and the source's), so the first ``iter()`` finds it warm: a
-    training script builds its loader, then its model, then iterates."""
+def warm_workers(pipeline: StageChain, start_method: str = "fork") -> None:
+    """Where workers are spawned (not forked from a snapshot of this process: ``start_method``
+    "spawn", ``MULTIPROC_FORKSERVER=spawn``, a process that imported Ray), start the spawned
+    fork server now, importing what the stages' functions need (the modules their pickles
+    name, and the source's), so the first ``iter()`` finds it warm: a training script builds
+    its loader, then its model, then iterates. A snapshot is taken at ``iter()`` instead."""
     from multiproc import buffers, handles
     from multiproc.spec import imported_modules
 
+    if start_method != "spawn" and not handles.spawn_requested() and handles.fork_unsafe() is None:
+        return
     source = getattr(pipeline.source, "dataset", pipeline.source)
     modules = [type(source).__module__]
     for st in pipeline.stages:
@@ -172,31 +177,65 @@ def warm_workers(pipeline: StageChain) -> None:
     handles.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))
 
 
-def start_executor(
+def executor_spec(
     pipeline: StageChain,
     *,
     ordered: bool,
     max_restarts: int,
+    start_fused: bool = False,
+    allocation: Allocation | None = None,
+    start_method: str = "fork",
+) -> ExecutorSpec:
+    """The executor spec of ``pipeline``: its stages' own knobs, or ``allocation`` (what a
+    tuner left an earlier executor of the same pipeline with: workers, buffers, fusion), or,
+    with ``start_fused``, every stage fused that may be (:func:`multiproc.fusion.fuse_all`),
+    the shape of a tuner that ``starts_fused``."""
+    spec = pipeline.spec(ordered)
+    stages = spec.stages
+    if allocation is not None and len(allocation.workers) == len(stages):
+        fused = allocation.fused or (False,) * len(stages)
+        stages = tuple(
+            dataclasses.replace(
+                s,
+                workers=max(s.min_workers, min(s.max_workers, allocation.workers[i])),
+                buffer_bytes=allocation.buffer_bytes[i],
+                fused=fused[i],
+            )
+            if s.offload is None and s.placement == "local"
+            else s
+            for i, s in enumerate(stages)
+        )
+    elif start_fused:
+        stages = tuple(
+            dataclasses.replace(s, fused=f) for s, f in zip(stages, fuse_all(stages), strict=True)
+        )
+    return type(spec)(
+        stages, ordered=spec.ordered, max_restarts=max_restarts, start_method=start_method
+    )
+
+
+def take_snapshot(spec: ExecutorSpec) -> Snapshot | None:
+    """A snapshot of this process for ``spec``'s workers (:mod:`multiproc.snapshot`), or None
+    where they do not fork from one."""
+    return Snapshot.take(spec.stages) if forks(spec) else None
+
+
+def start_executor(
+    spec: ExecutorSpec,
+    *,
+    snapshot: Snapshot | None,
     machine: MachineFacts,
     clock: telemetry.ConsumerClock,
     memory_limit_bytes: int | None,
     prefetch_slot: list[weakref.ref],
-    start_fused: bool = False,
 ) -> tuple[Executor, RunningPipeline]:
-    """The pipeline's executor and the :class:`RunningPipeline` observing it.
+    """The executor of ``spec`` (its workers forked from ``snapshot``, which it then owns) and
+    the :class:`RunningPipeline` observing it.
 
     ``prefetch_slot`` holds (weakly) the epoch's prefetcher, whose held bytes count towards
-    the pipeline's memory. ``start_fused``: start with every stage fused that may be
-    (:func:`multiproc.fusion.fuse_all`), the shape of a tuner that ``starts_fused``.
+    the pipeline's memory.
     """
-    spec = pipeline.spec(ordered)
-    stages = spec.stages
-    if start_fused:
-        stages = tuple(
-            dataclasses.replace(s, fused=f) for s, f in zip(stages, fuse_all(stages), strict=True)
-        )
-    spec = type(spec)(stages, ordered=spec.ordered, max_restarts=max_restarts)
-    ex = Executor(spec)
+    ex = Executor(spec, snapshot)
     bounds = [
         telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency) for s in spec.stages
     ]
@@ -264,10 +303,16 @@ def busy(executor: Executor | None) -> list:
 
 
 def close_held(held: dict, pid: int) -> None:
-    """Close the executor in ``held`` (a loader's finalizer), in its owner process only: in a
-    forked child the workers and memory are the parent's."""
+    """Close the executor in ``held`` and end the snapshot no executor took (a loader's
+    finalizer), in its owner process only: in a forked child the workers and memory are the
+    parent's."""
     if os.getpid() != pid:
         return
     ex = held.pop("executor", None)
     if ex is not None:
         ex.close()
+    snapshot = held.pop("snapshot", None)
+    if snapshot is not None:
+        snapshot.stop()
+    for closing in held.pop("closing", []):
+        closing.join()  # executors of earlier epochs, stopping on their own threads

@@ -241,7 +241,10 @@ def test_tune_val_tunes_the_validation_loader_with_its_own_tuner(tmp_path):
         t = trainer(tmp_path, [cb], max_epochs=2, limit_val_batches=1.0, num_sanity_val_steps=0)
         t.fit(Linear(), train_dataloaders=train_loader, val_dataloaders=val_loader)
     assert cb._val.session.started and cb._val.session.tuner is not cb.tuner
-    assert cb._val.inner is val_loader.tunable and cb._train.inner is train_loader.tunable
+    # Each steered its own loader's pipeline; both stopped with their last epochs.
+    assert cb._val.inner is not None and cb._train.inner is not None
+    assert cb._val.inner is not cb._train.inner
+    assert val_loader.tunable is None and train_loader.tunable is None
     assert cb._val.loop is None and cb._train.loop is None  # both stopped
 
 

@@ -1,0 +1,127 @@
+"""An epoch that ends early (a ``break``, a peek, an exception, Lightning's limits) leaves a
+loader that runs the next epochs whole, under every tuner, with no error logged."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from torchtune_pipe import DataLoader
+from torchtune_pipe.tuning.registry import TUNERS
+
+N, BATCH = 96, 8
+WANT = [list(range(i, i + BATCH)) for i in range(0, N, BATCH)]
+
+
+class Ids(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor(i)
+
+
+class Boom(Exception):
+    pass
+
+
+def _break(loader) -> None:
+    for k, _ in enumerate(loader):
+        if k == 2:
+            break
+
+
+def _peek(loader) -> None:
+    next(iter(loader))
+
+
+def _raise(loader) -> None:
+    with pytest.raises(Boom):
+        for k, _ in enumerate(loader):
+            if k == 1:
+                raise Boom
+
+
+ENDS = {"break": _break, "peek": _peek, "exception": _raise}
+
+
+@pytest.mark.parametrize("tuner", TUNERS)
+def test_every_tuner_runs_whole_epochs_after_early_ends(tuner, caplog):
+    with (
+        caplog.at_level(logging.ERROR),
+        DataLoader(
+            Ids(), batch_size=BATCH, num_workers=2, tuner=tuner, tuning_interval_s=0.02
+        ) as loader,
+    ):
+        for name, end in ENDS.items():
+            end(loader)
+            end(loader)  # twice in a row
+            for _ in range(2):  # then whole epochs, each of every batch
+                assert [b.tolist() for b in loader] == WANT, name
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def test_auto_runs_whole_epochs_after_early_ends(caplog):
+    with (
+        caplog.at_level(logging.ERROR),
+        DataLoader(Ids(), batch_size=BATCH, num_workers="auto", tuning_interval_s=0.02) as loader,
+    ):
+        for end in (_break, _peek, _raise, _peek, _break):
+            end(loader)
+            assert [b.tolist() for b in loader] == WANT
+            assert [b.tolist() for b in loader] == WANT
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+pl = pytest.importorskip("lightning.pytorch")
+
+
+class _Model(pl.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen = 0
+
+    def training_step(self, batch, batch_idx):
+        self.seen += len(batch)
+        return self.layer(batch.float().unsqueeze(1)).mean()
+
+    def validation_step(self, batch, batch_idx):
+        return None
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+LIMITS = {
+    "limit_train_batches": dict(limit_train_batches=3, max_epochs=3),
+    "limit_val_batches": dict(limit_val_batches=2, max_epochs=3),
+    "fast_dev_run": dict(fast_dev_run=2),
+    "val_check_interval": dict(val_check_interval=4, limit_val_batches=2, max_epochs=2),
+}
+
+
+@pytest.mark.parametrize("limits", list(LIMITS), ids=list(LIMITS))
+@pytest.mark.parametrize("tuner", ["intune", "autotune"])
+def test_lightning_limits_with_the_callback(limits, tuner, tmp_path, caplog):
+    from torchtune_pipe.integrations.lightning import TuningCallback
+
+    model = _Model()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        callbacks=[TuningCallback(tuner, interval_s=0.02)], **LIMITS[limits],
+    )  # fmt: skip
+    train = DataLoader(Ids(), batch_size=BATCH, num_workers="auto")
+    val = DataLoader(Ids(), batch_size=BATCH, num_workers=2, tuner=tuner)
+    with caplog.at_level(logging.ERROR), train, val:
+        trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
+        assert [b.tolist() for b in train] == WANT  # and whole epochs after
+        assert [b.tolist() for b in val] == WANT
+    assert model.seen > 0
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
