@@ -14,9 +14,11 @@ start of its own buffer, whatever the sender's storage offset.
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import io
 import pickle
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -171,6 +173,22 @@ def collate_into_private_memory() -> None:
     torchs = getattr(_torch_collate, "collate_tensor_fn", None)
     if fns is not None and torchs is not None and fns.get(torch.Tensor) is torchs:
         fns[torch.Tensor] = _stack_in_private_memory
+
+
+@contextlib.contextmanager
+def private_collate() -> Iterator[None]:
+    """:func:`collate_into_private_memory` for the block only: batches read in the calling
+    process as a worker would read them (torch's worker info set) are stacked in ordinary
+    memory too, not in a shared-memory segment per tensor (which a small or full /dev/shm
+    refuses); torch's own entry is back after the block."""
+    fns = getattr(_torch_collate, "default_collate_fn_map", None)
+    before = None if fns is None else fns.get(torch.Tensor)
+    collate_into_private_memory()
+    try:
+        yield
+    finally:
+        if fns is not None and before is not None:
+            fns[torch.Tensor] = before
 
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:

@@ -110,10 +110,13 @@ class _WorkerInit:
         worker would; the caller's own worker info comes back after."""
         from torch.utils.data._utils import worker as torch_worker
 
+        from multiproc.serialize import private_collate
+
         saved = torch_worker._worker_info
         torch_worker._worker_info = self._info(0)
         try:
-            yield
+            with private_collate():  # as in a worker: no shared-memory segment per tensor
+                yield
         finally:
             torch_worker._worker_info = saved
 
