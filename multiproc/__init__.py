@@ -5,7 +5,7 @@ shared-memory channels with byte budgets; every worker exports lock-free counter
 nothing about tuning or any model: ``torchtune_pipe`` builds on it.
 """
 
-from . import concurrency, policy
+from . import concurrency
 from .concurrency import CallPool
 from .errors import (
     ExecutorClosedError,
@@ -27,10 +27,8 @@ from .stats import Snapshot, StageSnapshot, WorkerStats
 
 __all__ = [
     "Batcher",
-    "CallPool",
-    "concurrency",
-    "policy",
     "Busy",
+    "CallPool",
     "Executor",
     "ExecutorClosedError",
     "ExecutorError",
@@ -45,9 +43,10 @@ __all__ = [
     "SpecError",
     "StageError",
     "StageSnapshot",
-    "TooManyErrorsError",
     "StageSpec",
     "StageTimeoutError",
+    "TooManyErrorsError",
     "WorkerDiedError",
     "WorkerStats",
+    "concurrency",
 ]

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from torchtune_pipe import Pipeline, PipelineError
-from torchtune_pipe.pipeline import Work, run_inline
+from torchtune_pipe._inline import run_inline
+from torchtune_pipe._tagging import Work
 
 
 def _double(x):

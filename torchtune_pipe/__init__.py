@@ -17,7 +17,6 @@ from .errors import (
 from .loader import Loader
 from .pipeline import Pipeline, Prefetch, Stage
 from .prefetch import transfer
-from .running import RunningPipeline
 from .sources import (
     FileRange,
     IndexUnit,
@@ -32,7 +31,6 @@ from .sources import (
     Source,
     as_source,
 )
-from .telemetry import Machine, Meter, observe
 
 __all__ = [
     "BadLinesError",
@@ -43,16 +41,13 @@ __all__ = [
     "LineFileSource",
     "Loader",
     "LoaderTimeoutError",
-    "Machine",
     "MapDatasetSource",
-    "Meter",
     "NodeSource",
     "Pipeline",
     "PipelineError",
     "Prefetch",
     "RemoteStageError",
     "ResumableSource",
-    "RunningPipeline",
     "ShardUnit",
     "ShardedSource",
     "SkippingSource",
@@ -62,6 +57,5 @@ __all__ = [
     "StateError",
     "TorchtunePipeError",
     "as_source",
-    "observe",
     "transfer",
 ]

@@ -36,8 +36,7 @@ from torch.utils.data import default_collate
 from multiproc import ExecutorSpec, StageSpec, buffers
 from multiproc.spec import EXECUTOR_KIND, MAX_ERRORS_ARE, valid_max_errors
 
-from ._inline import run_inline
-from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reducer_factory
+from ._tagging import MapTagged, ReadTagged, TaggedReducer, map_fn, reducer_factory
 from .errors import PipelineError
 from .loader import Loader
 from .remote import INSTALL_HINT, PLACEMENTS, RayMap, check_ray_options, ray_installed
@@ -57,7 +56,7 @@ from .stages import (
 log = logging.getLogger(__name__)
 
 
-__all__ = ["MiB", "Pipeline", "Prefetch", "Stage", "Work", "run_inline"]
+__all__ = ["MiB", "Pipeline", "Prefetch", "Stage"]
 
 
 def _positive_int(method: str, arg: str, value: Any) -> None:

@@ -16,9 +16,8 @@ from torchtune_pipe.tuning import (
     is_io_bound,
     make_tuner,
     oversubscribe_factor,
-    safe,
 )
-from torchtune_pipe.tuning.safety import SPARE_CORES, within_limits
+from torchtune_pipe.tuning.safety import SPARE_CORES, safe, within_limits
 
 
 def obs_of(workers=(1, 1, 1), cpus=10.0, memory=1 << 30, **stage_kw):

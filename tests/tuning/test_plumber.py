@@ -1,7 +1,7 @@
 import pytest
 
-from torchtune_pipe.tuning import MiB, Observation, PlumberTuner, StageStats, run_episode, solve_lp
-from torchtune_pipe.tuning.plumber import plan, stage_rates, workers_from_theta
+from torchtune_pipe.tuning import MiB, Observation, PlumberTuner, StageStats, run_episode
+from torchtune_pipe.tuning.plumber import plan, solve_lp, stage_rates, workers_from_theta
 from torchtune_pipe.tuning.safety import oversubscribe_factor
 from torchtune_pipe.tuning.testing import LinearTunable
 

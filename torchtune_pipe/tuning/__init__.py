@@ -14,15 +14,13 @@ from .base import (
     StageStats,
     Tunable,
     Tuner,
-    clamp,
-    limits_of,
 )
 from .baselines import HeuristicTuner, StaticTuner, UnoptimizedTuner, even_split
 from .loop import TuningLoop, run_episode
 from .oracle import OracleTuner, oracle_search
-from .plumber import PlumberPlan, PlumberTuner, solve_lp
+from .plumber import PlumberPlan, PlumberTuner
 from .registry import TUNERS, make_tuner
-from .safety import Guarded, is_io_bound, oversubscribe_factor, safe
+from .safety import Guarded, is_io_bound, oversubscribe_factor
 
 __all__ = [
     "Allocation",
@@ -43,14 +41,10 @@ __all__ = [
     "Tuner",
     "TuningLoop",
     "UnoptimizedTuner",
-    "clamp",
     "even_split",
     "is_io_bound",
-    "limits_of",
     "make_tuner",
     "oracle_search",
     "oversubscribe_factor",
     "run_episode",
-    "safe",
-    "solve_lp",
 ]
