@@ -32,11 +32,14 @@ def imports_in_flight() -> list[str]:
     return names
 
 
-def fork_between_imports() -> int:
+def fork_between_imports() -> tuple[int, bool]:
     """``os.fork()`` once no other thread is importing a module (waiting up to
     :data:`IMPORT_WAIT_S`). A thread importing at the fork does not exist in the child, but
     the module's import lock comes along held and the module half run: the first import of it
-    in the server, or in any worker the server forks, would wait for that lock forever."""
+    in the server, or in any worker the server forks, would wait for that lock forever.
+
+    Returns ``os.fork()``'s pid, and whether imports were still in flight at the fork (the
+    wait timed out: the child must :func:`forget_imports_in_flight`)."""
     import _imp
 
     deadline = time.monotonic() + IMPORT_WAIT_S
@@ -45,8 +48,9 @@ def fork_between_imports() -> int:
         # too (CPython keeps it for a fork made while it is held) and lets go of it as well.
         _imp.acquire_lock()
         try:
-            if not imports_in_flight() or time.monotonic() > deadline:
-                return os.fork()  # past the deadline: the server forgets them instead
+            pending = bool(imports_in_flight())
+            if not pending or time.monotonic() > deadline:
+                return os.fork(), pending  # past the deadline: the child forgets them
         finally:
             _imp.release_lock()
         # Imports end on their own threads, with no event to wait on: look again shortly.

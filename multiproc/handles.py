@@ -22,6 +22,7 @@ do not survive a fork, and workers forked from such a copy died of SIGSEGV as th
 from __future__ import annotations
 
 import gc
+import importlib
 import io
 import multiprocessing as mp
 import os
@@ -97,6 +98,9 @@ def fork_unsafe() -> str | None:
     for module in ("ray", "grpc"):
         if module in sys.modules:
             return f"this process has imported {module}"
+    if hasattr(forkserver._forkserver, "_forkserver_authkey"):
+        # Python 3.14's server authenticates every launch, which ForkServer's does not do.
+        return "this Python's fork server authenticates its clients"
     return None
 
 
@@ -124,6 +128,13 @@ class ForkServer:
         """Fork a server from this process now; it imports ``preload`` modules this process
         has not imported."""
         modules = [m for m in dict.fromkeys(_PRELOAD + list(preload)) if m != "__main__"]
+        for m in modules:
+            if m not in sys.modules:
+                # Once, here, not in every server (one per snapshot): each then inherits it.
+                try:
+                    importlib.import_module(m)
+                except Exception:  # the server tries again, and its workers report it
+                    pass
         modules = [m for m in modules if m not in sys.modules]
         with socket.socket(socket.AF_UNIX) as listener:
             address = connection.arbitrary_address("AF_UNIX")
@@ -134,9 +145,9 @@ class ForkServer:
             alive_r, alive_w = os.pipe()
             owner = os.getpid()
             try:
-                pid = forking.fork_between_imports()
+                pid, pending = forking.fork_between_imports()
                 if pid == 0:  # the server
-                    _serve(listener.fileno(), alive_r, modules, owner)
+                    _serve(listener.fileno(), alive_r, modules, owner, pending)
             except BaseException:
                 os.close(alive_w)
                 raise
@@ -195,7 +206,9 @@ class ForkServer:
 _servers: dict[int, int] = {}  # pid of each server this process forked -> its owner
 
 
-def _serve(listener_fd: int, alive_r: int, modules: list[str], owner: int) -> None:
+def _serve(
+    listener_fd: int, alive_r: int, modules: list[str], owner: int, imports_pending: bool
+) -> None:
     """The forked server's life: keep what a forked worker would inherit, let go of what
     would keep other processes' pipes open, serve launches until no client is left."""
     try:
@@ -204,7 +217,8 @@ def _serve(listener_fd: int, alive_r: int, modules: list[str], owner: int) -> No
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         forking.detach_fds_but((0, 1, 2, listener_fd, alive_r))
-        forking.forget_imports_in_flight()
+        if imports_pending:
+            forking.forget_imports_in_flight()
         _servers.clear()  # the owner's servers are not this process's children
         # What this process held stays as it is: no collection of the server or of a worker
         # frees it.
