@@ -192,7 +192,7 @@ class Loader:
         # The next executor's spec and the snapshot its workers fork from, taken at iter().
         self._next: tuple[Any, Any] | None = None
         self._allocation: Allocation | None = None  # what the last executor ran with
-        self._final: Observation | None = None  # its last observation, as it stopped
+        self._final: dict = {}  # its last observation, as it stopped ("obs")
         self._tunable: RunningPipeline | None = None
         self._tuner_started = False  # the tuner has made its first (reset) decision
         self._last_tuning: Any = None  # the loop of the last epoch tuned
@@ -315,7 +315,11 @@ class Loader:
                 "stopped its workers; iterate the loader again to start them"
             ) from e
         tunable = self._tunable
-        return self._final if tunable is None else tunable.observe()
+        if tunable is not None:
+            return tunable.observe()
+        for closing in self._held.get("closing", ()):
+            closing.join()  # the last epoch's workers stop and say how they ran
+        return self._final.get("obs")
 
     def close(self) -> None:
         """Stop the iteration, the tuner, the workers; remove shared memory. Idempotent."""
@@ -378,20 +382,23 @@ class Loader:
         nxt, self._next = self._next, None
         if nxt is not None and nxt[1] is not None:
             nxt[1].stop()
-        if ex is not None:
-            if tunable is not None:
-                try:
-                    self._allocation = tunable.allocation()
-                    self._final = tunable.observe()
-                except Exception:  # closed by a failure: the last allocation stands
-                    pass
-            if background:
-                closing = threading.Thread(target=ex.close, name="ttp-close", daemon=True)
-                closing.start()
-                pending = self._held.setdefault("closing", [])
-                pending[:] = [t for t in pending if t.is_alive()] + [closing]
-            else:
-                ex.close()
+        if ex is None:
+            return
+        if tunable is not None:
+            try:
+                self._allocation = tunable.allocation()
+            except Exception:  # closed by a failure: the last allocation stands
+                pass
+        final = self._final = {}
+        if background:
+            closing = threading.Thread(
+                target=_stop, args=(ex, tunable, final), name="ttp-close", daemon=True
+            )
+            closing.start()
+            pending = self._held.setdefault("closing", [])
+            pending[:] = [t for t in pending if t.is_alive()] + [closing]
+        else:
+            _stop(ex, tunable, final)
 
     def _iterate(self) -> Generator[Any, None, None]:
         sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
@@ -562,3 +569,13 @@ class Loader:
         if not self.progress or self._tunable is None or self.inline:
             return None
         return start_watch(self._tunable, self._machine, self._clock, self.memory_limit_bytes)
+
+
+def _stop(ex: Executor, tunable: RunningPipeline | None, final: dict) -> None:
+    """Observe a pipeline a last time (``final["obs"]``), then close its executor."""
+    if tunable is not None:
+        try:
+            final["obs"] = tunable.observe()
+        except Exception:  # closed by a failure: no last observation
+            pass
+    ex.close()
