@@ -1,44 +1,34 @@
 """Large arrays in a stage's pickle, held once and shared by the stage's workers.
 
-A stage function travels to every worker process pickled, with what it holds: a map-style
-dataset's tensors unpickled in each worker are a private copy per worker (26 MB per worker for
-200,000 rows of 32 floats). :meth:`BufferFile.dumps` pickles a stage with every CPU tensor
-storage and every numpy array (memory-mapped ones included) of at least :data:`MIN_BYTES`
-replaced by a reference to memory the workers already have or can map, in this order:
+Workers forked from a snapshot (:mod:`multiproc.snapshot`) inherit their stage. Where a stage
+travels pickled instead (thread workers, workers of multiprocessing's spawned server), what it
+holds travels too: a map-style dataset's tensors unpickled in each worker are a private copy
+per worker (26 MB per worker for 200,000 rows of 32 floats). :meth:`BufferFile.dumps` pickles
+a stage with every CPU tensor storage and every numpy array (memory-mapped ones included) of
+at least :data:`MIN_BYTES` replaced by a reference to memory the workers can map, in this
+order:
 
 - **The file it is mapped from**, for an array in a shared mapping of a regular file
   (``np.load(mmap_mode="r")``, ``np.memmap``, a tensor from ``torch.from_file``): the workers
   map the same bytes of that file, shared through the page cache as a forked worker's mapping
-  is, and see the file as this process does (no snapshot, as with fork).
-- **The fork server's copy.** The fork server is forked from this process
-  (:mod:`multiproc.handles`), so it holds this process's memory as it was then, and every worker
-  it forks holds the same pages: an array that existed when the server was forked is in its
-  memory at the same address, and its workers can view it there without a byte copied. An array
-  is referred to that way only when the server's bytes at its address, read from
-  ``/proc/<pid>/mem`` when the stage is pickled, equal this process's bytes now (an array
-  written to since the fork, or made after it, fails the comparison), and only in an anonymous
-  private mapping (not a file the bytes could change in). The server keeps those pages as they
-  are: it runs nothing but its loop, and its garbage collector is frozen, so nothing it
-  inherited is freed. A worker checks that its parent is that server before it views them.
-- **A file in /dev/shm** that the workers map copy-on-write (``MAP_PRIVATE``): for other arrays
-  the server does not hold (made after it was forked, changed since, or a server spawned as a new
-  interpreter). The pipeline then holds two copies of such an array (this process's and the
-  file's). An array goes to the file only while ``/dev/shm`` keeps room for it and as much again
-  for the channels (:func:`_room_for`), else it travels in the pickle. The file is named after
-  the executor (``ttp_<pid>_...``), so the executor removes it with its other segments when it
-  closes and the stale-segment sweep removes it after a crash.
+  is, and see the file as this process does.
+- **A file in /dev/shm** that the workers map copy-on-write (``MAP_PRIVATE``), for other
+  arrays. The pipeline then holds two copies of such an array (this process's and the
+  file's). An array goes to the file only while ``/dev/shm`` keeps room for it and as much
+  again for the channels (:func:`_room_for`), else it travels in the pickle. The file is named
+  after the executor (``ttp_<pid>_...``), so the executor removes it with its other segments
+  when it closes and the stale-segment sweep removes it after a crash. A worker's pages are
+  shared until it writes one, and the values are those of when the stage was pickled, as the
+  pickle's own bytes would be.
 
-In the last two a worker's pages are shared until it writes one, as the pages of a forked
-DataLoader worker's dataset are, and the values are a snapshot taken when the stage was
-pickled, as the pickle's own bytes would be. Tensors that view one storage in this process view one region in
-a worker, so they share memory there as they do here. Tensors that need gradients, are not on
-the CPU or not strided (sparse, quantized), and arrays of Python objects pickle as usual.
+Tensors that view one storage in this process view one region in a worker, so they share
+memory there as they do here. Tensors that need gradients, are not on the CPU or not strided
+(sparse, quantized), and arrays of Python objects pickle as usual.
 """
 
 from __future__ import annotations
 
 import bisect
-import ctypes
 import io
 import mmap
 import os
@@ -56,9 +46,6 @@ MIN_BYTES = 1 << 20  # smaller arrays stay in the pickle: a page of the file eac
 FILE_SUFFIX = "_pickled"  # an executor's file is ttp_<tag>_pickled (memory.py counts it apart)
 ROOM_LEFT_BYTES = 256 << 20  # /dev/shm left free past an array written (see _room_for)
 _ALIGN = mmap.PAGESIZE
-# Bytes of the fork server's memory read and compared at a time: buffers kept small, so that
-# freeing them leaves glibc's heap as it was (a large freed block raises its mmap threshold).
-_CHUNK = 256 << 10
 
 # This process's mappings of buffer files, by name: every array unpickled from one file views
 # one mapping, released once no array views it.
@@ -82,20 +69,15 @@ class BufferFile:
         """Whether the file exists (an array was written to it, or was to be)."""
         return self._created
 
-    def dumps(self, obj: Any, server: int | None = None) -> bytes:
+    def dumps(self, obj: Any) -> bytes:
         """``obj`` pickled by cloudpickle (:class:`~multiproc.pickler.StagePickler`), its large
-        arrays referred to in the memory of fork server ``server`` (a pid; only for a pickle
-        loaded by that server's children) where it holds them unchanged, else written to the
-        file."""
+        arrays referred to in the file they are mapped from, else written to this file."""
         out = io.BytesIO()
-        held = _ServerMemory(server) if server is not None else None
         self._files = None  # this process's shared file mappings, read once per pickle
         try:
-            _Pickler(out, self, held).dump(obj)
+            _Pickler(out, self).dump(obj)
         finally:
             self._files = None
-            if held is not None:
-                held.close()
         return out.getvalue()
 
     def close(self) -> None:
@@ -131,38 +113,34 @@ class BufferFile:
         self._regions[key] = offset
         return offset
 
-    def _place(
-        self, key: tuple[int, int], data: np.ndarray, held: _ServerMemory | None
-    ) -> tuple | None:
+    def _place(self, key: tuple[int, int], data: np.ndarray) -> tuple | None:
         """Where a worker finds ``data`` (flat bytes; ``key``: its address and size here, or
-        a negative address for a copy made here): the file it is mapped from, the server's
-        memory or the buffer file (module docstring, in this order), or None."""
+        a negative address for a copy made here): the file it is mapped from or the buffer
+        file (module docstring, in this order), or None."""
         if key[0] >= 0:
             if self._files is None:
                 self._files = _SharedFiles()
             region = self._files.region(key[0], data.nbytes)
             if region is not None:
                 return region
-        if held is not None and key[0] >= 0 and held.holds(key[0], data):
-            return ("server", held.pid, key[0])
         offset = self._write(key, data)
         return None if offset is None else ("file", self.name, offset)
 
-    def reduce(self, obj: Any, held: _ServerMemory | None = None) -> tuple | None:
-        """The reduction of a large array to memory a worker has (``held``: the fork server's,
-        see the module docstring) or to a region of the file, or None (then it pickles as
-        usual: also for an array whose memory cannot be read as bytes here)."""
+    def reduce(self, obj: Any) -> tuple | None:
+        """The reduction of a large array to the file it is mapped from or to a region of
+        this file, or None (then it pickles as usual: also for an array whose memory cannot
+        be read as bytes here)."""
         try:
             if type(obj) is np.ndarray or type(obj) is np.memmap:
-                return self._reduce_array(obj, held)
+                return self._reduce_array(obj)
             torch = _torch()
             if torch is not None and type(obj) is torch.Tensor:
-                return self._reduce_tensor(torch, obj, held)
+                return self._reduce_tensor(torch, obj)
         except (RuntimeError, TypeError, ValueError):
             return None
         return None
 
-    def _reduce_array(self, a: np.ndarray, held: _ServerMemory | None) -> tuple | None:
+    def _reduce_array(self, a: np.ndarray) -> tuple | None:
         if a.nbytes < MIN_BYTES or a.dtype.hasobject:
             return None
         order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
@@ -170,12 +148,12 @@ class BufferFile:
         key = (data.__array_interface__["data"][0], data.nbytes)
         if not np.may_share_memory(data, a):
             key = (-len(self._regions) - 1, 0)  # a copy made here: no other array views it
-        where = self._place(key, data.reshape(-1, order=order).view(np.uint8), held)
+        where = self._place(key, data.reshape(-1, order=order).view(np.uint8))
         if where is None:
             return None
         return _array, (where, a.dtype, a.shape, order)
 
-    def _reduce_tensor(self, torch: Any, t: Any, held: _ServerMemory | None) -> tuple | None:
+    def _reduce_tensor(self, torch: Any, t: Any) -> tuple | None:
         if (
             t.device.type != "cpu"
             or t.layout != torch.strided
@@ -190,7 +168,7 @@ class BufferFile:
         if nbytes < MIN_BYTES:
             return None
         whole = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
-        where = self._place((storage.data_ptr(), nbytes), whole, held)
+        where = self._place((storage.data_ptr(), nbytes), whole)
         if where is None:
             return None
         geometry = (t.storage_offset(), tuple(t.size()), tuple(t.stride()))
@@ -212,13 +190,12 @@ class _Unwritten(BufferFile):
 
 
 class _Pickler(StagePickler):
-    def __init__(self, file: io.BytesIO, out: BufferFile, held: _ServerMemory | None = None):
+    def __init__(self, file: io.BytesIO, out: BufferFile):
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self._out = out
-        self._held = held
 
     def reducer_override(self, obj: Any) -> Any:
-        reduced = self._out.reduce(obj, self._held)
+        reduced = self._out.reduce(obj)
         if reduced is not None:
             return reduced
         return super().reducer_override(obj)
@@ -241,52 +218,6 @@ def _torch() -> Any:
     return sys.modules.get("torch")  # a tensor exists only where torch is imported
 
 
-class _ServerMemory:
-    """The fork server's memory as this process compares it with its own (read-only)."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-        self._fd = -1
-        self._spans: list[tuple[int, int]] | None = None
-        self._checked: dict[tuple[int, int], bool] = {}
-
-    def holds(self, address: int, data: np.ndarray) -> bool:
-        """Whether the server holds ``data`` (flat bytes at ``address`` here) at the same
-        address, byte for byte, in its anonymous private memory."""
-        key = (address, data.nbytes)
-        if key not in self._checked:
-            try:
-                self._checked[key] = self._same(address, data)
-            except OSError:  # no server, or its memory cannot be read here: the file it is
-                self._checked[key] = False
-        return self._checked[key]
-
-    def _same(self, address: int, data: np.ndarray) -> bool:
-        if self._spans is None:
-            self._spans = private_spans(self.pid)
-        n = data.nbytes
-        if not _within(self._spans, address, n):
-            return False
-        if self._fd < 0:
-            self._fd = os.open(f"/proc/{self.pid}/mem", os.O_RDONLY)
-        buf = np.empty(min(n, _CHUNK), dtype=np.uint8)
-        equal = np.empty(len(buf), dtype=bool)
-        done = 0
-        while done < n:
-            k = min(_CHUNK, n - done)
-            if os.preadv(self._fd, [memoryview(buf)[:k]], address + done) != k:
-                return False
-            if not np.equal(buf[:k], data[done : done + k], out=equal[:k]).all():
-                return False
-            done += k
-        return True
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
 def _mappings(pid: int | str) -> Iterator[tuple[int, int, str, int, str]]:
     """Process ``pid``'s memory mappings: ``(start, end, perms, file offset, path)``."""
     with open(f"/proc/{pid}/maps") as f:
@@ -295,24 +226,6 @@ def _mappings(pid: int | str) -> Iterator[tuple[int, int, str, int, str]]:
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             path = parts[5].strip() if len(parts) > 5 else ""
             yield lo, hi, parts[1], int(parts[2], 16), path
-
-
-def private_spans(pid: int | str = "self") -> list[tuple[int, int]]:
-    """The address ranges of process ``pid``'s anonymous private writable memory (the heap and
-    anonymous mappings), adjacent ones joined."""
-    spans: list[tuple[int, int]] = []
-    for lo, hi, perms, _, path in _mappings(pid):
-        if perms != "rw-p" or path not in ("", "[heap]"):
-            continue
-        if spans and spans[-1][1] == lo:
-            spans[-1] = (spans[-1][0], hi)
-        else:
-            spans.append((lo, hi))
-    return spans
-
-
-def _within(spans: list[tuple[int, int]], address: int, n: int) -> bool:
-    return any(lo <= address and address + n <= hi for lo, hi in spans)
 
 
 class _SharedFiles:
@@ -357,26 +270,7 @@ def _file_bytes(path: str, offset: int, nbytes: int, writable: bool) -> np.ndarr
     return np.frombuffer(mm, dtype=np.uint8, count=nbytes, offset=offset - start)
 
 
-def _server_bytes(pid: int, address: int, nbytes: int) -> np.ndarray:
-    """The ``nbytes`` at ``address`` this process inherited from fork server ``pid``."""
-    if os.getppid() != pid:
-        raise RuntimeError(
-            f"multiproc.buffers: an array of this stage is in the memory of fork server {pid}, "
-            f"but this process was started by {os.getppid()}; the executor pickles its stages "
-            f"again for a new fork server"
-        )
-    if not _within(private_spans(), address, nbytes):
-        raise RuntimeError(
-            f"multiproc.buffers: the {nbytes} bytes of an array at {address:#x}, inherited from "
-            f"fork server {pid}, are not mapped in this worker"
-        )
-    # Copy-on-write as every inherited page is: a worker that writes changes its own copy.
-    return np.ctypeslib.as_array((ctypes.c_ubyte * nbytes).from_address(address))
-
-
 def _bytes(where: tuple, nbytes: int) -> np.ndarray:
-    if where[0] == "server":
-        return _server_bytes(where[1], where[2], nbytes)
     if where[0] == "path":
         return _file_bytes(where[1], where[2], nbytes, where[3])
     _, name, offset = where

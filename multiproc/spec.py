@@ -360,7 +360,7 @@ def check_picklable(
     try:
         if dumps is not None:
             return dumps(stage)
-        return buffers.dumps(stage, None) if buffers is not None else cloudpickle.dumps(stage)
+        return buffers.dumps(stage) if buffers is not None else cloudpickle.dumps(stage)
     except (pickle.PicklingError, TypeError, AttributeError) as e:
         where = unpicklable_path(stage.fn, "fn")
         at = f" at {where}" if where else ""

@@ -224,11 +224,6 @@ def test_a_light_pickle_names_the_same_modules_without_the_arrays_data():
     assert not any(n.startswith("ttp_unwritten") for n in os.listdir(arena.SHM_DIR))
 
 
-def test_a_process_not_forked_by_the_server_refuses_to_view_its_memory():
-    with pytest.raises(RuntimeError, match="fork server 1, but this process was started by"):
-        buffers._server_bytes(1, 4096, 1 << 20)
-
-
 def test_without_a_dev_shm_to_write_to_arrays_travel_in_the_pickle(tmp_path):
     out = buffers.BufferFile("ttp_nowhere")
     out.path = str(tmp_path / "missing" / "ttp_nowhere")  # its directory does not exist
