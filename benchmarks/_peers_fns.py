@@ -60,10 +60,10 @@ def make_work(spec: dict) -> UnitWork:
 
 
 # ---------------------------------------------------------------------------- the tools
-def _dataloader(spec: dict) -> Callable[[int], Iterator[Any]]:
+def units_dataset(work: UnitWork) -> Any:
+    """The work's units as torch's ``IterableDataset``, split by ``get_worker_info()``."""
     import torch.utils.data as tud
 
-    work = make_work(spec)
     units = work.source.units(0)
 
     class Units(tud.IterableDataset):
@@ -73,9 +73,15 @@ def _dataloader(spec: dict) -> Callable[[int], Iterator[Any]]:
             for unit in units[wid::n]:
                 yield from work.chunks(unit)
 
+    return Units()
+
+
+def _dataloader(spec: dict) -> Callable[[int], Iterator[Any]]:
+    import torch.utils.data as tud
+
     w = spec["workers"]
     loader = tud.DataLoader(
-        Units(),
+        units_dataset(make_work(spec)),
         batch_size=spec["batch_size"] // spec["chunk_rows"],
         collate_fn=collate_batch,
         num_workers=w,
