@@ -69,3 +69,56 @@ def test_callback_with_intune_on_a_one_stage_dataloader(tmp_path):
     with DataLoader(Points(), batch_size=8, num_workers=2, timeout=60) as loader:
         model = fit(loader, callback, tmp_path, epochs=1)
     assert model.seen == 96
+
+
+class Epochs(torch.utils.data.Dataset):
+    """Rows that say which epoch the dataset was set to when they were read."""
+
+    def __init__(self):
+        self.epoch = -1
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i), float(self.epoch)])
+
+
+class EpochModel(pl.LightningModule):
+    """Sets its dataset's epoch at each epoch's start, as a curriculum does."""
+
+    def __init__(self, dataset: Epochs):
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.dataset = dataset
+        self.seen: dict[int, set[float]] = {}
+
+    def on_train_epoch_start(self):
+        self.dataset.set_epoch(self.current_epoch)
+
+    def training_step(self, batch, batch_idx):
+        self.seen.setdefault(self.current_epoch, set()).update(batch[:, 1].tolist())
+        return self.layer(batch[:, :1]).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.parametrize("workers", ["auto", 2])
+def test_a_set_epoch_before_each_epoch_is_seen_in_that_epoch(workers, tmp_path):
+    # Lightning's loop calls iter() on the loader after on_train_epoch_start: the epoch's
+    # workers see what the hook set, as torch's do.
+    ds = Epochs()
+    model = EpochModel(ds)
+    callback = TuningCallback("heuristic", interval_s=0.02)
+    with DataLoader(ds, batch_size=8, num_workers=workers) as loader:
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=3, callbacks=[callback], logger=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(model, train_dataloaders=loader)
+    assert model.seen == {0: {0.0}, 1: {1.0}, 2: {2.0}}
