@@ -187,7 +187,7 @@ class Executor(Router, Workers, Fusion, Faults):
         with self._lock:
             for st in self._stages:
                 if not self._fused[st.index]:
-                    for k in range(st.target):
+                    for k in range(self._first_workers(st.index)):
                         self._spawn(st.index, remote=k >= st.target - st.remote)
         self._thread.start()
 

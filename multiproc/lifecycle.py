@@ -25,6 +25,8 @@ from .spec import check_picklable, imported_modules
 log = logging.getLogger("multiproc.executor")
 
 MAX_SLOTS = 1024  # workers ever started by one executor (counter slots are reused)
+# Process workers a stage starts with; the rest start one per router turn (Workers._ramp).
+START_WORKERS = 2
 
 
 class Workers:
@@ -140,6 +142,43 @@ class Workers:
             snap.server.pid,
         )
         snap.renew()
+
+    def _ramps(self, stage: int) -> bool:
+        """Whether the stage's workers start a few at first and the rest while it runs (local
+        process workers: each is a fork of the snapshot, ~10-20 ms for a process of a GB,
+        made one at a time by its server)."""
+        s = self.spec.stages[stage]
+        return s.worker_type == "process" and s.offload is None
+
+    def _first_workers(self, stage: int) -> int:
+        """How many workers the stage starts with (see :meth:`_ramp`)."""
+        target = self._stages[stage].target
+        return min(target, START_WORKERS) if self._ramps(stage) else target
+
+    def _ramp(self) -> None:
+        """On a router turn: start one more worker of the first stage short of its target.
+        The executor starts with :data:`START_WORKERS` per stage, and those serve while the
+        others fork, one per turn, with the router handling events in between (instead of
+        every worker forked before the first one gets work)."""
+        for st in self._stages:
+            i = st.index
+            if self._fused[i] or not self._ramps(i) or len(self._active(i)) >= st.target:
+                continue
+            self._spawn(i)
+            self._wake()  # another turn soon, for the next one
+            return
+
+    def serving(self) -> bool:
+        """Whether every stage that runs its own workers has as many started (said hello)
+        as it starts with: the executor serves, while the rest of its workers start."""
+        with self._lock:
+            for st in self._stages:
+                if self._fused[st.index]:
+                    continue
+                hello = sum(1 for h in self._workers.values() if h.stage == st.index and h.ready_ns)
+                if hello < self._first_workers(st.index):
+                    return False
+            return True
 
     def _active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring): all, or

@@ -416,6 +416,7 @@ class Router:
         while self._sink_frees:
             seg, off = self._sink_frees.popleft()
             self._free(seg, off)
+        self._ramp()
         self._check_timeouts()
         if self._error is None:
             self._dispatch()

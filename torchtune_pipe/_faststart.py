@@ -52,6 +52,9 @@ INLINE_GAIN = 1.25
 # Inline reads that wait (wall time well past their CPU time) cannot overlap their waits in the
 # calling thread, while workers and calls in flight can: such reads are never chosen inline.
 INLINE_MAX_WAIT_RATIO = 1.5
+# Wall time of inline reads below which their waits are not judged: a few reads at a start
+# share the interpreter with the threads starting the workers, which reads as waiting.
+WAIT_EVIDENCE_S = 0.1
 
 
 @dataclass
@@ -197,13 +200,14 @@ class FastStart:
             self._built.set()
 
     def _ready(self) -> bool:
-        """Built, and every worker has started (said hello), or building failed."""
+        """Built, and serving (its first workers have started; the rest start while it
+        runs), or building failed."""
         if not self._built.is_set():
             return False
         ex = self._executor
         if ex is None:
             return True
-        return ex.started()
+        return ex.serving()
 
     def _read_inline(self, work: Work) -> list:
         t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
@@ -232,7 +236,10 @@ class FastStart:
         self.on_started()
         p = self.probe
         if self.choose_shape and p.decided is None and p.inline_items:
-            if p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s:
+            if (
+                p.inline_s >= WAIT_EVIDENCE_S
+                and p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s
+            ):
                 p.decided = "workers"  # the reads wait: only workers overlap their waits
         if i >= len(self.works):
             return
