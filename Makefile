@@ -1,13 +1,14 @@
 # Two entry points do all the set-up on a fresh machine:
 #   make demo   -- create .venv, install, run the main job (DLRM on generated Criteo data, tuned)
 #   make test   -- create .venv if missing, install with dev extras, run the test suite
+# make test-fast runs every test not marked slow (the edit loop); make lint runs ruff and mypy.
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test venv install bench simulate pretrain lint format clean peers-tf-env
+.PHONY: demo test test-fast venv install bench simulate pretrain lint format clean peers-tf-env
 
 venv: $(STAMP)
 
@@ -40,8 +41,13 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The whole suite, with the 25 slowest tests' durations (CI's output shows them too).
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
+
+# The fast tier for the edit loop: every test not marked slow (pyproject.toml's markers).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
 	$(PY) -m torchtune_pipe.cli demo

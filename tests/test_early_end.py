@@ -47,6 +47,7 @@ def _raise(loader) -> None:
 ENDS = {"break": _break, "peek": _peek, "exception": _raise}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tuner", TUNERS)
 def test_every_tuner_runs_whole_epochs_after_early_ends(tuner, caplog):
     with (
@@ -64,6 +65,7 @@ def test_every_tuner_runs_whole_epochs_after_early_ends(tuner, caplog):
     assert not errors, [r.getMessage() for r in errors]
 
 
+@pytest.mark.slow
 def test_auto_runs_whole_epochs_after_early_ends(caplog):
     with (
         caplog.at_level(logging.ERROR),
@@ -105,6 +107,7 @@ LIMITS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("limits", list(LIMITS), ids=list(LIMITS))
 @pytest.mark.parametrize("tuner", ["intune", "autotune"])
 def test_lightning_limits_with_the_callback(limits, tuner, tmp_path, caplog):

@@ -134,6 +134,7 @@ class Cheap(Dataset):
         return self.x[i], i
 
 
+@pytest.mark.slow
 def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
     """The switch itself, made certain: inline reads measured as free beat any workers, so the
     loader closes its workers at the first windows after the tuner settled, mid-epoch, and

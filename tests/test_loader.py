@@ -590,6 +590,7 @@ def test_timeout_names_the_stuck_stage_worker_and_item():
     assert e.value.stuck and e.value.stuck[0].stage == "udf"
 
 
+@pytest.mark.slow
 def test_resizing_every_stage_while_frames_are_let_go_of_early_frees_each_block_once():
     # A worker may let go of a frame's memory (its items copied out, e.g. into a batch) and
     # say so before it reports the frame done; a worker retired or started meanwhile must not

@@ -48,6 +48,7 @@ def _same(a: list, b: list) -> None:
         assert torch.equal(x[0], y[0]) and torch.equal(x[1], y[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_the_rewritten_pipeline_delivers_the_batches_as_written(drop_last):
     def pipe() -> Pipeline:  # each loader its own sampler generator, seeded alike

@@ -60,6 +60,7 @@ def _run_two_ranks(tmp_path: Path, inline: bool) -> list[dict]:
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("inline", [False, True])
 def test_uneven_ranks_stop_together_and_count_what_they_drop(tmp_path, inline):

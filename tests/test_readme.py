@@ -22,7 +22,15 @@ def test_the_readme_marks_its_snippets():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["quickstart", "callback", "pipeline", "remote-stages"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "quickstart",
+        pytest.param("callback", marks=pytest.mark.slow),
+        "pipeline",
+        pytest.param("remote-stages", marks=pytest.mark.slow),
+    ],
+)
 def test_readme_snippet_runs(name, tmp_path):
     need = NEEDS.get(name)
     if need and importlib.util.find_spec(need) is None:

@@ -148,6 +148,7 @@ def test_nothing_imports_ray_until_a_remote_stage_runs():
 
 
 # ---------------------------------------------------------------------------- on the cluster
+@pytest.mark.slow
 def test_exactly_once_over_two_epochs_while_actors_die_and_the_pool_resizes(ray_cluster, caplog):
     n = 384
     pipe = Pipeline.from_source(_source(n)).map(spin, name="feat", workers=2, placement="ray")
@@ -182,6 +183,7 @@ def test_exactly_once_over_two_epochs_while_actors_die_and_the_pool_resizes(ray_
         assert snap.cpu_ns >= 0.5 * 2 * n * 1_000_000
 
 
+@pytest.mark.slow
 def test_a_remote_stage_reports_its_workers_remote_and_keeps_its_placement(ray_cluster):
     pipe = Pipeline.from_source(_source(640)).map(spin, name="feat", placement="ray")
     with pipe.loader() as loader:
@@ -211,6 +213,7 @@ def test_a_remote_stage_reports_its_workers_remote_and_keeps_its_placement(ray_c
         assert sum(1 for _ in it) == 640 - 64
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_with_a_remote_stage(ray_cluster):
     n = 320
     pipe = Pipeline.from_source(_source(n)).map(spin, name="feat", placement="ray")
@@ -226,6 +229,7 @@ def test_resume_mid_epoch_with_a_remote_stage(ray_cluster):
     assert first + rest == [x * 10 for x in range(n)]
 
 
+@pytest.mark.slow
 def test_a_remote_error_reaches_the_consumer_with_its_type_stage_and_traceback(ray_cluster):
     pipe = Pipeline.from_source(_source(64)).map(fail_on_37, name="parse", placement="ray")
     with pytest.raises(KeyError, match="C37") as info, pipe.loader() as loader:
@@ -238,6 +242,7 @@ def test_a_remote_error_reaches_the_consumer_with_its_type_stage_and_traceback(r
     assert any("raised on Ray actor ttp:parse:" in note for note in e.__notes__)
 
 
+@pytest.mark.slow
 def test_a_frame_whose_actor_dies_twice_is_an_error_naming_it(ray_cluster):
     pipe = Pipeline.from_source(_source(32)).map(die_on_13, name="crash", placement="ray")
     with pytest.raises(RemoteStageError, match="second Ray actor") as info, pipe.loader() as ld:
@@ -245,6 +250,7 @@ def test_a_frame_whose_actor_dies_twice_is_an_error_naming_it(ray_cluster):
     assert "unit 0 items 0..15" in str(info.value) and info.value.stage == "crash"
 
 
+@pytest.mark.slow
 def test_an_actor_the_cluster_has_no_room_for_is_an_error_not_a_hang(ray_cluster, monkeypatch):
     monkeypatch.setattr(remote_mod, "ACTOR_START_TIMEOUT_S", 2.0)  # thread workers read it here
     pipe = Pipeline.from_source(_source(16)).map(
@@ -255,6 +261,7 @@ def test_an_actor_the_cluster_has_no_room_for_is_an_error_not_a_hang(ray_cluster
     assert "num_cpus': 64" in str(info.value)
 
 
+@pytest.mark.slow
 def test_tensors_travel_whole_and_writable_and_init_runs_on_the_actor(ray_cluster):
     import torch
 
@@ -289,6 +296,7 @@ def test_tensors_travel_whole_and_writable_and_init_runs_on_the_actor(ray_cluste
     assert os.getpid() not in {x["where"][1] for x in out} and "TTP_TEST_INIT" not in os.environ
 
 
+@pytest.mark.slow
 def test_the_dlrm_feature_stages_on_ray_make_the_local_batches(ray_cluster):
     pytest.importorskip("torchrec")
     from examples.dlrm.pipeline import DLRMPipelineConfig, build_pipeline

@@ -46,6 +46,7 @@ def _remote_calls(loader) -> int:
     return loader.tunable.executor.snapshot().stage("feat").calls.n
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_an_auto_stage_moves_workers_to_the_cluster_and_back_mid_epoch():
     n = 1280
@@ -93,6 +94,7 @@ def test_an_auto_stage_moves_workers_to_the_cluster_and_back_mid_epoch():
     assert got == want, "not every item exactly once"
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("ray_cluster")
 def test_the_planner_tunes_an_auto_stage_without_errors():
     n = 2400

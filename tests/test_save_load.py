@@ -51,6 +51,7 @@ def _loader(source_factory, workers, stages=lambda p: p):
     return stages(pipe).loader(ordered=True)
 
 
+@pytest.mark.slow
 def test_map_style_dataset_shuffled_and_batched():
     def source():
         generator = torch.Generator().manual_seed(7)
@@ -59,6 +60,7 @@ def test_map_style_dataset_shuffled_and_batched():
     check_save_load(lambda w: _loader(source, w, lambda p: p.batch(3)))
 
 
+@pytest.mark.slow
 def test_map_style_dataset_through_the_drop_in_dataloader():
     def make(workers):
         generator = torch.Generator().manual_seed(3)
@@ -69,6 +71,7 @@ def test_map_style_dataset_through_the_drop_in_dataloader():
     check_save_load(make)
 
 
+@pytest.mark.slow
 def test_iterable_dataset():
     check_save_load(lambda w: _loader(lambda: IterableDatasetSource(Counter(), shards=3), w))
 
@@ -89,6 +92,7 @@ def line_files(tmp_path):
     return paths
 
 
+@pytest.mark.slow
 def test_line_files_with_shuffled_units(line_files):
     def source():
         return LineFileSource(line_files, chunk_bytes=16, shuffle_units=True, seed=5)
@@ -98,6 +102,7 @@ def test_line_files_with_shuffled_units(line_files):
     )
 
 
+@pytest.mark.slow
 def test_criteo_source_of_the_dlrm_example():
     def source():
         return CriteoSource(str(CRITEO), chunk_rows=8, chunk_bytes=4096)

@@ -114,6 +114,7 @@ print("DONE")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers", [2, "auto"])
 def test_train_and_val_loaders_of_4mib_batches_finish_in_docker_default_shm(small_shm, num_workers):
     # Was: SIGBUS in every worker (17 deaths > max_restarts) with 2 workers, and with "auto"
@@ -121,6 +122,7 @@ def test_train_and_val_loaders_of_4mib_batches_finish_in_docker_default_shm(smal
     _ok(small_shm(LOADERS.format(num_workers=num_workers, fill_mib=0), size_mib=64))
 
 
+@pytest.mark.slow
 def test_loaders_finish_with_50mib_of_shm_free(small_shm):
     _ok(small_shm(LOADERS.format(num_workers=2, fill_mib=14), size_mib=64))
 
@@ -206,6 +208,7 @@ def test_no_room_at_all_names_shm_its_size_its_free_bytes_and_the_fixes(small_sh
         assert words in message, message
 
 
+@pytest.mark.slow
 def test_shm_dir_option_moves_the_segments_to_a_directory_with_room(small_shm, tmp_path):
     p = small_shm(NO_ROOM, size_mib=64, env={"MULTIPROC_SHM_DIR": str(tmp_path)})
     assert f"DONE in {tmp_path}" in p.stdout, f"stdout:\n{p.stdout}\nstderr:\n{p.stderr[-6000:]}"

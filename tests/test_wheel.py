@@ -47,6 +47,7 @@ def test_the_readme_installs_torch_for_the_machine_first_as_make_does():
     assert f"torch=={version}" in section and CPU_INDEX in makefile  # make's path is the same
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_wheel_installs_and_runs_outside_the_repository(tmp_path):
     # Build from a copy, so the repository gets no build/ or egg-info.

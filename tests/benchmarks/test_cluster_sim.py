@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import cluster_sim
 
 
+@pytest.mark.slow
 def test_quick_run_splits_stages_between_host_and_cluster(tmp_path, capsys):
     out = tmp_path / "cluster.json"
     cluster_sim.main(["--quick", "--out", str(out)])

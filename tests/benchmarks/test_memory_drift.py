@@ -29,6 +29,7 @@ def test_growing_cache_grows_to_its_cap_per_copy():
     assert pickle.loads(pickle.dumps(udf))._held == 0  # a worker's copy starts empty
 
 
+@pytest.mark.slow
 def test_quick_run_writes_table_rows_for_every_contender(tmp_path, capsys):
     out = tmp_path / "md.json"
     assert memory_drift.main(["--quick", "--duration", "4", "--out", str(out)]) == 0

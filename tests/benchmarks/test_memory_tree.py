@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import memory_tree
 
 
+@pytest.mark.slow
 def test_a_short_run_reports_every_role_of_our_tree_and_the_ratio(tmp_path, capsys):
     out = tmp_path / "tree.json"
     assert memory_tree.main(["--scenarios", "cheap-map", "--rounds", "1", "--duration", "3",

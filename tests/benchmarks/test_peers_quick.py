@@ -74,6 +74,7 @@ def test_the_harness_maps_no_library_of_its_contenders(tmp_path):
         assert len(f.readlines()) == 50
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)  # ~20 s on an idle machine; a loaded shared one is far slower
 def test_quick_run_writes_json(tmp_path):
     # The peers only: torchtune_pipe's start-up (~15 s on 2 cores) is left to the CLI's --quick.
@@ -207,6 +208,7 @@ def test_targets_compare_ours_with_every_peers_best_the_guess_startup_and_nodes_
     assert peers.target_row("udf", head)["checked"]["startup_s"]["aim"] == 1.5  # a Pipeline's
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)  # ~1 min on an idle machine
 def test_quick_shape_scenarios_write_rows_and_targets(tmp_path):
     out, md = tmp_path / "peers.json", tmp_path / "peers.md"

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import readahead
 
 
+@pytest.mark.slow
 def test_a_short_run_compares_every_shape_every_way(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(readahead, "SHAPES", ((1, 0),))  # the collate fused
     out = tmp_path / "readahead.json"

@@ -27,6 +27,7 @@ def _run(script: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_tuners_real_quick(tmp_path: Path) -> None:
     result = _run("tuners_real.py", tmp_path / "tuners.json")
@@ -58,6 +59,7 @@ def test_tuners_real_quick(tmp_path: Path) -> None:
     assert decisions and all(d["workers"] == [1, 1, 1] for d in decisions)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(150)
 def test_sim_validate_quick(tmp_path: Path) -> None:
     result = _run("sim_validate.py", tmp_path / "sim.json")

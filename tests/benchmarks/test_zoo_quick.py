@@ -94,6 +94,7 @@ def _leaked_segments(before: set[str]) -> list[str]:
     return leaked
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)  # ~30 s on an idle machine; a loaded shared one is far slower
 def test_quick_run_writes_the_table_and_json_with_torchs_batches(tmp_path, data_dir, capsys):
     shm_before = set(os.listdir("/dev/shm"))

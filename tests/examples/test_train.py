@@ -24,6 +24,7 @@ def tiny_args(tmp_path: Path, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_main_trains_evaluates_and_reports(tmp_path, capsys):
     args = train.parse_args(tiny_args(tmp_path, "--tuner", "heuristic", "--max-steps", "12"))
     result = train.train(args)

@@ -49,6 +49,7 @@ def fit(loader, callback, tmp_path, epochs=2) -> Linear:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", ["auto", 2])
 def test_callback_takes_over_the_dataloaders_own_tuner(workers, tmp_path, caplog):
     callback = TuningCallback("heuristic", interval_s=0.02)
@@ -63,6 +64,7 @@ def test_callback_takes_over_the_dataloaders_own_tuner(workers, tmp_path, caplog
     assert ("took over" in caplog.text) == had_tuner
 
 
+@pytest.mark.slow
 def test_callback_with_intune_on_a_one_stage_dataloader(tmp_path):
     # num_workers=2 is one stage: no shipped agent for that length, the planner tunes it.
     callback = TuningCallback("intune", interval_s=0.02)

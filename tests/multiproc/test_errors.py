@@ -87,6 +87,7 @@ def test_after_close_snapshot_and_iteration_say_closed():
         ex.run([(0, 10)])
 
 
+@pytest.mark.slow
 def test_busy_and_timeout_name_the_stuck_stage_worker_and_item():
     spec = _spec(_read(frame_items=4), StageSpec("udf", "map", _fns.sleep_on_7))
     with Executor(spec) as ex:

@@ -8,6 +8,7 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from multiproc import Executor, ExecutorSpec, StageSpec, arena
 
@@ -27,6 +28,7 @@ def _parents(pids: set[int]) -> set[int]:
     return out
 
 
+@pytest.mark.slow
 def test_close_after_a_resize_and_kill_storm_reaps_every_process_and_segment():
     rng = random.Random(11)
     spec = ExecutorSpec(

@@ -111,7 +111,7 @@ def test_nested_views_roundtrip_inline_and_in_an_arena(segment):
     check()
 
 
-@pytest.mark.parametrize("worker_type", ["process", "thread"])
+@pytest.mark.parametrize("worker_type", [pytest.param("process", marks=pytest.mark.slow), "thread"])
 def test_nested_views_through_a_three_stage_executor(worker_type):
     """The source builds real views in the worker; a small budget on the middle stage sends
     large frames down the spill path, small ones inline, the rest through arenas."""

@@ -32,6 +32,7 @@ def test_training_episodes_never_use_heldout_seeds():
     assert all(ep.seed >= HELDOUT_SEED for ep in held)
 
 
+@pytest.mark.slow
 def test_short_training_run_improves_a_bad_allocation(one_thread):
     state, stats = pretrain(2, episodes=12, seed=0, steps=40, cpu_choices=(8, 16))
     assert stats["steps"] == 12 * 40 and stats["ooms"] == 0
@@ -73,6 +74,7 @@ def test_main_no_train_needs_weights(tmp_path, capsys):
     assert not weights_path(3, tmp_path).exists()  # nothing was trained
 
 
+@pytest.mark.slow
 def test_evaluate_agent_reports_against_oracle_and_baselines():
     report = evaluate_agent(InTuneTuner, stages=[3], runs=1, steps=30, baselines=("heuristic",))
     summary = report.summary()
