@@ -1,5 +1,5 @@
 """The packages' import graph: every module imports on its own, no module imports another that
-(directly or not) imports it back, and layers import downward only (STYLE.md).
+(directly or not) imports it back, and layers import downward only (docs/style.md).
 
 Function-level and ``TYPE_CHECKING`` imports count as edges too: a lazy import that hides a
 cycle from the interpreter still ties two modules together.

@@ -15,7 +15,7 @@ when CPU time is not measured), floored at ``IO_MIN_CHARGE`` for stages that wai
 time, or have no work (``StageStats.idle``), and at ``CPU_MIN_CHARGE`` for the others; a full
 core before anything was measured. The factor is ``1 + (freed + spare) / cpus`` where
 ``freed`` sums ``1 - charge`` over the workers and ``spare`` is ``SPARE_CORES`` once anything
-was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: CONTRIBUTING.md, "The CPU
+was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: docs/design.md, "The CPU
 budget", and BENCHMARKS.md.
 
 Two budgets (:func:`placed`): with a cluster (``Observation.cluster_cpus``), a stage's workers
