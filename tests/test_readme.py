@@ -43,3 +43,29 @@ def test_readme_snippet_runs(name, tmp_path):
         timeout=150,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_callback_snippet_with_limit_train_batches_runs_every_epoch(tmp_path):
+    # An epoch that Lightning ends early (limit_train_batches) leaves a loader whose next
+    # epochs run whole, with no error from the tuning loop.
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning is not installed")
+    code = snippets()["callback"]
+    line = "L.Trainer(max_epochs=2,"
+    assert line in code
+    code = code.replace(line, "L.Trainer(max_epochs=3, limit_train_batches=5,")
+    code += (
+        "    assert trainer.fit_loop.epoch_progress.current.completed == 3\n"
+        "    assert sum(1 for _ in loader) == len(loader)  # a whole epoch after them\n"
+    )
+    script = tmp_path / "callback_limited.py"
+    script.write_text(code)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+        timeout=150,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "stopped by an error" not in done.stderr, done.stderr
