@@ -166,7 +166,8 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
         kw = {} if spec.get("tuner") is None else {"tuner": spec["tuner"]}
         loader = torchtune_pipe.DataLoader(
             Chained(ds, steps) if steps else ds, batch_size=bs, shuffle=spec.get("shuffle", True),
-            num_workers="auto" if w < 0 else w, collate_fn=collate, **kw,
+            num_workers="auto" if w < 0 else w, collate_fn=collate, persistent_workers=True,
+            **kw,
         )  # fmt: skip
     elif tool == "torchtune_pipe-shape":
         from torchtune_pipe.map_dataset import MapDatasetSource
@@ -181,7 +182,7 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
                 max_concurrency=SHAPE_CALLS,
             )
             .map(collate, name="collate")
-            .loader(tuner=None)
+            .loader(tuner=None, persistent_workers=True)
         )
     else:  # one map stage per step, fused from the start with "torchtune_pipe-fused"
         pipe = torchtune_pipe.Pipeline.from_source(ds)
@@ -190,7 +191,9 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
             # runs all six maps.
             fused = tool == "torchtune_pipe-fused" and i % (MAX_FUSED + 1) != 0
             pipe = pipe.map(step, name=f"step{i}", fused=fused)
-        loader = pipe.batch(bs, collate=collate).loader(tuner=spec.get("tuner") or "intune")
+        loader = pipe.batch(bs, collate=collate).loader(
+            tuner=spec.get("tuner") or "intune", persistent_workers=True
+        )
 
     def epochs(epoch: int) -> Iterator[Any]:
         loader.set_epoch(epoch)

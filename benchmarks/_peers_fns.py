@@ -165,6 +165,7 @@ def _torchtune(spec: dict) -> tuple[Callable[[int], Iterator[Any]], Callable[[],
         tuner=spec.get("tuner") or None,
         memory_limit_bytes=spec.get("memory_limit_bytes"),
         tuning_interval_s=spec.get("tuning_interval_s", 1.0),  # the Loader's default
+        persistent_workers=True,  # as the DataLoader contender's: epoch after epoch
     )
 
     def epoch_iter(epoch: int) -> Iterator[Any]:
