@@ -166,7 +166,7 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
         kw = {} if spec.get("tuner") is None else {"tuner": spec["tuner"]}
         loader = torchtune_pipe.DataLoader(
             Chained(ds, steps) if steps else ds, batch_size=bs, shuffle=spec.get("shuffle", True),
-            num_workers="auto" if w < 0 else w, collate_fn=collate, persistent_workers=True,
+            num_workers="auto" if w < 0 else w, collate_fn=collate, persistent_workers=w != 0,
             **kw,
         )  # fmt: skip
     elif tool == "torchtune_pipe-shape":
