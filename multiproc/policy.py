@@ -1,8 +1,8 @@
 """The router's decisions, as pure functions over worker views (tested without processes).
 
-Which worker gets the next frame (:func:`pick_worker`), how a stage's budget splits
-(:func:`budget_share`), which workers retire on a shrink (:func:`to_retire`), how many items
-a frame holds (:func:`frame_items`), and backpressure.
+Which worker gets the next frame (:func:`pick_worker`) or unit (:func:`pick_unit_worker`),
+how a stage's budget splits (:func:`budget_share`), which workers retire on a shrink
+(:func:`to_retire`), how many items a frame holds (:func:`frame_items`), and backpressure.
 
 A producing worker whose frame does not fit in its arena (the arena is full, or the frame is
 bigger than the worker's whole budget) tells the router it is *blocked* and waits. The router
@@ -55,6 +55,18 @@ def pick_worker(ready: Sequence[W], credits: int) -> W | None:
     for ``ahead - 1`` more: it starts the next unit as soon as it commits one."""
     h = max(ready, key=lambda h: credits + h.ahead - 1 - len(h.inflight))
     return h if len(h.inflight) < credits + h.ahead - 1 else None
+
+
+def pick_unit_worker(ready: Sequence[W], credits: int, units_left: int, coming: int) -> W | None:
+    """:func:`pick_worker` for a source's next unit, but the last ``coming`` units wait for
+    the workers that will take them first (starting and holding none, or yet to be started)
+    rather than go to a ready worker as its second: that one reads it only after its first,
+    where a new worker reads it side by side (an ``IterableDataset``'s shards, delivered
+    round-robin, would come one after the other, the second once the first was read)."""
+    h = pick_worker(ready, credits)
+    if h is not None and h.inflight and units_left <= coming:
+        return None
+    return h
 
 
 def budget_share(budget: int, workers: int) -> int:

@@ -156,8 +156,14 @@ class Router:
             if after.full(st.budget):
                 continue  # see FrameQueue
             if s.kind == "source":
+                # Workers starting with nothing yet, and those the stage has yet to start.
+                coming = sum(
+                    1
+                    for h in self._workers.values()
+                    if h.stage == i and h.state == WS.STARTING and not h.inflight
+                ) + max(0, st.target - len(self._active(i)))
                 while run.units:
-                    h = policy.pick_worker(ready, credits)
+                    h = policy.pick_unit_worker(ready, credits, len(run.units), coming)
                     if h is None:
                         break
                     u = run.units.popleft()

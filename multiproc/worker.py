@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
 _mono_ns = time.monotonic_ns  # the clock of IN_FN_SINCE_NS, shared with the executor
+# A unit still being read has its time counted at most this often (as RunQueue reads).
+BOOK_EVERY_NS = 20_000_000
 
 
 class _Exit(Exception):
@@ -92,6 +94,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.chain: list = []
         self.depth = 0
         self.chain_ns = self.chain_cpu_ns = 0  # time in those stages' functions, this frame
+        self.unit_clock = (0, 0)  # wall and CPU clocks when the unit's time was last counted
 
     # -- plumbing ---------------------------------------------------------------------------
     def _release(self, ref) -> None:
@@ -176,22 +179,37 @@ class _Worker(Emitter, Chain, ReadsAhead):
 
     # -- stage kinds -----------------------------------------------------------------------
     def run_unit(self, unit_id, unit, skip_frames: int) -> None:
-        t0, c0 = _ns(), _cpu_ns()
+        self.unit_clock = (_ns(), _cpu_ns())
         self.chain_ns = self.chain_cpu_ns = 0
         cell = self.cell
         cell[stats.IN_FN_SINCE_NS] = _mono_ns()
         self.calls.take_not_items()  # none is this unit's
         try:
-            self._commit_unit(unit_id, unit, skip_frames, self.stage.fn(unit))
+            self._commit_unit(
+                unit_id, unit, skip_frames, self.stage.fn(unit), on_frame=self._book_unit
+            )
         finally:
             cell[stats.IN_FN_SINCE_NS] = 0
             cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
-            self._add_own_time(t0, c0)
+            self._add_own_time(*self.unit_clock)
 
-    def _commit_unit(self, unit_id, unit, skip_frames: int, items, ahead: int = 1) -> None:
+    def _book_unit(self) -> None:
+        """Count the unit's time so far, at most every ``BOOK_EVERY_NS``: a unit can take an
+        epoch (an ``IterableDataset``'s shard), and counted only at its end, every interval
+        before would read busy with no CPU, as if the stage waited on I/O."""
+        t0, c0 = self.unit_clock
+        if _ns() - t0 < BOOK_EVERY_NS:
+            return
+        self._add_own_time(t0, c0)
+        self.unit_clock = (_ns(), _cpu_ns())
+        self.cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+
+    def _commit_unit(
+        self, unit_id, unit, skip_frames: int, items, ahead: int = 1, on_frame=None
+    ) -> None:
         """Frame ``items`` (what the stage function made of ``unit``), commit the frames
-        after the first ``skip_frames``, and say the unit is done (and that ``ahead`` units
-        are being read at once)."""
+        after the first ``skip_frames`` (calling ``on_frame()`` after each), and say the unit
+        is done (and that ``ahead`` units are being read at once)."""
         fi = self.stage.frame_items
         k = 0
         buf: list = []
@@ -217,6 +235,8 @@ class _Worker(Emitter, Chain, ReadsAhead):
                         return
                     k += 1
                     cell[stats.WORK_ITEM] = k * fi + 1
+                    if on_frame is not None:
+                        on_frame()
             if buf:
                 if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
                     return

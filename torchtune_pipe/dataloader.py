@@ -5,8 +5,10 @@ same order as torch's for the same seed. Underneath, a map-style dataset becomes
 stage (``__getitem__``/``__getitems__`` on the sampler's batches, drawn in the main process
 exactly as torch draws them) and a *collate* stage; with ``num_workers="auto"`` they are two
 stages that start fused (collate runs in the fetch workers, torch's own arrangement) and that
-a tuner may split and give CPUs each, with an integer they are one stage of that many workers. An ``IterableDataset`` is read as ``num_workers`` shards
-(``get_worker_info()`` works as in torch) and delivered round-robin, as torch does.
+a tuner may split and give CPUs each, with an integer they are one stage of that many
+workers. An ``IterableDataset`` is read as ``num_workers`` shards (``"auto"``: one per core),
+a worker per shard from the first batch (``get_worker_info()`` works as in torch), and
+delivered round-robin, as torch does.
 
 It deliberately does not subclass torch's DataLoader (frameworks that re-instantiate
 DataLoader subclasses would rebuild it as a plain one).
@@ -29,10 +31,13 @@ from .pipeline import Pipeline
 from .sources import (
     IterableDatasetSource,
     MapDatasetSource,
+    frame_items,
     load_units_state,
+    max_readers,
     read_indexed,
     units_state,
 )
+from .telemetry import cpus_available
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,16 @@ class _Collated:
 
     def units_state(self) -> Any:
         return units_state(self.source)
+
+    @property
+    def batched(self) -> bool:
+        return bool(getattr(self.source, "batched", False))
+
+    def max_readers(self) -> int | None:
+        return max_readers(self.source)
+
+    def frame_items(self) -> int | None:
+        return frame_items(self.source)
 
     def load_units_state(self, state: Any) -> None:
         load_units_state(self.source, state)
@@ -198,7 +213,10 @@ class DataLoader:
 
     Args: those of ``torch.utils.data.DataLoader`` (same defaults, same validation), plus:
         num_workers: an int (as torch), or ``"auto"``: fetch and collate stages, starting
-            fused, whose workers and fusion ``tuner`` moves (default tuner ``"intune"``).
+            fused, whose workers and fusion ``tuner`` moves (default tuner ``"intune"``). An
+            ``IterableDataset`` is read as that many shards (``"auto"``: one per core), each
+            by a worker of its own from the first batch; the fetch stage keeps a worker per
+            shard, no fewer and no more, whatever the tuner.
         tuner: a name from :data:`~torchtune_pipe.tuning.TUNERS` or a
             :class:`~torchtune_pipe.tuning.Tuner`, with any ``num_workers`` > 0 (None: fixed
             workers, or ``"intune"`` with ``"auto"``). An integer ``num_workers`` is one
@@ -337,6 +355,10 @@ class DataLoader:
         self.in_order = in_order
 
         workers = 2 if isinstance(num_workers, str) else num_workers
+        if auto and iterable:
+            # A shard per core, torch's common guess: the shard count decides the batches, so
+            # it is fixed when the loader is built, and the tuner moves the rest.
+            workers = max(1, round(cpus_available()))
         if iterable:
             self.source: Any = IterableDatasetSource(
                 dataset,
@@ -372,12 +394,17 @@ class DataLoader:
                 seed_workers=not seed_each_batch,
             )
         bounded = max(1, workers)
+        # Delivered round-robin across shards, as torch does, an IterableDataset needs every
+        # shard read side by side: a worker per shard from the start, never fewer (the source
+        # bounds the stage at its shards, so never more either).
+        readers = bounded if iterable else 1
         if auto:
             # Reads that wait get calls in flight per worker: __getitem__ may then run on
-            # several threads of a worker, as torchdata.nodes' thread workers run it.
+            # several threads of a worker, as torchdata.nodes' thread workers run it. A shard
+            # is one generator, read by one thread: threads cannot help it.
             pipe = Pipeline.from_source(
-                self.source, name="fetch", workers=1, init=init,
-                max_concurrency=max_concurrency,
+                self.source, name="fetch", workers=readers, min_workers=readers, init=init,
+                max_concurrency=1 if iterable else max_concurrency,
             )  # fmt: skip
             # Collate starts in the fetch workers (torch's arrangement: no hop per batch);
             # the tuner splits it into its own stage when that measures better.
@@ -387,6 +414,7 @@ class DataLoader:
                 _Collated(self.source, collate_fn),
                 name="fetch",
                 workers=bounded,
+                min_workers=readers,
                 max_workers=max(64, bounded),
                 init=init,
             )

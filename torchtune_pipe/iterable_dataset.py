@@ -36,9 +36,11 @@ class IterableDatasetSource:
     ``shards=1`` the worker info stays None, as in torch's main process.
 
     One shard is read by one worker from its start to its end; the shard count is fixed for
-    an epoch. Resizing the source stage is safe at any time, but it only helps between
-    shards: more workers than unread shards idle, so change ``shards`` between epochs to
-    change the parallelism the dataset allows.
+    an epoch. So the source declares ``shards`` as the most workers that can read it
+    (:meth:`max_readers`): the loader bounds its stage there, and no tuner grows it past
+    the shards it can read. Change ``shards`` between epochs to change the parallelism the
+    dataset allows. With ``batch_size``, each batch travels in a frame of its own
+    (:meth:`frame_items`), as torch's workers send each batch as soon as it is made.
 
     Args:
         dataset: the iterable dataset.
@@ -76,6 +78,20 @@ class IterableDatasetSource:
         self.drop_last = drop_last
         self.worker_init_fn = worker_init_fn
         self.seed = seed
+
+    @property
+    def batched(self) -> bool:
+        """Whether items are batches (``batch_size`` given)."""
+        return self.batch_size is not None
+
+    def max_readers(self) -> int:
+        """``shards``: a shard is read by one worker, so a worker more has nothing to read."""
+        return self.shards
+
+    def frame_items(self) -> int | None:
+        """1 with ``batch_size`` (a batch per frame: the first batch goes out as soon as it
+        is read, not with the next ones); None (the stage's grouping) for single samples."""
+        return 1 if self.batch_size is not None else None
 
     def units(self, epoch: int = 0) -> list[ShardUnit]:
         """``shards`` units, one per shard."""

@@ -20,6 +20,7 @@ from multiproc.snapshot import Snapshot, forks
 from . import remote as _remote
 from . import telemetry
 from .memory import MemoryProbe
+from .sources import frame_items, max_readers
 from .stages import StageChain
 from .tuning.base import Allocation, Observation
 
@@ -189,9 +190,10 @@ def executor_spec(
     """The executor spec of ``pipeline``: its stages' own knobs, or ``allocation`` (what a
     tuner left an earlier executor of the same pipeline with: workers, buffers, fusion), or,
     with ``start_fused``, every stage fused that may be (:func:`multiproc.fusion.fuse_all`),
-    the shape of a tuner that ``starts_fused``."""
+    the shape of a tuner that ``starts_fused``. The source stage is bounded as its source
+    declares (:func:`source_bounded`)."""
     spec = pipeline.spec(ordered)
-    stages = spec.stages
+    stages = source_bounded(pipeline.source, spec.stages)
     if allocation is not None and len(allocation.workers) == len(stages):
         fused = allocation.fused or (False,) * len(stages)
         stages = tuple(
@@ -212,6 +214,25 @@ def executor_spec(
     return type(spec)(
         stages, ordered=spec.ordered, max_restarts=max_restarts, start_method=start_method
     )
+
+
+def source_bounded(source: Any, stages: tuple) -> tuple:
+    """``stages`` with the source stage (the first) as ``source`` declares it: at most
+    :func:`~torchtune_pipe.sources.max_readers` workers, bounds included (the worker bounds
+    every tuner sees and the guard applies, so none grows a shard-bound stage past its
+    shards), and :func:`~torchtune_pipe.sources.frame_items` items per frame."""
+    if not stages or stages[0].kind != "source":
+        return stages
+    s = stages[0]
+    changes: dict[str, int] = {}
+    bound = max_readers(source)
+    if bound is not None and s.max_workers > bound:
+        changes.update(max_workers=bound, workers=min(s.workers, bound),
+                       min_workers=min(s.min_workers, bound))  # fmt: skip
+    per_frame = frame_items(source)
+    if per_frame is not None:
+        changes["frame_items"] = per_frame
+    return (dataclasses.replace(s, **changes), *stages[1:]) if changes else stages
 
 
 def take_snapshot(spec: ExecutorSpec) -> Snapshot | None:

@@ -12,6 +12,10 @@ A source splits its input into picklable *work units* and turns one unit into it
 cut into byte ranges of about ``chunk_bytes`` each, gzip files are one unit each
 (:mod:`torchtune_pipe.linefiles`, re-exported here).
 
+Two more optional declarations say how a source may be read: :class:`BoundedSource`
+(``max_readers``: the most workers that can read it at once) and :class:`FramedSource`
+(``frame_items``: how many of its items travel together).
+
 Adapters: :class:`MapDatasetSource` (map-style datasets with torch's samplers; units are
 chunks of sampler entries; :mod:`torchtune_pipe.map_dataset`), :class:`IterableDatasetSource`
 (``IterableDataset`` and ``IterDataPipe``; unit ``i`` of ``n`` is shard ``i``, with
@@ -31,7 +35,9 @@ from .linefiles import FileRange, LineFileSource, SkippedLine, UnitStats
 from .map_dataset import IndexUnit, MapDatasetSource
 
 __all__ = [
+    "BoundedSource",
     "FileRange",
+    "FramedSource",
     "IndexUnit",
     "IterableDatasetSource",
     "LineFileSource",
@@ -46,7 +52,9 @@ __all__ = [
     "Source",
     "UnitStats",
     "as_source",
+    "frame_items",
     "load_units_state",
+    "max_readers",
     "read_indexed",
     "units_state",
 ]
@@ -103,6 +111,46 @@ class ShardedSource(Source, Protocol):
     world_size: int
 
     def rank_lengths(self) -> list[int]: ...
+
+
+@runtime_checkable
+class BoundedSource(Source, Protocol):
+    """A source that only ``max_readers()`` workers can read at once (None: any number).
+
+    An ``IterableDataset`` read as ``n`` shards is ``n`` units, each read from its start to
+    its end by one worker: a worker beyond ``n`` has nothing to read and only holds its
+    memory and a core's share. The loader bounds the source stage by it (its ``workers``,
+    ``min_workers`` and ``max_workers``), so the worker bounds every tuner sees
+    (``StageStats.max_workers``) are the source's own.
+    """
+
+    def max_readers(self) -> int | None: ...
+
+
+@runtime_checkable
+class FramedSource(Source, Protocol):
+    """A source that says how many of its items travel in one frame: ``frame_items()``
+    (None: the stage's default, which groups small items).
+
+    A frame is committed when it is full, so its first item waits for the others to be read.
+    Items that are whole batches go one to a frame, as torch's workers send each batch as it
+    is made: grouped, the first batch of a shard waited for the next thirty.
+    """
+
+    def frame_items(self) -> int | None: ...
+
+
+def max_readers(source: Any) -> int | None:
+    """The most workers that can read ``source`` at once (:class:`BoundedSource`; None: no
+    bound)."""
+    n = source.max_readers() if isinstance(source, BoundedSource) else None
+    return None if n is None else max(1, int(n))
+
+
+def frame_items(source: Any) -> int | None:
+    """Items per frame ``source`` asks for (:class:`FramedSource`; None: the stage's own)."""
+    n = source.frame_items() if isinstance(source, FramedSource) else None
+    return None if n is None else max(1, int(n))
 
 
 def units_state(source: Source) -> Any:

@@ -190,6 +190,17 @@ def test_the_least_loaded_worker_gets_the_next_frame_within_its_credits():
     assert policy.pick_worker([a, Loaded(1, {3: 0, 4: 0}, ahead=2)], credits=2).wid == 1
 
 
+def test_the_last_units_wait_for_the_workers_still_to_come():
+    reading, idle = Loaded(0, {1: 0}), Loaded(1, {})
+    # Two shards, the second worker still starting: the ready one reads only its own.
+    assert policy.pick_unit_worker([reading], 2, units_left=1, coming=1) is None
+    # More units than workers to come: the ready one takes the next as usual.
+    assert policy.pick_unit_worker([reading], 2, units_left=2, coming=1) is reading
+    # A ready worker holding nothing takes a unit whatever is coming.
+    assert policy.pick_unit_worker([reading, idle], 2, units_left=1, coming=1) is idle
+    assert policy.pick_unit_worker([reading], 2, units_left=1, coming=0) is reading
+
+
 def test_a_budget_splits_evenly_with_a_floor():
     assert policy.budget_share(64 << 20, 4) == 16 << 20
     assert policy.budget_share(64 << 10, 8) == policy.MIN_SHARE_BYTES

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -37,6 +38,19 @@ def test_computing_starved_or_fixed_stages_keep_their_concurrency():
     assert next_concurrency(_stage(busy=0.1, items_per_s=11.0)) == 1  # starved: input is late
     assert next_concurrency(_stage(max_c=1)) == 1  # the stage has no knob
     assert next_concurrency(_stage(c=8, cpu_s_per_item=0.0095)) == 4  # threads only contend
+
+
+def test_waiting_for_a_cpu_is_not_a_wait_threads_could_fill():
+    # A JPEG decode on 2 busy cores: 94% busy, 69 points of it runnable but waiting for a
+    # core. Counted as waiting, the rule raised its calls in flight from 1 to 64.
+    contended = StageStats(
+        "fetch", 2, items_per_s=12.4, busy=0.94, cpu_s_per_item=0.0336, runqueue=0.69,
+        concurrency=1, max_concurrency=64,
+    )  # fmt: skip
+    assert wait_ratio(contended) == pytest.approx(1.2, abs=0.01)
+    assert next_concurrency(contended) == 1
+    # The same wall time, without a run queue, is a wait.
+    assert next_concurrency(dataclasses.replace(contended, runqueue=0.0)) > 1
 
 
 def test_a_tuners_concurrency_is_kept_within_bounds():
