@@ -6,9 +6,12 @@ import dataclasses
 import io
 import os
 import threading
+import time
+
+import pytest
 
 from multiproc import Snapshot, StageSnapshot
-from torchtune_pipe import telemetry
+from torchtune_pipe import DataLoader, telemetry
 from torchtune_pipe.memory import MemoryReading
 from torchtune_pipe.telemetry import Bounds, ConsumerClock, Machine, Meter, observe
 from torchtune_pipe.watch import render, watch
@@ -112,6 +115,58 @@ def test_consumer_clock_measures_the_gap_between_next_calls():
     clock.pause()
     clock.asked()
     assert clock.step_s < 1.0
+
+
+def test_consumer_clock_sums_the_waits_for_data_and_the_steps(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(telemetry.time, "perf_counter", lambda: now[0])
+    clock = ConsumerClock()
+    start = clock.totals()
+    clock.asked()
+    now[0] = 0.3  # 300 ms inside next(): waiting for the pipeline
+    clock.took()
+    now[0] = 0.4  # a 100 ms step
+    clock.asked()
+    assert clock.totals() == pytest.approx((0.3, 0.1))
+    assert telemetry.wait_share(start, clock.totals()) == pytest.approx(0.75)
+    now[0] = 1.4  # still waiting: a stall counts up to now
+    assert telemetry.wait_share(start, clock.totals()) == pytest.approx(1.3 / 1.4)
+    clock.took()
+    clock.pause()  # between epochs: neither a wait nor a step
+    idle = clock.totals()
+    now[0] = 9.0
+    assert clock.totals() == idle and telemetry.wait_share(idle, clock.totals()) is None
+
+
+class _Slow:
+    """Rows that take ``step_s`` each to read."""
+
+    def __init__(self, step_s: float):
+        self.step_s = step_s
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, i: int) -> int:
+        time.sleep(self.step_s)  # a read that takes its time
+        return i
+
+
+@pytest.mark.parametrize("read_s, step_s, stalled", [(0.02, 0.0, True), (0.0, 0.05, False)])
+def test_a_loader_measures_the_share_of_its_consumers_time_spent_waiting(read_s, step_s, stalled):
+    # Reads of 20 ms a row against a consumer that does nothing: training waits on data.
+    # A 50 ms step against reads that take nothing: the data is there before it is asked for.
+    # Without a fast start (seed_each_batch=False): the batches come from the workers.
+    with DataLoader(_Slow(read_s), batch_size=2, num_workers=1, seed_each_batch=False) as loader:
+        it = iter(loader)
+        next(it)
+        loader.loader.observe()  # the interval starts after the workers are up
+        for _ in range(12):
+            next(it)
+            time.sleep(step_s)  # the training step
+        share = loader.loader.observe().data_wait_share
+        list(it)
+    assert share is not None and (share > 0.5) == stalled, share
 
 
 def test_meter_reports_each_interval_once():

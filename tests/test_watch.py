@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 import threading
@@ -19,10 +20,10 @@ OBS = Observation(
 )  # fmt: skip
 
 
-def _record(obs: Observation) -> str:
+def _record(obs: Observation, labels: dict | None = None) -> str:
     from torchtune_pipe.tuning.loop import TuningLoop
 
-    loop = TuningLoop(None, object(), interval_s=1.0)  # only its record format is used
+    loop = TuningLoop(None, object(), interval_s=1.0, labels=labels)  # its record format only
     return json.dumps(loop._record(obs, Allocation(obs.workers, obs.buffer_bytes), True, 0.0))
 
 
@@ -35,12 +36,12 @@ def test_progress_without_rich_prints_plain_text(monkeypatch, capsys):
         next(it)
         deadline = time.monotonic() + 20
         text = ""
-        while "items/s to the consumer" not in text and time.monotonic() < deadline:
+        while "batches/s to the consumer" not in text and time.monotonic() < deadline:
             threading.Event().wait(0.05)  # the display refreshes every second
             text += capsys.readouterr().err
         rest = list(it)
     assert len(rest) == 31 and not errors
-    assert "fetch" in text and "items/s to the consumer" in text
+    assert "fetch" in text and "batches/s to the consumer" in text  # a DataLoader's unit
 
 
 def test_render_text_has_a_row_per_stage():
@@ -73,3 +74,26 @@ def test_watch_follows_a_log_that_grows(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "fetch" in out and "collate" in out and "3 [1..65536]" in out
     assert main([str(tmp_path / "missing.jsonl"), "--once"]) == 2
+
+
+def test_a_fused_stage_shows_no_workers_and_the_consumer_its_unit_and_its_wait():
+    fused = dataclasses.replace(OBS.stages[1], fused=True)
+    stalled = dataclasses.replace(OBS, stages=(OBS.stages[0], fused), data_wait_share=0.8)
+    text = render_text(stalled, unit="batches")
+    assert "0 [1..65536] fused in fetch" in text  # its function runs in fetch's workers
+    assert "40 batches/s to the consumer" in text
+    assert "waits for data 80% of the time: stalled on data" in text
+    keeps_up = render_text(dataclasses.replace(OBS, data_wait_share=0.01))
+    assert "waits for data 1% of the time: data keeps up" in keeps_up
+    assert "waits for data (not measured)" in render_text(OBS)
+
+
+def test_a_logged_decision_names_its_consumers_unit_and_rank(tmp_path, capsys):
+    log = tmp_path / "tuning.jsonl"
+    log.write_text(_record(OBS, {"unit": "batches", "rank": 1}) + "\n")
+    record = read_log(log)[0]
+    assert record["unit"] == "batches" and record["rank"] == 1
+    follow = LogFollower(log)
+    assert follow() is not None and follow.unit == "batches"
+    assert main([str(log), "--once", "--plain"]) == 0
+    assert "40 batches/s to the consumer" in capsys.readouterr().out

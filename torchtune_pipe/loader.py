@@ -46,6 +46,7 @@ from .running import (
     RunningPipeline,
     busy,
     close_held,
+    consumer_labels,
     executor_spec,
     make_tuner,
     start_executor,
@@ -561,14 +562,17 @@ class Loader:
         hold = prev is not None and prev.steps >= 2 and prev.tunable.tunable is self._tunable
         self._last_tuning = start_tuning(
             self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first,
-            hold_first=hold,
+            hold_first=hold, labels=consumer_labels(self.pipeline),
         )  # fmt: skip
         return self._last_tuning
 
     def _start_watch(self) -> Any:
         if not self.progress or self._tunable is None or self.inline:
             return None
-        return start_watch(self._tunable, self._machine, self._clock, self.memory_limit_bytes)
+        return start_watch(
+            self._tunable, self._machine, self._clock, self.memory_limit_bytes,
+            unit=consumer_labels(self.pipeline)["unit"],
+        )  # fmt: skip
 
 
 def _stop(ex: Executor, tunable: RunningPipeline | None, final: dict) -> None:

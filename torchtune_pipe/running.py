@@ -271,6 +271,23 @@ def start_executor(
     return ex, RunningPipeline(ex, meter)
 
 
+def consumer_labels(pipeline: StageChain) -> dict[str, Any]:
+    """What a tuning log's decisions say of their consumer: ``unit``, what one item it takes
+    is (``"batches"`` from a pipeline that batches: a batch stage, or a source that reads
+    whole batches, as the DataLoader's do; else ``"items"``), and its ``rank`` under
+    ``torch.distributed`` (each rank tunes its own pipeline)."""
+    source = pipeline.source
+    batched = any(st.kind == "batch" for st in pipeline.stages) or bool(
+        getattr(source, "batched", False)
+    )
+    labels: dict[str, Any] = {"unit": "batches" if batched else "items"}
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        labels["rank"] = dist.get_rank()
+    return labels
+
+
 def start_tuning(
     tunable: RunningPipeline,
     tuner: Any,
@@ -278,13 +295,17 @@ def start_tuning(
     log_path: str | None,
     reset: bool,
     hold_first: bool = False,
+    labels: dict[str, Any] | None = None,
 ) -> Any:
     """A started :class:`~torchtune_pipe.tuning.loop.TuningLoop` stepping ``tuner`` on
     ``tunable`` every ``interval_s`` (``reset``: the tuner's first decision; ``hold_first``:
-    its first interval is only logged, see the loop)."""
+    its first interval is only logged, see the loop; ``labels``: what every logged decision
+    says of its consumer, :func:`consumer_labels`)."""
     from .tuning.loop import TuningLoop
 
-    loop = TuningLoop(tunable, tuner, interval_s, log_path, reset=reset, hold_first=hold_first)
+    loop = TuningLoop(
+        tunable, tuner, interval_s, log_path, reset=reset, hold_first=hold_first, labels=labels
+    )
     return loop.start()
 
 
@@ -293,9 +314,10 @@ def start_watch(
     machine: MachineFacts,
     clock: telemetry.ConsumerClock,
     memory_limit_bytes: int | None,
+    unit: str = "items",
 ) -> Any:
     """A started live table of ``tunable``'s stages, with a meter of its own (its intervals
-    must not shorten the tuner's)."""
+    must not shorten the tuner's); ``unit``: what one item the consumer takes is."""
     from .watch import Watcher
 
     meter = tunable.meter
@@ -309,7 +331,7 @@ def start_watch(
         cluster=meter.cluster,
         in_process=meter.in_process,
     )
-    return Watcher(own.observe).start()
+    return Watcher(own.observe, unit=unit).start()
 
 
 def busy(executor: Executor | None) -> list:

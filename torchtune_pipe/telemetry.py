@@ -181,6 +181,7 @@ def observe(
     memory_before: _memory.MemoryReading | None = None,
     cluster_cpus: float = 0.0,
     consumer_cpus: float = 0.0,
+    data_wait_share: float | None = None,
 ) -> Observation:
     """Turn two snapshots into an :class:`Observation` of the interval between them.
 
@@ -205,6 +206,8 @@ def observe(
         cluster_cpus: CPUs the cluster of the pipeline's remote stages offers (0: none).
         consumer_cpus: cores the consumer's process used besides the stages
             (:attr:`Observation.consumer_cpus`; :class:`Meter` measures it).
+        data_wait_share: the share of the consumer's time it waited for items
+            (:attr:`Observation.data_wait_share`; :class:`Meter` measures it).
 
     A stage whose ``placement`` is not ``"local"`` (``placement="ray"``) runs every worker
     remote: ``remote_workers`` is its workers, ``remote_items_per_s`` its items, and
@@ -295,6 +298,7 @@ def observe(
         rpc_s=rpc_s,
         network_bytes_per_s=bandwidth,
         consumer_cpus=consumer_cpus,
+        data_wait_share=data_wait_share,
     )
 
 
@@ -340,11 +344,16 @@ def _killed_for_memory(
 
 
 class ConsumerClock:
-    """Times the consumer: how long it spends between two ``next()`` calls (the model step).
+    """Times the consumer: how long it spends between two ``next()`` calls (the model step),
+    and how long inside ``next()`` waiting for the pipeline's next item.
 
-    The loader calls :meth:`took` when it hands an item over and :meth:`asked` when the next
-    ``next()`` arrives; the gap between them is the consumer's step time (an exponential
-    moving average, ``alpha`` weighting the newest step).
+    The loader calls :meth:`asked` when ``next()`` arrives and :meth:`took` when it hands an
+    item over; the gap from a hand-over to the next ask is the consumer's step time (an
+    exponential moving average, ``alpha`` weighting the newest step), the gap from an ask to
+    the hand-over its wait for data. :meth:`totals` sums both since the start (a span still
+    open counts up to now), for the share of an interval the consumer waited.
+
+    Single writer (the consumer's thread); readers take the sums without a lock.
     """
 
     def __init__(self, alpha: float = 0.2):
@@ -352,24 +361,58 @@ class ConsumerClock:
         self.items = 0
         self.step_s = 0.0
         self._handed_at: float | None = None
+        self._asked_at: float | None = None
+        self._waited_s = 0.0
+        self._stepped_s = 0.0
 
     def asked(self) -> None:
         """``next()`` was called."""
+        now = time.perf_counter()
         if self._handed_at is not None:
-            gap = time.perf_counter() - self._handed_at
+            gap = now - self._handed_at
+            self._stepped_s += gap
             self.step_s = (
                 gap if self.items <= 1 else self.alpha * gap + (1 - self.alpha) * self.step_s
             )
             self._handed_at = None
+        self._asked_at = now
 
     def took(self) -> None:
         """An item was handed to the consumer."""
+        now = time.perf_counter()
+        if self._asked_at is not None:
+            self._waited_s += now - self._asked_at
+            self._asked_at = None
         self.items += 1
-        self._handed_at = time.perf_counter()
+        self._handed_at = now
 
     def pause(self) -> None:
-        """The consumer stopped iterating (end of epoch): the next gap is not a step."""
+        """The consumer stopped iterating (end of epoch): the next gap is not a step, and a
+        wait still open (for the epoch's end) ends here."""
+        if self._asked_at is not None:
+            self._waited_s += time.perf_counter() - self._asked_at
+            self._asked_at = None
         self._handed_at = None
+
+    def totals(self) -> tuple[float, float]:
+        """``(waited_s, stepped_s)``: seconds the consumer has spent inside ``next()`` waiting
+        for items, and between items (its steps), the span open now counted up to now."""
+        now = time.perf_counter()
+        asked, handed = self._asked_at, self._handed_at
+        waited, stepped = self._waited_s, self._stepped_s
+        if asked is not None:
+            waited += max(0.0, now - asked)
+        elif handed is not None:
+            stepped += max(0.0, now - handed)
+        return waited, stepped
+
+
+def wait_share(before: tuple[float, float], now: tuple[float, float]) -> float | None:
+    """The share of the consumer's time between two :meth:`ConsumerClock.totals` spent
+    waiting for data (None: it neither waited nor stepped, e.g. between epochs)."""
+    waited = max(0.0, now[0] - before[0])
+    total = waited + max(0.0, now[1] - before[1])
+    return waited / total if total > 0 else None
 
 
 class Meter:
@@ -414,6 +457,7 @@ class Meter:
         self._prev = snapshot()
         self._prev_memory = memory.read(self._prev) if memory is not None else None
         self._prev_items = clock.items if clock is not None else 0
+        self._prev_totals = clock.totals() if clock is not None else (0.0, 0.0)
         self._prev_cpu_s = time.process_time()
         self.last: Observation | None = None
         self.last_snapshot: Snapshot = self._prev
@@ -425,6 +469,7 @@ class Meter:
             cpu_s = time.process_time()
             reading = self.memory.read(cur) if self.memory is not None else None
             items = self.clock.items if self.clock is not None else None
+            totals = self.clock.totals() if self.clock is not None else None
             obs = observe(
                 self._prev,
                 cur,
@@ -438,8 +483,10 @@ class Meter:
                 memory_before=self._prev_memory,
                 cluster_cpus=self.cluster() if self.cluster is not None else 0.0,
                 consumer_cpus=self._consumer_cpus(self._prev, cur, cpu_s - self._prev_cpu_s),
+                data_wait_share=None if totals is None else wait_share(self._prev_totals, totals),
             )
             self._prev, self._prev_items, self._prev_memory = cur, items or 0, reading
+            self._prev_totals = totals or (0.0, 0.0)
             self._prev_cpu_s = cpu_s
             self.last, self.last_snapshot = obs, cur
             return obs

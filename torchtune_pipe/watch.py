@@ -1,9 +1,11 @@
 """See a pipeline's stages live: ``Loader(progress=True)`` in the training process, or
 ``torchtune-pipe watch LOG`` (``python -m torchtune_pipe.watch LOG``) from another terminal.
 
-A row per stage: workers (and the tuner's bounds), items/s, busy and waiting shares, buffer
-budget and fill; the caption holds the throughput to the consumer, the consumer's step time,
-CPUs and buffer memory. With ``rich`` installed the table is redrawn in place; without it the
+A row per stage: workers (and the tuner's bounds; 0 for a stage fused into the one before,
+whose workers run it), items/s, busy and waiting shares, buffer budget and fill; the caption
+holds the throughput to the consumer in its own unit (batches/s for a loader that batches),
+the consumer's step time and the share of it spent waiting for data (is training stalled on
+data?), CPUs and memory. With ``rich`` installed the table is redrawn in place; without it the
 same figures are printed as plain text.
 
 ``watch`` follows a tuning log, the JSON lines that a loader built with ``tuning_log=PATH``
@@ -28,6 +30,10 @@ from .tuning.base import Observation
 from .tuning.loop import observation, read_log
 
 MiB = 1 << 20
+# A consumer waiting at least this share of its time is stalled on data; at most this one,
+# the pipeline keeps up (a few percent is the hand-over of each batch).
+STALLED_SHARE = 0.5
+KEEPS_UP_SHARE = 0.05
 _COLUMNS = ("stage", "workers", "items/s", "busy", "wait in", "wait out", "buffer", "fill")
 
 
@@ -37,11 +43,12 @@ def has_rich() -> bool:
 
 
 def rows(obs: Observation) -> list[tuple[str, ...]]:
-    """The table's cells, one tuple per stage, in the order of its columns."""
+    """The table's cells, one tuple per stage, in the order of its columns. A fused stage
+    runs no workers of its own: 0, and which stage's workers run it."""
     return [
         (
             s.name,
-            f"{s.workers} [{s.min_workers}..{s.max_workers}]",
+            _workers(obs, i),
             f"{s.items_per_s:,.0f}",
             f"{s.busy:.0%}",
             f"{s.blocked_in:.0%}",
@@ -49,15 +56,27 @@ def rows(obs: Observation) -> list[tuple[str, ...]]:
             f"{s.buffer_bytes / MiB:,.1f} MiB",
             f"{s.buffer_fill:.0%}",
         )
-        for s in obs.stages
+        for i, s in enumerate(obs.stages)
     ]
 
 
-def render(obs: Observation, title: str = "torchtune_pipe") -> Any:
-    """A ``rich`` table of one observation: a row per stage, machine facts in the caption."""
+def _workers(obs: Observation, i: int) -> str:
+    s = obs.stages[i]
+    bounds = f"[{s.min_workers}..{s.max_workers}]"
+    if not s.fused:
+        return f"{s.workers} {bounds}"
+    host = i
+    while host > 0 and obs.stages[host].fused:
+        host -= 1
+    return f"0 {bounds} fused in {obs.stages[host].name}"
+
+
+def render(obs: Observation, title: str = "torchtune_pipe", unit: str = "items") -> Any:
+    """A ``rich`` table of one observation: a row per stage, machine facts in the caption
+    (``unit``: what one item the consumer takes is)."""
     from rich.table import Table
 
-    table = Table(title=title, caption=caption(obs))
+    table = Table(title=title, caption=caption(obs, unit))
     for col in _COLUMNS:
         table.add_column(col, justify="left" if col == "stage" else "right")
     for row in rows(obs):
@@ -65,7 +84,7 @@ def render(obs: Observation, title: str = "torchtune_pipe") -> Any:
     return table
 
 
-def render_text(obs: Observation, title: str = "torchtune_pipe") -> str:
+def render_text(obs: Observation, title: str = "torchtune_pipe", unit: str = "items") -> str:
     """The same table as plain text (no ``rich`` needed)."""
     cells = [_COLUMNS, *rows(obs)]
     widths = [max(len(r[i]) for r in cells) for i in range(len(_COLUMNS))]
@@ -77,16 +96,18 @@ def render_text(obs: Observation, title: str = "torchtune_pipe") -> str:
                 for i, (c, w) in enumerate(zip(r, widths, strict=True))
             )
         )
-    lines.append(caption(obs))
+    lines.append(caption(obs, unit))
     return "\n".join(lines)
 
 
-def caption(obs: Observation) -> str:
-    """Throughput, consumer step, CPUs (and the consumer process's own use of them), the
-    pipeline's memory and its limit (and DRAM, clock where measured)."""
+def caption(obs: Observation, unit: str = "items") -> str:
+    """Throughput in the consumer's ``unit``, its step and the share of its time spent
+    waiting for data, CPUs (and the consumer process's own use of them), the pipeline's
+    memory and its limit (and DRAM, clock where measured)."""
     parts = [
-        f"{obs.throughput:,.0f} items/s to the consumer",
+        f"{obs.throughput:,.0f} {unit}/s to the consumer",
         f"consumer step {obs.consumer_step_s * 1e3:.1f} ms",
+        f"waits for data {wait_words(obs.data_wait_share)}",
         f"{obs.cpus:g} CPUs ({obs.consumer_cpus:.2f} used by the consumer)",
         f"memory {obs.memory_used_bytes / MiB:,.1f}/{obs.memory_limit_bytes / MiB:,.0f} MiB",
     ]
@@ -95,6 +116,17 @@ def caption(obs: Observation) -> str:
     if obs.cpu_ghz:
         parts.append(f"{obs.cpu_ghz:.2f} GHz")
     return " | ".join(parts)
+
+
+def wait_words(share: float | None) -> str:
+    """The consumer's wait for data in words: its share of the time, and what that means."""
+    if share is None:
+        return "(not measured)"
+    if share >= STALLED_SHARE:
+        return f"{share:.0%} of the time: stalled on data"
+    if share <= KEEPS_UP_SHARE:
+        return f"{share:.0%} of the time: data keeps up"
+    return f"{share:.0%} of the time"
 
 
 def watch(
@@ -106,6 +138,7 @@ def watch(
     title: str = "torchtune_pipe",
     plain: bool | None = None,
     out: IO[str] | None = None,
+    unit: str | Callable[[], str] = "items",
 ) -> int:
     """Show a live table, refreshed every ``interval_s``, until ``stop`` is set (or Ctrl-C).
 
@@ -118,6 +151,7 @@ def watch(
         title: the table's title.
         plain: print plain text instead of a ``rich`` table (None: when ``rich`` is missing).
         out: where plain text goes (default: stderr).
+        unit: what one item the consumer takes is (or a function saying it at each refresh).
 
     Returns:
         The number of refreshes shown.
@@ -125,8 +159,9 @@ def watch(
     stop = stop or threading.Event()
     if plain is None:
         plain = not has_rich()
+    unit_now = unit if callable(unit) else lambda: unit
     if plain:
-        return _watch_plain(observe, interval_s, stop, title, out or sys.stderr)
+        return _watch_plain(observe, interval_s, stop, title, out or sys.stderr, unit_now)
     from rich.console import Console
     from rich.live import Live
 
@@ -138,7 +173,7 @@ def watch(
                 obs = observe()
                 if obs is None:
                     continue
-                live.update(render(obs, title), refresh=True)
+                live.update(render(obs, title, unit_now()), refresh=True)
                 shown += 1
         except KeyboardInterrupt:
             pass
@@ -151,6 +186,7 @@ def _watch_plain(
     stop: threading.Event,
     title: str,
     out: IO[str],
+    unit: Callable[[], str],
 ) -> int:
     shown = 0
     try:
@@ -158,7 +194,7 @@ def _watch_plain(
             obs = observe()
             if obs is None:
                 continue
-            print(render_text(obs, title), file=out, end="\n\n", flush=True)
+            print(render_text(obs, title, unit()), file=out, end="\n\n", flush=True)
             shown += 1
     except KeyboardInterrupt:
         pass
@@ -173,12 +209,18 @@ class Watcher:
         observe: Callable[[], Observation | None],
         interval_s: float = 1.0,
         console: Any = None,
+        unit: str = "items",
     ):
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=watch,
             args=(observe,),
-            kwargs={"interval_s": interval_s, "stop": self._stop, "console": console},
+            kwargs={
+                "interval_s": interval_s,
+                "stop": self._stop,
+                "console": console,
+                "unit": unit,
+            },
             name="ttp-watch",
             daemon=True,
         )
@@ -198,11 +240,13 @@ class LogFollower:
     """The newest observation of a tuning log that is still being written.
 
     Each call reads the lines appended since the last one (a line cut short is read again
-    once complete) and returns the newest decision's observation, or None when none came.
+    once complete) and returns the newest decision's observation, or None when none came;
+    :attr:`unit` is what its consumer takes (the log's ``unit``, "items" in older logs).
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = path
+        self.unit = "items"
         self._offset = 0
 
     def __call__(self) -> Observation | None:
@@ -219,9 +263,11 @@ class LogFollower:
         if newest is None:
             return None
         try:
-            return _latest(newest)
+            record = _decision(newest)
         except ValueError:
             return None
+        self.unit = record.get("unit", "items")
+        return observation(record)
 
 
 def _complete_lines(f: IO[str]) -> Iterator[str]:
@@ -231,13 +277,13 @@ def _complete_lines(f: IO[str]) -> Iterator[str]:
         yield line
 
 
-def _latest(line: str) -> Observation:
+def _decision(line: str) -> dict:
     import json
 
     record = json.loads(line)
     if not isinstance(record, dict) or "obs" not in record:
         raise ValueError("not a decision")
-    return observation(record)
+    return record
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -254,19 +300,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     title = f"torchtune_pipe: {args.log}"
     if args.once:
         try:
-            obs = observation(read_log(args.log)[-1])
+            record = read_log(args.log)[-1]
         except (OSError, ValueError) as e:
             print(f"torchtune-pipe watch: {e}", file=sys.stderr)
             return 2
+        obs, unit = observation(record), record.get("unit", "items")
         if args.plain or not has_rich():
-            print(render_text(obs, title))
+            print(render_text(obs, title, unit))
         else:
             from rich.console import Console
 
-            Console().print(render(obs, title))
+            Console().print(render(obs, title, unit))
         return 0
     print(f"following {args.log} (Ctrl-C to stop)", file=sys.stderr)
-    watch(LogFollower(args.log), interval_s=args.interval_s, title=title, plain=args.plain or None)
+    follow = LogFollower(args.log)
+    watch(follow, interval_s=args.interval_s, title=title, plain=args.plain or None,
+          unit=lambda: follow.unit)  # fmt: skip
     return 0
 
 

@@ -8,6 +8,7 @@ exactly once per epoch, across a checkpoint resume, and across DDP ranks.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import gzip
 import json
 import logging
@@ -33,6 +34,7 @@ from torchtune_pipe import Pipeline  # noqa: E402
 from torchtune_pipe.integrations._steering import Session  # noqa: E402
 from torchtune_pipe.integrations.lightning import TuningCallback, pipeline_metrics  # noqa: E402
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats  # noqa: E402
+from torchtune_pipe.tuning.loop import read_log  # noqa: E402
 
 ROWS = 3000
 TABLES = default_table_sizes(50)
@@ -155,6 +157,10 @@ def test_fit_sees_every_row_once_per_epoch_and_logs_the_pipeline(data, tmp_path)
     assert logged, f"no pipeline metrics in {list(rows[0]) if rows else 'an empty file'}"
     assert {"pipeline/workers/read", "pipeline/memory_used_mib"} <= set(logged[0])
     assert all(float(r["pipeline/workers/features"]) >= 1 for r in logged)
+    # Whether training waits on data: the share of the loop's time inside next().
+    shares = [float(r["pipeline/data_wait_share"]) for r in logged
+              if r.get("pipeline/data_wait_share")]  # fmt: skip
+    assert shares and all(0.0 <= x <= 1.0 for x in shares)
 
 
 def test_resume_restores_allocation_and_continues_mid_epoch(data, tmp_path):
@@ -277,6 +283,10 @@ def test_pipeline_metrics_names_every_stage():
     m = pipeline_metrics(obs, ("read", "batch"), model_step_s=0.004)
     assert m["pipeline/workers/read"] == 2 and m["pipeline/buffer_mib/batch"] == 2
     assert m["pipeline/memory_used_mib"] == 1 and m["pipeline/model_step_ms"] == pytest.approx(4)
+    assert "pipeline/data_wait_share" not in m  # not measured: not logged as 0
+    fused = dataclasses.replace(stages[1], fused=True)
+    m = pipeline_metrics(dataclasses.replace(obs, stages=(stages[0], fused), data_wait_share=0.6))
+    assert m["pipeline/data_wait_share"] == 0.6 and m["pipeline/workers/batch"] == 0
 
 
 class ShardedData(pl.LightningDataModule):
@@ -307,7 +317,8 @@ def test_ddp_ranks_see_disjoint_rows_and_stop_together(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    cb = TuningCallback("heuristic", interval_s=0.1)
+    log = tmp_path / "tuning.jsonl"  # both ranks write to it, each record naming its rank
+    cb = TuningCallback("heuristic", interval_s=0.1, log_path=str(log))
     t = pl.Trainer(
         accelerator="cpu", devices=2, strategy="ddp_spawn", callbacks=[cb], max_epochs=1,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -326,3 +337,5 @@ def test_ddp_ranks_see_disjoint_rows_and_stop_together(tmp_path):
     assert short["steps"] == long_["steps"]
     assert short["dropped"] == 0 and long_["dropped"] >= 3
     assert 0 < rows[1] - len(b) <= 128 * long_["dropped"]
+    assert {r["rank"] for r in read_log(log)} == {0, 1}
+    assert all(r["unit"] == "batches" for r in read_log(log))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..loader import Loader
+from ..running import consumer_labels
 from ..tuning.base import Allocation, Observation, Tunable, Tuner
 from ..tuning.loop import TuningLoop
 
@@ -110,7 +111,10 @@ class Steering:
         self.stop(raise_error=True)  # a rebuilt executor: end the loop on the old one
         self.inner = tunable
         self.view = RankView(tunable, share, step_s, history)
-        self.loop = TuningLoop(self.view, self.session, self.interval_s, self.log_path).start()
+        self.loop = TuningLoop(
+            self.view, self.session, self.interval_s, self.log_path,
+            labels=consumer_labels(loader.pipeline),
+        ).start()  # fmt: skip
 
     def stop(self, raise_error: bool) -> None:
         loop, self.loop = self.loop, None

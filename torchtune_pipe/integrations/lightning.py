@@ -380,7 +380,10 @@ class TuningCallback(Callback):
 def pipeline_metrics(
     obs: Observation, names: tuple[str, ...] = (), model_step_s: float = 0.0
 ) -> dict[str, float]:
-    """Flat metrics of an observation: throughput, memory, and workers/busy/buffer per stage."""
+    """Flat metrics of an observation: throughput, memory, the model's step and the share of
+    the training loop's time spent waiting for data (``pipeline/data_wait_share``, 0..1: near
+    1 training is stalled on data; left out where not measured), and workers/busy/buffer per
+    stage (0 workers for a stage fused into the one before)."""
     metrics = {
         "pipeline/throughput": obs.throughput,
         "pipeline/cpus": obs.cpus,
@@ -388,9 +391,11 @@ def pipeline_metrics(
         "pipeline/memory_limit_mib": obs.memory_limit_bytes / (1 << 20),
         "pipeline/model_step_ms": model_step_s * 1e3,
     }
+    if obs.data_wait_share is not None:
+        metrics["pipeline/data_wait_share"] = obs.data_wait_share
     for i, st in enumerate(obs.stages):
         name = names[i] if i < len(names) else st.name
-        metrics[f"pipeline/workers/{name}"] = float(st.workers)
+        metrics[f"pipeline/workers/{name}"] = 0.0 if st.fused else float(st.workers)
         metrics[f"pipeline/busy/{name}"] = st.busy
         metrics[f"pipeline/buffer_mib/{name}"] = st.buffer_bytes / (1 << 20)
     return metrics

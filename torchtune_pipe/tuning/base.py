@@ -214,6 +214,12 @@ class Observation:
             time over the interval (every thread) less the CPU of stages whose workers are its
             threads, per second. Simulator: 0 (its consumer takes items every
             ``consumer_step_s`` without using the pipeline's CPUs).
+        data_wait_share: the share of the consumer's time over the interval spent inside
+            ``next()`` waiting for the pipeline's next item, 0..1: near 0 the pipeline keeps
+            ahead of training, near 1 training is stalled on data. Live only (None: not
+            measured, or the consumer neither waited nor stepped, as between epochs; the
+            simulator leaves it None, its consumer's waits follow from ``throughput`` and
+            ``consumer_step_s``).
     """
 
     stages: tuple[StageStats, ...]
@@ -231,6 +237,7 @@ class Observation:
     network_bytes_per_s: float = 0.0
     rpc_s: float = 0.0
     consumer_cpus: float = 0.0
+    data_wait_share: float | None = None
 
     @property
     def workers(self) -> tuple[int, ...]:
@@ -365,20 +372,35 @@ class MemoryParts:
         buffered_bytes: bytes the buffers hold (budget times fill, per stage).
         per_worker_bytes: per stage, what one of its workers holds now (its measured memory
             over its workers; where a stage is not measured, the mean of the measured ones,
-            or, when none is, everything outside the buffers spread over every worker).
+            or, when none is, everything outside the buffers spread over every worker; a
+            fused stage at least what its host's workers hold).
         fixed_bytes: the rest (the fork server, prefetched copies, arena pages a shrunk
             budget still holds); never negative.
+        fused: which stages run fused now (empty: none).
+        lightest_bytes: what the lightest measured worker holds (a worker's own memory,
+            without what a stage keeps in it).
     """
 
     buffered_bytes: float
     per_worker_bytes: tuple[float, ...]
     fixed_bytes: float
+    fused: tuple[bool, ...] = ()
+    lightest_bytes: float = 0.0
 
     def worst_case_bytes(self, alloc: Allocation) -> float:
         """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
-        its stage's workers costs now, plus the fixed part. A fused stage runs no workers."""
+        its stage's workers costs now, plus the fixed part. A fused stage runs no workers; a
+        stage that ``alloc`` fuses and that runs split now adds to each of its host's
+        workers what its own workers hold beyond the lightest worker (a cache moves with the
+        function)."""
         own = local_workers(alloc)  # a remote worker holds no memory on the host
-        workers = sum(w * p for w, p in zip(own, self.per_worker_bytes, strict=True))
+        per = list(self.per_worker_bytes)
+        now = self.fused or (False,) * len(per)
+        fused = alloc.fused or now
+        for j, f in enumerate(fused):
+            if f and not now[j]:
+                per[fusion_host(fused, j)] += max(0.0, per[j] - self.lightest_bytes)
+        workers = sum(w * p for w, p in zip(own, per, strict=True))
         return self.fixed_bytes + workers + sum(alloc.buffer_bytes)
 
 
@@ -393,11 +415,16 @@ def memory_parts(obs: Observation) -> MemoryParts:
         each = other / max(1, sum(local))
         return MemoryParts(buffered, (each,) * len(obs.stages), 0.0)
     mean = sum(obs.stages[i].memory_bytes for i in measured) / sum(local[i] for i in measured)
+    own = [s.memory_bytes / local[i] if i in measured else mean for i, s in enumerate(obs.stages)]
+    # A fused stage's workers, once split, may hold all that its host's hold now (a cache of
+    # either): charged less, a split that started the cache's workers passed the limit.
+    fused = tuple(s.fused for s in obs.stages)
     per_worker = tuple(
-        s.memory_bytes / local[i] if i in measured else mean for i, s in enumerate(obs.stages)
+        max(own[i], own[fusion_host(fused, i)]) if fused[i] else own[i] for i in range(len(own))
     )
     in_workers = sum(w * p for w, p in zip(local, per_worker, strict=True))
-    return MemoryParts(buffered, per_worker, max(0.0, other - in_workers))
+    lightest = min(own[i] for i in measured)
+    return MemoryParts(buffered, per_worker, max(0.0, other - in_workers), fused, lightest)
 
 
 @dataclass(frozen=True)

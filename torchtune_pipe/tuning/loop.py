@@ -15,8 +15,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
-from typing import IO
+from collections.abc import Callable, Mapping
+from typing import IO, Any
 
 from .base import Allocation, ExecutorClosedError, Observation, StageStats, Tunable, Tuner
 from .safety import Guarded, LimitsFn
@@ -163,6 +163,9 @@ class TuningLoop:
         interval_s: seconds between tuning steps.
         log_path: file to append one JSON line per decision to (None: no decision log).
         limits_fn: hard limits for an observation (default: those the observation implies).
+        labels: fields every logged decision carries besides its own, naming who wrote it
+            (the loader's: ``unit``, what one item the consumer takes is, and ``rank`` under
+            ``torch.distributed``), for ``watch`` and ``report``.
 
     Example:
         >>> with TuningLoop(pipeline, make_tuner("heuristic"), interval_s=1.0) as loop:
@@ -179,6 +182,7 @@ class TuningLoop:
         limits_fn: LimitsFn | None = None,
         reset: bool = True,
         hold_first: bool = False,
+        labels: Mapping[str, Any] | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"TuningLoop: interval_s must be positive, got {interval_s}")
@@ -187,6 +191,7 @@ class TuningLoop:
         self.interval_s = float(interval_s)
         self.log_path = log_path
         self.limits_fn = limits_fn
+        self.labels = dict(labels or {})
         # False continues a tuner that already ran (e.g. the next epoch of the same pipeline):
         # its first decision is a step, not a reset, so what it learned is kept.
         self.reset = bool(reset)
@@ -346,6 +351,7 @@ class TuningLoop:
 
     def _record(self, obs: Observation, alloc: Allocation, applied: bool, step_s: float) -> dict:
         return {
+            **self.labels,
             "t": obs.t,
             "wall_s": round(time.perf_counter() - self._started_at, 6),
             "tuner": _tuner_name(self.tuner),
