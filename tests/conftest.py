@@ -104,3 +104,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# Modules whose tests import Ray. A process that has imported Ray spawns its workers instead
+# of forking them from a snapshot (multiproc.handles.fork_unsafe), so every loader a test builds
+# after them would: they run last, whatever order they were collected in.
+_IMPORT_RAY = ("test_remote.py", "test_remote_mixed.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in _IMPORT_RAY)  # stable: the rest keep order

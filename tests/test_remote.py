@@ -9,6 +9,7 @@ module checks that the cluster's processes are gone after it shuts the cluster d
 from __future__ import annotations
 
 import collections
+import importlib.util
 import os
 import time
 
@@ -24,7 +25,25 @@ from torchtune_pipe.tuning.safety import Guarded
 from . import _subproc
 from .conftest import is_ray_process
 
-ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed"
+)
+
+
+class _Ray:
+    """Ray, imported at first use, not when the module is collected: a process that has
+    imported Ray spawns its workers instead of forking them (handles.fork_unsafe), so every
+    loader the session built after it would; tests/conftest.py runs these tests last."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("_") or name.startswith("pytest"):
+            raise AttributeError(name)  # pytest's questions at collection import nothing
+        import ray as module
+
+        return getattr(module, name)
+
+
+ray = _Ray()
 
 CPUS_PER_NODE = 2
 DEADLINE_S = 60.0

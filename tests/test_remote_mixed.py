@@ -5,6 +5,7 @@ alive and every CPU free; the suite's fixture checks our processes and segments)
 from __future__ import annotations
 
 import collections
+import importlib.util
 
 import pytest
 
@@ -15,10 +16,12 @@ from torchtune_pipe.tuning.intune import InTuneTuner
 from torchtune_pipe.tuning.safety import Guarded
 
 from . import _subproc
-from .test_remote import _actors, _poll, _source, cluster, ray_cluster, spin  # noqa: F401
+from .test_remote import _actors, _poll, _source, cluster, ray, ray_cluster, spin  # noqa: F401
 from .tuning.test_seam import _check
 
-ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="ray is not installed"
+)
 
 
 def test_without_a_connected_cluster_auto_runs_local_and_imports_no_ray():
