@@ -14,10 +14,13 @@ venv: $(STAMP)
 
 # torch is installed first, and only when the interpreter has no torch of its own, so a user's
 # CUDA build is kept (the venv then sees it through --system-site-packages). Without an NVIDIA
-# driver it comes from PyTorch's CPU index: PyPI's Linux wheels are CUDA builds, several GB with
-# their nvidia-* packages. README.md's "Install" gives the same two paths.
+# driver it comes from PyTorch's CPU index where that index answers: PyPI's Linux wheels are
+# CUDA builds, several GB with their nvidia-* packages. A machine that reaches only its own
+# package index (a mirror that holds the CPU build) installs from it. README.md's "Install"
+# gives the same paths; TORCH_INDEX= picks one.
 TORCH_VERSION ?= 2.13.0
-TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,https://download.pytorch.org/whl/cpu)
+CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(if $(shell command -v nvidia-smi 2>/dev/null),,$(shell $(PYTHON) -c "import urllib.request; urllib.request.urlopen('$(CPU_INDEX)/torch/', timeout=5)" >/dev/null 2>&1 && echo $(CPU_INDEX)))
 
 $(STAMP): pyproject.toml
 	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
