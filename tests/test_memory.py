@@ -139,7 +139,22 @@ def test_a_worker_holding_200_mb_is_reported():
         it.close()
 
 
+def _in_a_fresh_interpreter(check: str) -> None:
+    """Run this module's ``check()`` in a new interpreter. Workers fork from a snapshot of
+    the process that iterates (as torch's do), so each worker's proportional set size
+    includes its share of that process's pages: the test session's, hundreds of MB after a
+    suite's worth of imports, where these checks measure a worker's own memory."""
+    from . import _subproc
+
+    done = _subproc.run(f"from tests.test_memory import {check}; {check}()", timeout_s=120)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
 def test_live_and_simulated_pipelines_report_memory_alike():
+    _in_a_fresh_interpreter("_live_and_simulated_alike")
+
+
+def _live_and_simulated_alike():
     """One shape, both sides of the seam: a source worker and two UDF workers that hold
     100 MB each. The live pipeline is read from /proc; the simulator is given the source
     worker's measured size as its worker RSS and the UDF cache as what each UDF worker holds.
@@ -244,6 +259,18 @@ def _read_range(unit):
 
 @pytest.mark.parametrize("method", ["spawn", "fork"])
 def test_the_large_arrays_workers_share_count_once_as_their_memory_not_as_buffers(method):
+    _in_a_fresh_interpreter(f"_large_arrays_count_once_{method}")
+
+
+def _large_arrays_count_once_spawn():
+    _large_arrays_count_once("spawn")
+
+
+def _large_arrays_count_once_fork():
+    _large_arrays_count_once("fork")
+
+
+def _large_arrays_count_once(method):
     from multiproc import Executor, ExecutorSpec, StageSpec
 
     spec = ExecutorSpec(
