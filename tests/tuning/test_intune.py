@@ -509,3 +509,24 @@ def test_a_plan_that_runs_fewer_processes_for_the_same_rate_is_taken():
     busier_udf = dataclasses.replace(udf, workers=1, busy=1.0)
     tuner.step(dataclasses.replace(obs, stages=(busier, busier_udf)))
     assert not tuner.plan_trims()
+
+
+def test_the_planner_is_a_tuner_of_its_own_and_the_network_runs_without_the_plan():
+    from torchtune_pipe.tuning.registry import TUNERS, make_tuner
+
+    assert "planner" in TUNERS
+    planner = make_tuner("planner")
+    assert isinstance(planner, InTuneTuner) and planner.plan_only and planner.name == "planner"
+    assert make_tuner("intune").name == "intune"
+    # The network alone: the plan action is never open, and the stages run as they are.
+    read = StageStats("read", 8, items_per_s=10.0, busy=0.25, cpu_s_per_item=0.01, io_bound=True)
+    udf = StageStats("udf", 2, items_per_s=10.0, busy=0.5, cpu_s_per_item=0.1, fusable=True)
+    obs = Observation((read, udf), 10.0, 4.0, 8 * GiB, GiB, consumer_step_s=0.1)
+    alone = InTuneTuner(plan_action=False)
+    assert not alone.starts_fused
+    assert not any(alone.reset(obs, start=Allocation((8, 2), (MiB, MiB))).fused)
+    for _ in range(5):
+        alone.step(obs)
+        assert not alone.pending.mask[alone.actions.plan_index]
+    with pytest.raises(ValueError, match="plan_only"):
+        InTuneTuner(plan_only=True, plan_action=False)

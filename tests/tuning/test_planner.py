@@ -445,3 +445,84 @@ def test_no_process_is_planned_onto_cores_the_workers_already_wait_for():
     # The same workers with a CPU whenever they can run: the cores have room for more.
     p = plan(obs(0.0, 0.0), alloc)
     assert p.allocation.workers[0] >= 3 and p.throughput > p.current * 1.05
+
+
+def test_a_channel_no_stage_measures_is_priced_at_the_hops_of_stages_with_its_items():
+    from torchtune_pipe.tuning.planner import HOP_S_PER_ITEM, channel_hops
+
+    # Rows from a reader (a measured 0.05 us hop per row) through a map fused into it, then a
+    # collate of 4096 rows whose 4 MiB batches cost 200 us each to cross: the fused channel
+    # carries rows, priced at the rows' hop (here the prior, its floor), not at a batch's.
+    stages = (
+        StageStats("read", 8, items_per_s=4096.0, busy=0.5, cpu_s_per_item=1e-5,
+                   hop_s_per_item=5e-8),
+        StageStats("lookup", 0, items_per_s=4096.0, busy=0.5, cpu_s_per_item=6e-6, fused=True),
+        StageStats("batch", 1, items_per_s=1.0, busy=0.1, cpu_s_per_item=1e-3,
+                   hop_s_per_item=2e-4),
+    )  # fmt: skip
+    obs = Observation(stages, 1.0, 8.0, 1 << 40, 0)
+    hops = channel_hops(obs, [4096.0, 4096.0, 1.0])
+    assert hops[0] == pytest.approx(HOP_S_PER_ITEM * 4096)
+    assert hops[2] == pytest.approx(2e-4)
+
+
+def test_store_lookups_fused_into_their_reader_are_split_for_workers_of_their_own():
+    # A reader, two lookups waiting ~200 us per row on a store, a CPU feature map, batches of
+    # 4096 rows: InTune starts every fusable stage fused into the reader, where each worker
+    # is charged the feature map's core. The plan from that interval splits the lookups (the
+    # fused channels carry rows, not batches) and gives them the workers that wait.
+    from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
+    from torchtune_pipe.tuning.intune import InTuneTuner
+    from torchtune_pipe.tuning.loop import run_episode
+
+    us, row, batch = 1e-6, 1024, 4096
+    wl = Workload("lookups", (
+        StageModel("read", "source", 8 * us, io_s_per_item=20 * us, bytes_per_item=row),
+        StageModel("lookup_a", "map", 6 * us, io_s_per_item=200 * us, bytes_per_item=row),
+        StageModel("lookup_b", "map", 6 * us, io_s_per_item=220 * us, bytes_per_item=row),
+        StageModel("features", "map", 25 * us, bytes_per_item=row),
+        StageModel("batch", "batch", 2 * us, ratio=batch, bytes_per_item=batch * row),
+        StageModel("prefetch", "prefetch", 4e-4, bytes_per_item=batch * row, max_workers=4),
+    ))  # fmt: skip
+    sim = SimPipeline(wl, 24, 64 << 30, seed=0)
+    trace = run_episode(sim, InTuneTuner(plan_only=True), 8)
+    last = trace[-1].stages
+    assert not last[1].fused and not last[2].fused
+    assert last[1].workers + last[2].workers > 2 * 24
+
+
+def test_the_plan_charges_each_stage_what_its_workers_hold():
+    # Three stages, the middle one the costliest and its workers each holding a 1 GiB cache,
+    # under 2 GiB. Charged the mean worker, the plan passes the limit with a second cache
+    # worker.
+    from torchtune_pipe.tuning.planner import MEMORY_SHARE
+
+    stages = tuple(
+        StageStats(f"s{i}", 2, items_per_s=100.0, busy=1.0, cpu_s_per_item=c)
+        for i, c in enumerate((0.005, 0.02, 0.005))
+    )
+    limit = 2048 * MiB
+    obs = Observation(stages, 100.0, 64.0, limit, 0)
+    held = [100 * MiB, 1124 * MiB, 100 * MiB]
+    for per_worker in (held, sum(held) / 3):
+        p = plan(obs, obs.allocation(), per_worker_bytes=per_worker)
+        worst = sum(w * b for w, b in zip(p.allocation.workers, held, strict=True))
+        assert (worst <= MEMORY_SHARE * limit) == (per_worker is held)
+
+
+def test_a_fused_stage_is_charged_what_its_workers_held_when_it_last_ran_split():
+    from torchtune_pipe.tuning.planner import _worker_bytes
+
+    stages = (
+        StageStats("read", 4, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.01),
+        StageStats("cache", 0, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.01, fused=True),
+        StageStats("udf", 0, items_per_s=10.0, busy=1.0, cpu_s_per_item=0.01, fused=True),
+        StageStats("batch", 1, items_per_s=1.0, busy=0.1, cpu_s_per_item=0.01),
+    )
+    obs = Observation(stages, 1.0, 8.0, 1 << 40, 0)
+    # The reader's workers hold 550 MiB now: 150 their own, 400 the cache stage's, known from
+    # when it ran split; the UDF's are not known (the lightest worker's).
+    own, lightest = _worker_bytes(obs, [550 * MiB, 550 * MiB, 0.0, 150 * MiB])
+    assert lightest == 150 * MiB
+    assert own == [150 * MiB, 550 * MiB, 150 * MiB, 150 * MiB]
+    assert _worker_bytes(obs, 200 * MiB) == ([200 * MiB] * 4, 200 * MiB)

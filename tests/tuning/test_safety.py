@@ -157,3 +157,25 @@ def test_a_fused_stages_worker_target_costs_no_cpu_and_no_memory():
     assert safe(alloc, obs) == alloc
     parts = memory_parts(obs)
     assert parts.worst_case_bytes(alloc) == parts.worst_case_bytes(alloc.replace(workers=(2, 1, 1)))
+
+
+def test_a_fused_stage_split_or_a_stage_fused_is_charged_the_cache_it_may_bring():
+    # A reader whose 4 workers hold 150 MiB each, hosting a fused stage; a UDF of 2 workers
+    # whose each hold a 400 MiB cache beside their own 150.
+    stages = (
+        StageStats("read", 4, items_per_s=10.0, memory_bytes=4 * 550 * MiB),
+        StageStats("cache", 0, items_per_s=10.0, fused=True),
+        StageStats("udf", 2, items_per_s=10.0, memory_bytes=2 * 550 * MiB),
+        StageStats("batch", 1, items_per_s=1.0, memory_bytes=150 * MiB),
+    )
+    obs = Observation(stages, 1.0, 8.0, 1 << 40, (6 * 550 + 150) * MiB)
+    parts = memory_parts(obs)
+    # Split, the fused stage's workers may hold all that its host's hold (its cache or not).
+    assert parts.per_worker_bytes == (550 * MiB, 550 * MiB, 550 * MiB, 150 * MiB)
+    assert parts.lightest_bytes == 150 * MiB
+    buffers = (0, 0, 0, 0)
+    split = Allocation((4, 3, 2, 1), buffers, fused=(False, False, False, False))
+    assert parts.worst_case_bytes(split) == pytest.approx((9 * 550 + 150) * MiB, abs=1)
+    # Fused into the reader, the UDF's cache moves into each of the reader's workers.
+    fused = Allocation((4, 3, 2, 1), buffers, fused=(False, True, True, False))
+    assert parts.worst_case_bytes(fused) == pytest.approx((4 * 950 + 150) * MiB, abs=1)

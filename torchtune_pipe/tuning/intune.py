@@ -178,6 +178,10 @@ class InTuneTuner:
         plan_only: the planner tunes alone (the network's place is taken by a no-op, as for a
             pipeline length without weights): the agent's ablation, and the split between
             host and cluster as the planner alone makes it (``benchmarks/cluster_sim.py``).
+            Registered as the ``"planner"`` tuner.
+        plan_action: False shuts the plan action: the network alone moves workers and
+            buffers, on the stages as they run (no fusion, no split between host and
+            cluster), the agent's other ablation (``benchmarks/generalize.py``).
 
     Example:
         >>> tuner = InTuneTuner()
@@ -200,13 +204,20 @@ class InTuneTuner:
         fusion: bool = True,
         seed: int = 0,
         plan_only: bool = False,
+        plan_action: bool = True,
     ) -> None:
         if learn_every < 1:
             raise ValueError(f"InTuneTuner: learn_every must be >= 1, got {learn_every}")
+        if plan_only and not plan_action:
+            raise ValueError("InTuneTuner: plan_only needs the plan action (plan_action=True)")
         self.learn_every = learn_every
         self.plan_only = plan_only
-        self.plan_gain = plan_gain
-        self.fusion = fusion
+        self.plan_action = plan_action
+        self.plan_gain = plan_gain if plan_action else None
+        # Without the plan action nothing decides the shape: the stages run as they are.
+        self.fusion = fusion and plan_action
+        if plan_only:
+            self.name = "planner"
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
@@ -227,6 +238,7 @@ class InTuneTuner:
         self._in_effect = False  # while settling: the last interval ended in the new shape
         self._settled_for = 0  # intervals waited since the change of shape
         self._hops: list[float] = []
+        self._held: list[float] = []
         self._last: Action | None = None
         self._prev: tuple[torch.Tensor, torch.Tensor, int] | None = None
         self.steps = 0
@@ -268,6 +280,7 @@ class InTuneTuner:
         self._settling = False
         self._in_effect, self._settled_for = False, 0
         self._hops: list[float] = []  # per channel, its hop when last crossed (prepare)
+        self._held: list[float] = []  # per stage, a worker's memory when last split (prepare)
         self._seen: dict[tuple[tuple[int, ...], tuple[bool, ...]], list[tuple[int, float]]] = {}
         self._cpus = obs.cpus
         self.episode_reward = 0.0
@@ -344,20 +357,26 @@ class InTuneTuner:
         # A rescale, an undone move or the guard's return brings back workers measured under
         # other CPUs or buffers: the worst case must fit again with the buffers of today.
         current = fit_memory(current, obs, self.memory)
-        per_worker, fixed = self.memory.split(obs)
         # What each channel cost to cross when it last was: inside a fused group nothing
         # measures it (a group that ends in a collate sends batches, its rows cost far more).
         self._hops = [
             h if h > 0 else (self._hops[i] if i < len(self._hops) else 0.0)
             for i, h in enumerate(crossed_hops(obs))
         ]
+        # What each stage's workers hold, as measured when it last ran split (a fused stage
+        # measures none: its host's workers hold it).
+        held, fixed = self.memory.per_stage(obs)
+        self._held = [
+            held[i] if not s.fused else (self._held[i] if i < len(self._held) else 0.0)
+            for i, s in enumerate(obs.stages)
+        ]
         planned = plan(
-            obs, current, per_worker_bytes=per_worker, fixed_bytes=fixed, fusion=self.fusion,
-            known_hops=self._hops,
+            obs, current, per_worker_bytes=self._held, fixed_bytes=fixed,
+            fusion=self.fusion, known_hops=self._hops,
         )  # fmt: skip
         state = self.encoder.encode(obs, current, self._last, planned)
         mask = mask_split_moves(self.actions.mask(obs, current, self.memory, planned), obs, current)
-        if planned is not None and _grows_for_little(planned, current):
+        if not self.plan_action or (planned is not None and _grows_for_little(planned, current)):
             mask[self.actions.plan_index] = False
         if undone:
             # The undo is this step's worker move: another one on top of it (the network's

@@ -341,6 +341,19 @@ class MemoryModel:
             per_worker = other / w
         return per_worker, max(0.0, other - per_worker * w)
 
+    def per_stage(self, obs: Observation) -> tuple[list[float], float]:
+        """(bytes one more worker of each stage costs, fixed bytes): what each stage's workers
+        hold where the observation measures it (``StageStats.memory_bytes``,
+        :func:`~.base.memory_parts`), else :meth:`split`'s cost for every stage. A stage whose
+        workers each build a cache costs what they hold, not the mean of every worker (nor a
+        slope fitted across a change of what the workers hold, which read a 380 MiB cache
+        moved from 15 workers to one as workers that cost nothing)."""
+        if any(s.memory_bytes > 0 for s in obs.stages):
+            parts = memory_parts(obs)
+            return list(parts.per_worker_bytes), parts.fixed_bytes
+        per_worker, fixed = self.split(obs)
+        return [per_worker] * len(obs.stages), fixed
+
 
 def _local_count(obs: Observation) -> int:
     """Workers that run on the host (a remote worker holds no memory there)."""

@@ -135,7 +135,7 @@ def plan(
     obs: Observation,
     alloc: Allocation,
     *,
-    per_worker_bytes: float = 0.0,
+    per_worker_bytes: float | Sequence[float] = 0.0,
     fixed_bytes: float = 0.0,
     headroom: float = HEADROOM,
     fusion: bool = True,
@@ -147,7 +147,8 @@ def plan(
     Args:
         obs: one measured interval (every stage must have emitted items or be idle).
         alloc: the allocation in force; its buffers are kept.
-        per_worker_bytes: memory one more worker costs (see ``intune.MemoryModel``).
+        per_worker_bytes: memory one more worker costs (see ``intune.MemoryModel``), one
+            number or one per stage (:func:`_worker_bytes`).
         fixed_bytes: memory outside buffers and workers.
         headroom: workers per unit of measured need (>= 1).
         fusion: choose which fusable stages run fused (module docstring); False keeps the
@@ -200,7 +201,9 @@ def plan(
             # docstring).
             lo[i] = hi[i] = min(hi[i], max(lo[i], obs.workers[i]))
     memory_left = obs.memory_limit_bytes * MEMORY_SHARE - fixed_bytes - sum(alloc.buffer_bytes)
-    model = _Model(obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left)
+    model = _Model(
+        obs, g, u, floor, lo, hi, idle, headroom, _worker_bytes(obs, per_worker_bytes), memory_left
+    )
     # (Never below what the running workers use at the rate the model gives them: the budget
     # holds back more processes, it does not take away the ones that run.)
     running = model.rate_of(now, obs.workers) * sum(g)
@@ -255,7 +258,7 @@ def _stations(obs: Observation, model: _Model, shape, now, hop, r) -> list[Stati
     groups, _, _ = model.groups(shape, now, hop)
     n = len(shape)
     out = []
-    for h, members, gg, ug, fl, lo, hi, idle in groups:
+    for h, members, gg, ug, fl, lo, hi, idle, _ in groups:
         terms = (0.0, 0.0, 0.0)
         if len(members) == 1 and obs.stages[h].remotable and not (h + 1 < n and shape[h + 1]):
             terms = remote_terms(obs, h, r[h])
@@ -354,10 +357,19 @@ def _fusion_shape(
 class _Model:
     """The fluid model the plan inverts, for any fusion shape (module docstring)."""
 
-    def __init__(self, obs, g, u, floor, lo, hi, idle, headroom, per_worker_bytes, memory_left):
+    def __init__(self, obs, g, u, floor, lo, hi, idle, headroom, worker_bytes, memory_left):
         self.obs, self.g, self.u, self.floor = obs, g, u, floor
         self.lo, self.hi, self.idle, self.headroom = lo, hi, idle, headroom
-        self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
+        self.worker_bytes, self.lightest = worker_bytes  # per stage, and the lightest worker's
+        self.memory_left = memory_left
+        # One worker's memory, the mean over the workers that run (the split between host
+        # and cluster counts local workers alike).
+        running = sum(obs.workers)
+        self.per_worker_bytes = (
+            sum(w * b for w, b in zip(obs.workers, self.worker_bytes, strict=True)) / running
+            if running
+            else max(self.worker_bytes, default=0.0)
+        )
         self.allowance = 0.0  # the least CPU budget every shape gets (see solve)
         self.cpus = obs.cpus  # the CPU the pipeline may grow into (cpu_budget)
 
@@ -382,7 +394,9 @@ class _Model:
 
     def groups(self, shape, now, hop):
         """Per group (host and the stages fused into it): its host, members, CPU and worker
-        seconds per delivered item, charge floor, bounds, and whether it is idle."""
+        seconds per delivered item, charge floor, bounds, whether it is idle, and the memory
+        one of its workers holds (the lightest worker's, and what each of its stages keeps in
+        a worker beyond it)."""
         g, u = self.costs(shape, now, hop)
         out = []
         for h in (i for i in range(len(shape)) if not shape[i]):
@@ -398,7 +412,10 @@ class _Model:
                 # worker that only time-slices them.
                 ug = max(gg, 1e-12)
             fl = max(self.floor[i] for i in members)
-            out.append((h, members, gg, ug, fl, self.lo[h], self.hi[h], self.idle[h]))
+            mem = self.lightest + sum(
+                max(0.0, self.worker_bytes[i] - self.lightest) for i in members
+            )
+            out.append((h, members, gg, ug, fl, self.lo[h], self.hi[h], self.idle[h], mem))
         return out, g, u
 
     def rate_of(self, shape, workers) -> float:
@@ -418,7 +435,7 @@ class _Model:
         top = self.cpus / max(sum(grp[2] for grp in groups), 1e-12)
         busy = [grp for grp in groups if not grp[7]]
         if busy:
-            top = min(top, min(capacity(hi, ug, self.headroom) for *_, ug, _, _, hi, _ in busy))
+            top = min(top, min(capacity(grp[6], grp[3], self.headroom) for grp in busy))
         if obs.consumer_step_s > 0:
             top = min(top, 1.0 / obs.consumer_step_s)
         return top
@@ -433,6 +450,7 @@ class _Model:
         fl = [grp[4] for grp in groups]
         lo = [grp[5] for grp in groups]
         hi = [grp[6] for grp in groups]
+        mem = [grp[8] for grp in groups]
         m = len(groups)
         busy = [k for k in range(m) if not groups[k][7]]
 
@@ -455,7 +473,7 @@ class _Model:
                 t * sum(gs) <= self.cpus
                 and charged(t, w) <= cpus + 1e-9
                 and sum(w) <= max(sum(lo), MAX_OVERSUBSCRIBE * obs.cpus)
-                and sum(w) * self.per_worker_bytes <= self.memory_left
+                and sum(w[k] * mem[k] for k in range(m)) <= self.memory_left
             )
 
         top = self._top(groups)
@@ -480,6 +498,36 @@ class _Model:
                 need = workers_for(rate, u[j], headroom)
                 out[j] = min(self.hi[j], max(self.lo[j], need))
         return rate, tuple(out)
+
+
+def _worker_bytes(
+    obs: Observation, per_worker_bytes: float | Sequence[float]
+) -> tuple[list[float], float]:
+    """Per stage, the memory one of its own workers holds, and the lightest worker's (a
+    worker's own memory), from ``per_worker_bytes``: one number for every stage, or one per
+    stage. A stage fused now measures none of its own: its entry is what its workers held
+    when it last ran split (0: not known, then the lightest worker's), and that much beyond
+    the lightest is taken off its host's (the host's workers hold it now). Charged its host's
+    cache instead, every stage fused into a host with a 300 MiB cache looked too costly to
+    split, and I/O stages that needed many workers of 150 MiB each stayed in the host's
+    (``benchmarks/generalize.py``, ``memory_tight``); the hard limits charge a split stage
+    its host's until it is measured."""
+    n = len(obs.stages)
+    if isinstance(per_worker_bytes, (int, float)):
+        return [float(per_worker_bytes)] * n, float(per_worker_bytes)
+    if len(per_worker_bytes) != n:
+        raise ValueError(f"plan(): per_worker_bytes needs {n} entries, got {per_worker_bytes}")
+    now = tuple(st.fused for st in obs.stages)
+    split = [float(b) for b, f in zip(per_worker_bytes, now, strict=True) if not f]
+    lightest = min(split, default=0.0)
+    own = [
+        float(b) if not f or b > 0 else lightest for b, f in zip(per_worker_bytes, now, strict=True)
+    ]
+    for j in range(n):
+        if now[j]:
+            h = fusion_host(now, j)
+            own[h] = max(lightest, own[h] - max(0.0, own[j] - lightest))
+    return own, lightest
 
 
 def _cpu_and_idle(obs: Observation, r: list[float]) -> tuple[list[float], list[bool]]:
@@ -565,14 +613,13 @@ def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) 
     stage fused now) takes what it measured when it was last crossed (``known``, per item of
     stage ``i``: items inside a group can cost far more to send than the group's output, e.g.
     rows before the collate that a fused group ends with), else the median hop per item of the
-    stages that are measured, else the prior ``HOP_S_PER_ITEM``. No hop is priced below that
+    measured stages whose items are its items (rows, not batches), else the prior
+    ``HOP_S_PER_ITEM``. No hop is priced below that
     prior: the measured time is encoding and decoding only (a frame's dispatch by the router,
     the workers' wake-ups and the channel's bookkeeping are not in it)."""
     stages = obs.stages
     n = len(stages)
     own = [s.hop_s_per_item if not s.fused and s.hop_s_per_item > 0 else 0.0 for s in stages]
-    measured = sorted(h for h in own if h > 0)
-    typical = measured[len(measured) // 2] if measured else HOP_S_PER_ITEM
     hop = []
     for i in range(n):
         ends = []
@@ -585,11 +632,24 @@ def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) 
         elif i < len(known) and known[i] > 0:
             cost = known[i] * r[i]
         else:
-            cost = typical * r[i]
+            cost = _typical_hop(own, r, i) * r[i]
         # The counters time encoding and decoding only: a frame's dispatch, its wake-ups and
         # its channel's bookkeeping are not in them, so a hop costs at least the prior.
         hop.append(max(cost, HOP_S_PER_ITEM * r[i]))
     return hop
+
+
+def _typical_hop(own: Sequence[float], r: Sequence[float], i: int) -> float:
+    """The median measured hop per item (``own``) of the stages whose items are stage ``i``'s
+    (``r`` within a factor of ``2``: rows, not the batches a collate makes of them), else the
+    prior. A batch of 4096 rows of 1 KiB costs ~200 us to copy; priced per row, the channels
+    between the row stages of an I/O-heavy pipeline cost more than its CPU, and the plan kept
+    its lookups fused into the reader, where every worker is charged the feature map's core
+    (half the oracle's rate)."""
+    measured = sorted(
+        h for k, h in enumerate(own) if h > 0 and r[i] > 0 and 0.5 <= r[k] / r[i] <= 2.0
+    )
+    return measured[len(measured) // 2] if measured else HOP_S_PER_ITEM
 
 
 def crossed_hops(obs: Observation) -> list[float]:

@@ -56,6 +56,14 @@ def _intune(**kw) -> Tuner:
     return InTuneTuner(**kw)
 
 
+def _planner(**kw) -> Tuner:
+    # The InTune tuner with the planner in the network's place (its ablation): each step the
+    # plan (tuning/planner.py) when it promises more, under the same undo, guard and rescale.
+    from .intune import InTuneTuner
+
+    return InTuneTuner(plan_only=True, **kw)
+
+
 _FACTORIES: dict[str, Callable[..., Tuner]] = {
     "static": _static,
     "unoptimized": _unoptimized,
@@ -66,6 +74,7 @@ _FACTORIES: dict[str, Callable[..., Tuner]] = {
     "plumber-adaptive": _plumber(True),
     "oracle": _oracle,
     "intune": _intune,
+    "planner": _planner,
 }
 
 TUNERS: tuple[str, ...] = tuple(_FACTORIES)
