@@ -261,12 +261,17 @@ def run_case(case: Case, segment: int, tuners: Sequence[str], cached: Mapping[st
             steady.append(x / max(oracle[(k, end)], 1e-12))
         mean = sum(o.throughput for o in trace) / steps  # intervals after an OOM deliver 0
         out["tuners"][name] = {
-            "steady": steady,
-            "time_avg": mean / max(denominator, 1e-12),
-            "throughput": mean,
+            "steady": [_sig(x) for x in steady],
+            "time_avg": _sig(mean / max(denominator, 1e-12)),
+            "throughput": _sig(mean),
             "oom": bool(trace and trace[-1].oom),
         }
     return out
+
+
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits (the JSON keeps every case)."""
+    return float(f"{x:.4g}")
 
 
 # -- the battery -----------------------------------------------------------------------------
