@@ -33,8 +33,9 @@ changed (every tuning module that imported it too): ``benchmarks/generalize_ab.p
 InTune stack's rules that way. ``--oracle-cache FILE`` keeps the oracle's values between
 runs (keyed by the workload's full description).
 
-Run: ``python -m benchmarks.generalize --out benchmarks/results/generalize.json`` (about ten
-minutes on 2 cores); ``--quick`` for a smoke run (seconds).
+Run: ``python -m benchmarks.generalize --out benchmarks/results/generalize.json`` (about 20
+minutes on 2 busy cores, most of it the oracle; about 3 with ``--oracle-cache`` filled);
+``--quick`` for a smoke run (under a minute).
 """
 
 from __future__ import annotations
@@ -383,7 +384,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--jobs", type=int, default=usable_cores())
     p.add_argument("--oracle-cache", type=Path, help="JSON file of oracle values, kept")
     p.add_argument("--out", help="write the JSON result here")
-    p.add_argument("--quick", action="store_true", help="a tiny smoke run (seconds)")
+    p.add_argument("--quick", action="store_true", help="a tiny smoke run (under a minute)")
     args = p.parse_args(argv)
     if args.quick:
         args.generated, args.per_family, args.segment = 3, 1, 8
