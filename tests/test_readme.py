@@ -35,14 +35,20 @@ def test_readme_snippet_runs(name, tmp_path):
     need = NEEDS.get(name)
     if need and importlib.util.find_spec(need) is None:
         pytest.skip(f"{need} is not installed")
-    script = tmp_path / f"{name}.py"
-    script.write_text(snippets()[name])
+    _run_script(snippets()[name], tmp_path / f"{name}.py")
+
+
+def _run_script(code: str, script) -> subprocess.CompletedProcess:
+    """Run ``code`` as the script ``script`` (in its folder, the repository importable); it
+    must exit with 0."""
+    script.write_text(code)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=150,
+        [sys.executable, str(script)], cwd=script.parent, env=env, capture_output=True,
+        text=True, timeout=150,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
 
 
 @pytest.mark.slow
@@ -60,12 +66,5 @@ def test_the_callback_snippet_with_limit_train_batches_runs_every_epoch(tmp_path
         "    assert trainer.fit_loop.epoch_progress.current.completed == 3\n"
         "    assert sum(1 for _ in loader) == len(loader)  # a whole epoch after them\n"
     )
-    script = tmp_path / "callback_limited.py"
-    script.write_text(code)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=150,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = _run_script(code, tmp_path / "callback_limited.py")
     assert "Traceback" not in done.stderr and "stopped by an error" not in done.stderr, done.stderr
