@@ -59,8 +59,8 @@ class FileDataset(Dataset):
         return N
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        self.f.seek(8 * i)
-        return torch.tensor(struct.unpack("<q", self.f.read(8)))
+        # pread, not seek + read: forked workers (torch's too) share the handle's offset.
+        return torch.tensor(struct.unpack("<q", os.pread(self.f.fileno(), 8, 8 * i)))
 
 
 class SqliteDataset(Dataset):
