@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -48,7 +49,7 @@ def _wait_for_workers(dl, deadline_s=60.0):
 def _batches(workers, fast: bool, seed=5):
     g = torch.Generator().manual_seed(seed)
     dl = DataLoader(WhereAndNoise(), batch_size=8, shuffle=True, generator=g, num_workers=workers)
-    dl.loader.fast_start = fast
+    dl.loader.strategy = dataclasses.replace(dl.loader.strategy, fast_start=fast)
     with dl:
         it = iter(dl)
         out = [next(it)]

@@ -15,6 +15,7 @@ from .errors import (
     TorchtunePipeError,
 )
 from .loader import Loader
+from .options import StageOptions, Strategy
 from .pipeline import Pipeline, Prefetch, Stage
 from .prefetch import transfer
 from .sources import (
@@ -54,7 +55,9 @@ __all__ = [
     "Source",
     "SourceError",
     "Stage",
+    "StageOptions",
     "StateError",
+    "Strategy",
     "TorchtunePipeError",
     "as_source",
     "transfer",

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from .loader import Loader
+from .options import Strategy
 from .pipeline import Pipeline
 from .sources import (
     IterableDatasetSource,
@@ -428,16 +429,20 @@ class DataLoader:
             tuning_interval_s=tuning_interval_s,
             tuning_log=tuning_log,
             ordered=in_order and not iterable,
-            inline=workers == 0,
             timeout_s=float(timeout),
-            interleave=iterable and workers > 1,
             progress=progress,
-            # The first batches are fetched in this process while the workers start, where
-            # that gives the batches workers would: map-style, per-batch seeds, no init.
-            fast_start=not iterable and workers > 0 and worker_init_fn is None and seed_each_batch,
-            # "auto" may read in this process when that is faster; not with persistent
-            # workers, whose view of the process is the first epoch's.
-            choose_shape=auto and not persistent_workers,
+            strategy=Strategy(
+                inline=workers == 0,
+                interleave=bool(iterable and workers > 1),
+                # The first batches are fetched in this process while the workers start, where
+                # that gives the batches workers would: map-style, per-batch seeds, no init.
+                fast_start=bool(
+                    not iterable and workers > 0 and worker_init_fn is None and seed_each_batch
+                ),
+                # "auto" may read in this process when that is faster; not with persistent
+                # workers, whose view of the process is the first epoch's.
+                choose_shape=bool(auto and not persistent_workers),
+            ),
             persistent_workers=persistent_workers,
             start_method=_start_method(multiprocessing_context),
         )

@@ -40,6 +40,7 @@ from ._inline import run_inline
 from ._progress import STATE_VERSION, Progress, plan_epoch
 from ._pushdown import batched_at_source
 from .errors import LoaderTimeoutError
+from .options import Strategy, with_fields
 from .prefetch import END
 from .running import (
     MachineFacts,
@@ -60,7 +61,7 @@ from .stages import StageChain, items_out
 from .tuning.base import Allocation, Observation
 from .tuning.loop import write_event
 
-__all__ = ["EpochIterator", "Loader", "RunningPipeline"]
+__all__ = ["Loader"]
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +80,6 @@ class Loader:
             or a :class:`~torchtune_pipe.tuning.base.Tuner`.
         ordered: deliver items in source order (deterministic given the seeds); shuffle and
             batch stages then run one worker each.
-        inline: run every stage in the calling thread (no worker processes).
         epoch: the first epoch.
         progress: show a live per-stage table while iterating.
         tuning_interval_s: seconds between tuning steps.
@@ -90,8 +90,6 @@ class Loader:
         timeout_s: raise :class:`~torchtune_pipe.errors.LoaderTimeoutError` when no item
             arrives for this long (0: wait forever).
         length: items per epoch for ``len()`` when the source cannot say.
-        interleave: deliver round-robin across units (torch's order for iterable datasets
-            read by one worker per shard); needs a pipeline without shuffle or batch stages.
         max_restarts: worker deaths tolerated per stage.
         even_ranks: under ``torch.distributed``, end every rank's epoch at the step where the
             first rank runs out of items (one integer all-reduced per item), so DDP never waits
@@ -99,18 +97,6 @@ class Loader:
             in :attr:`last_epoch_dropped` and log it. None: on when the source is sharded
             (``world_size``) for the process group's world size; ``len()`` is then the
             shortest rank's length where the source can tell it.
-        fast_start: read the first units of the first epoch in the calling thread while the
-            workers start, so the first items come at once (see
-            :mod:`torchtune_pipe._faststart`); only for pipelines without shuffle or batch
-            stages, prefetch thread or timeout, whose items do not depend on where they are
-            read (no ``init`` that a read needs).
-        choose_shape: with ``fast_start``, compare the tuned workers with reading in the
-            calling thread and keep whichever delivers faster (rows cheaper than a hop
-            between processes are read inline, as torch's ``num_workers=0``); logged at INFO.
-        batch_at_source: run a pipeline that maps a map-style dataset's samples and then
-            batches them with the batching moved into its source, one item per batch, as
-            torch's DataLoader does (the same batches; see :mod:`torchtune_pipe._pushdown`);
-            ``False`` runs it as written, a sample per item until the batch stage.
         persistent_workers: what the workers see, as in torch's DataLoader. False: each
             ``iter()`` takes a snapshot of this process (:mod:`multiproc.snapshot`) and its
             epoch's workers, fork-started from it, see the process as it was then (a
@@ -121,6 +107,9 @@ class Loader:
         start_method: ``"fork"`` (workers fork from the snapshot and inherit what does not
             pickle: open files, database handles) or ``"spawn"`` (stage functions reach
             workers by pickle, as under torch's ``multiprocessing_context="spawn"``).
+        strategy: how an epoch is run (:class:`~torchtune_pipe.options.Strategy`: ``inline``,
+            ``fast_start``, ``choose_shape``, ``batch_at_source``, ``interleave``); its fields
+            may also be given as keyword arguments, which override ``strategy``'s.
 
     Example:
         >>> loader = pipe.loader(tuner="heuristic", ordered=True)   # doctest: +SKIP
@@ -133,7 +122,6 @@ class Loader:
         *,
         tuner: Any = None,
         ordered: bool = False,
-        inline: bool = False,
         epoch: int = 0,
         progress: bool = False,
         tuning_interval_s: float = DEFAULT_TUNING_INTERVAL_S,
@@ -141,14 +129,12 @@ class Loader:
         memory_limit_bytes: int | None = None,
         timeout_s: float = 0.0,
         length: int | None = None,
-        interleave: bool = False,
         max_restarts: int = DEFAULT_MAX_RESTARTS,
         even_ranks: bool | None = None,
-        fast_start: bool = False,
-        choose_shape: bool = False,
-        batch_at_source: bool = True,
         persistent_workers: bool = False,
         start_method: str = "fork",
+        strategy: Strategy | None = None,
+        **switches: bool,
     ):
         if not isinstance(pipeline, StageChain):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
@@ -156,30 +142,27 @@ class Loader:
             raise ValueError(f"Loader: epoch must be an int >= 0, got {epoch!r}")
         if timeout_s < 0:
             raise ValueError(f"Loader: timeout_s must be >= 0, got {timeout_s}")
-        if interleave and any(s.stateful for s in pipeline.stages):
+        self.strategy = with_fields("Loader", Strategy, strategy, switches)
+        if self.strategy.interleave and any(s.stateful for s in pipeline.stages):
             raise ValueError(
                 "Loader: interleave=True needs a pipeline without shuffle or batch stages"
             )
-        if not isinstance(batch_at_source, bool):
-            raise TypeError(f"Loader: batch_at_source must be a bool, got {batch_at_source!r}")
         if start_method not in ("fork", "spawn"):
             raise ValueError(
                 f"Loader: start_method must be 'fork' or 'spawn', got {start_method!r}"
             )
-        self.pipeline = (batch_at_source and batched_at_source(pipeline)) or pipeline
+        at_source = self.strategy.batch_at_source and batched_at_source(pipeline)
+        self.pipeline = at_source or pipeline
         self.tuner = make_tuner(tuner)
         self.ordered = ordered
-        self.inline = inline
+        self.inline = self.strategy.inline  # True from the start, or once choose_shape says so
         self.progress = progress
         self.tuning_interval_s = tuning_interval_s
         self.tuning_log = tuning_log
         self.memory_limit_bytes = memory_limit_bytes
         self.timeout_s = timeout_s
-        self.interleave = interleave
         self.max_restarts = max_restarts
         self.even_ranks = even_ranks
-        self.fast_start = fast_start
-        self.choose_shape = choose_shape
         self.persistent_workers = bool(persistent_workers)
         self.start_method = start_method
         self._shape_probe = ShapeProbe()  # what the shape choice measured (choose_shape)
@@ -208,7 +191,7 @@ class Loader:
         self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
         self._finalizer = weakref.finalize(self, close_held, self._held, self._pid)
-        if not inline:
+        if not self.inline:
             warm_workers(pipeline, start_method)
 
     # ------------------------------------------------------------------------ public API
@@ -415,7 +398,7 @@ class Loader:
         elif self._fast_start_applies():
             faststart = FastStart(
                 self.pipeline, works, epoch, self._ensure_executor, self._on_started,
-                choose_shape=self.choose_shape, may_go_inline=lambda: self.tuner is not None,
+                choose_shape=self.strategy.choose_shape, may_go_inline=lambda: self.tuner is not None,
                 on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
                 interval_s=self.tuning_interval_s, probe=self._shape_probe,
                 on_built=self._on_built, inline_context=inline_context(self.pipeline),
@@ -423,7 +406,7 @@ class Loader:
             stream = faststart.stream()
         else:
             stream = self._ensure_executor().run(works, epoch)
-        if self.interleave:
+        if self.strategy.interleave:
             starts = {w.pos: skip_prefix(set(w.skip)) for w in works}
             stream = interleave(stream, starts, progress.last_unit)
         self.last_epoch_dropped = 0
@@ -506,11 +489,12 @@ class Loader:
         """Whether this epoch's first units may run inline while the workers start: until
         the first epoch with workers, or until the shape is chosen."""
         return (
-            self.fast_start
+            self.strategy.fast_start
             and (
-                self._executor is None or (self.choose_shape and self._shape_probe.decided is None)
+                self._executor is None
+                or (self.strategy.choose_shape and self._shape_probe.decided is None)
             )
-            and fast_start_fits(self.pipeline, self.interleave, self.timeout_s)
+            and fast_start_fits(self.pipeline, self.strategy.interleave, self.timeout_s)
         )
 
     def _go_inline(self, why: str) -> None:

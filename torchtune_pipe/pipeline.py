@@ -34,17 +34,17 @@ from typing import Any, Literal
 from torch.utils.data import default_collate
 
 from multiproc import ExecutorSpec, StageSpec, buffers
-from multiproc.spec import EXECUTOR_KIND, MAX_ERRORS_ARE, valid_max_errors
+from multiproc.spec import EXECUTOR_KIND, MAX_ERRORS_ARE, PipelineKind, valid_max_errors
 
 from ._tagging import MapTagged, ReadTagged, TaggedReducer, map_fn, reducer_factory
 from .errors import PipelineError
 from .loader import Loader
+from .options import StageOptions, with_fields
 from .remote import INSTALL_HINT, PLACEMENTS, RayMap, check_ray_options, ray_installed
 from .remote_mixed import auto_offload
 from .sources import as_source
 from .stages import (
     DEFAULT_BUFFER_BYTES,
-    DEFAULT_MAX_ERRORS,
     DEFAULT_MAX_WORKERS,
     DEFAULT_PREFETCH_DEPTH,
     MIN_BUFFER_BYTES,
@@ -83,16 +83,8 @@ class Pipeline:
         source: Any,
         *,
         name: str = "source",
-        workers: int = 1,
-        min_workers: int = 1,
-        max_workers: int = DEFAULT_MAX_WORKERS,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        worker_type: Literal["process", "thread"] = "process",
-        on_error: Literal["raise", "skip"] = "raise",
-        init: Callable[[str, int], None] | None = None,
-        max_errors: int | float | None = DEFAULT_MAX_ERRORS,
-        concurrency: int = 1,
-        max_concurrency: int | None = None,
+        options: StageOptions | None = None,
+        **knobs: Any,
     ) -> Pipeline:
         """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
         map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
@@ -102,38 +94,37 @@ class Pipeline:
         plain ``read()`` generator (which cannot go on after raising); ``max_errors`` bounds
         the skips. See :class:`~torchtune_pipe._tagging.ReadTagged`.
 
+        Args:
+            source: the source.
+            name: the stage's name.
+            options: the stage's knobs (:class:`~torchtune_pipe.options.StageOptions`:
+                ``workers``, ``max_workers``, ``worker_type``, ``on_error``, ``init``,
+                ``concurrency``...); its fields may also be given as keyword arguments, which
+                override ``options``'.
+
         Raises:
             PipelineError: ``source`` is none of these, or a knob is invalid.
+            TypeError: a keyword argument names no stage option.
         """
+        o = with_fields("from_source()", StageOptions, options, knobs)
         try:
             src = as_source(source)
         except TypeError as e:
             raise PipelineError(f"from_source(): source: {e}") from e
-        stage = cls._stage(
-            "from_source()", (), name, "source", None, workers, min_workers, max_workers,
-            buffer_bytes, worker_type, on_error, init,
-        )  # fmt: skip
-        stage = _with_concurrency("from_source()", stage, concurrency, max_concurrency)
-        return cls(src, (_with_max_errors("from_source()", stage, max_errors),))
+        stage = cls._stage("from_source()", (), name, "source", None, o)
+        stage = _with_concurrency("from_source()", stage, o.concurrency, o.max_concurrency)
+        return cls(src, (_with_max_errors("from_source()", stage, o.max_errors),))
 
     def map(
         self,
         fn: Callable[[Any], Any],
         *,
         name: str | None = None,
-        workers: int = 1,
-        min_workers: int = 1,
-        max_workers: int = DEFAULT_MAX_WORKERS,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        worker_type: Literal["process", "thread"] = "process",
-        on_error: Literal["raise", "skip"] = "raise",
-        init: Callable[[str, int], None] | None = None,
-        max_errors: int | float | None = DEFAULT_MAX_ERRORS,
-        concurrency: int = 1,
-        max_concurrency: int | None = None,
+        options: StageOptions | None = None,
         fused: bool = False,
         placement: Literal["local", "ray", "auto"] = "local",
         ray_options: Mapping[str, Any] | None = None,
+        **knobs: Any,
     ) -> Pipeline:
         """Apply ``fn`` to every item (or batch, after :meth:`batch`) in its own stage.
 
@@ -141,17 +132,11 @@ class Pipeline:
             fn: the function; it must pickle (closures and lambdas do, via cloudpickle) for
                 process workers.
             name: stage name; default ``fn.__name__`` (``map``, ``map_1``... if taken).
-            workers, min_workers, max_workers: the worker knob and its bounds.
-            buffer_bytes: the outbound buffer knob (>= 64 KiB).
-            worker_type: ``process`` (default) or ``thread`` (for GIL-free functions).
-            on_error: ``raise`` or ``skip``.
-            init: ``init(stage_name, worker_index)`` run once in every new worker (on the
-                actor, with ``placement="ray"``).
-            max_errors: the bound on skipped items (see :class:`Stage`).
-            concurrency: calls of ``fn`` in flight per worker, on threads (for functions
-                that wait on I/O; see :class:`Stage`).
-            max_concurrency: how far the pipeline may raise ``concurrency`` while running
-                (default: ``concurrency``, i.e. fixed; give it only for a thread-safe ``fn``).
+            options: the stage's knobs (:class:`~torchtune_pipe.options.StageOptions`:
+                ``workers`` and its bounds, ``buffer_bytes``, ``worker_type``, ``on_error``,
+                ``init`` (run on the actor with ``placement="ray"``), ``max_errors``,
+                ``concurrency`` and ``max_concurrency``); its fields may also be given as
+                keyword arguments, which override ``options``'.
             fused: start with ``fn`` running in the previous stage's workers (a source or
                 map stage of the same worker type), with no hop between them; the tuner may
                 split it while running.
@@ -175,20 +160,18 @@ class Pipeline:
             >>> pipe.map(featurize, workers=2, placement="auto")             # doctest: +SKIP
         """
         method = f"map({name!r})" if name else "map()"
+        o = with_fields(method, StageOptions, options, knobs)
         if not callable(fn):
             raise PipelineError(f"{method}: fn must be callable, got {type(fn).__name__}")
         if name is None:
             name = self._free_name(getattr(fn, "__name__", "map").strip("<>") or "map")
-        stage = self._stage(
-            method, self.stages, name, "map", fn, workers, min_workers, max_workers,
-            buffer_bytes, worker_type, on_error, init,
-        )  # fmt: skip
-        if worker_type == "process" or placement != "local":
+        stage = self._stage(method, self.stages, name, "map", fn, o)
+        if o.worker_type == "process" or placement != "local":
             _check_pickles(method, "fn", fn)
-        stage = _with_concurrency(method, stage, concurrency, max_concurrency)
+        stage = _with_concurrency(method, stage, o.concurrency, o.max_concurrency)
         stage = _with_fused(method, self.stages, stage, fused)
         stage = _with_placement(method, stage, placement, ray_options)
-        return self._add(_with_max_errors(method, stage, max_errors), method)
+        return self._add(_with_max_errors(method, stage, o.max_errors), method)
 
     def shuffle(
         self,
@@ -205,9 +188,8 @@ class Pipeline:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise PipelineError(f"{method}: seed must be an int, got {seed!r}")
         stage = self._stage(
-            method, self.stages, name, "shuffle", None, 1, 1, DEFAULT_MAX_WORKERS, buffer_bytes, "process",
-            "raise", None,
-        )  # fmt: skip
+            method, self.stages, name, "shuffle", None, StageOptions(buffer_bytes=buffer_bytes)
+        )
         return self._add(dataclasses.replace(stage, buffer=buffer, seed=seed), method)
 
     def batch(
@@ -235,10 +217,8 @@ class Pipeline:
             raise PipelineError(f"{method}: drop_last must be a bool, got {drop_last!r}")
         if collate is not None:
             _check_pickles(method, "collate", collate)
-        stage = self._stage(
-            method, self.stages, name, "batch", collate, workers, 1, max_workers,
-            buffer_bytes, "process", "raise", None,
-        )  # fmt: skip
+        o = StageOptions(workers=workers, max_workers=max_workers, buffer_bytes=buffer_bytes)
+        stage = self._stage(method, self.stages, name, "batch", collate, o)
         return self._add(dataclasses.replace(stage, size=size, drop_last=drop_last), method)
 
     def prefetch(
@@ -304,8 +284,21 @@ class Pipeline:
 
     # ------------------------------------------------------------------------ helpers
     @staticmethod
-    def _stage(method, existing, name, kind, fn, workers, min_workers, max_workers,
-               buffer_bytes, worker_type, on_error, init) -> Stage:  # fmt: skip
+    def _stage(
+        method: str,
+        existing: tuple[Stage, ...],
+        name: Any,
+        kind: PipelineKind,
+        fn: Callable[..., Any] | None,
+        o: StageOptions,
+    ) -> Stage:
+        workers, min_workers, max_workers = o.workers, o.min_workers, o.max_workers
+        buffer_bytes, worker_type, on_error, init = (
+            o.buffer_bytes,
+            o.worker_type,
+            o.on_error,
+            o.init,
+        )
         if not isinstance(name, str) or not name:
             raise PipelineError(f"{method}: name must be a non-empty str, got {name!r}")
         if any(s.name == name for s in existing):
