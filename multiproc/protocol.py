@@ -18,111 +18,124 @@ A worker commits its outputs and the release of its input in one message (``Done
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar
+
+_M = TypeVar("_M")
+
+_BY_TAG: dict[str, Any] = {}  # tag on the wire -> message class, filled by _tagged
+
+
+def _tagged(tag: str) -> Callable[[type[_M]], type[_M]]:
+    """Give a message class its tag on the wire (a class attribute ``TAG``, not a field)."""
+
+    def put(cls: type[_M]) -> type[_M]:
+        setattr(cls, "TAG", tag)  # noqa: B010 -- written in the body, it would be a field to mypy
+        _BY_TAG[tag] = cls
+        return cls
+
+    return put
+
 
 # ------------------------------------------------------------------- router -> worker
 
 
+@_tagged("run")
 class Run(NamedTuple):
     """Run the stage function over a frame; ``skip``: item positions already consumed."""
 
-    TAG = "run"
     frame_id: int
     payload: Any
     skip: frozenset
 
 
+@_tagged("unit")
 class Unit(NamedTuple):
     """Read a work unit (source stages); its first ``skip_frames`` frames are committed."""
 
-    TAG = "unit"
     unit_id: int
     unit: Any
     skip_frames: int
 
 
+@_tagged("flush")
 class Flush(NamedTuple):
     """Input is exhausted: a stateful stage emits what it still holds."""
 
-    TAG = "flush"
 
-
+@_tagged("retire")
 class Retire(NamedTuple):
     """Finish what is held, hand a stateful stage's items back, say :class:`Bye`, end."""
 
-    TAG = "retire"
 
-
+@_tagged("free")
 class Free(NamedTuple):
     """Arena blocks (offsets) consumers no longer use."""
 
-    TAG = "free"
     offsets: list
 
 
+@_tagged("budget")
 class Budget(NamedTuple):
     """This worker's new share of its stage's byte budget (its arena's limit)."""
 
-    TAG = "budget"
     nbytes: int
 
 
+@_tagged("concurrency")
 class Concurrency(NamedTuple):
     """Calls of the stage function in flight in this worker."""
 
-    TAG = "concurrency"
     n: int
 
 
+@_tagged("fuse")
 class Fuse(NamedTuple):
     """Run the next ``depth`` stages' functions too, on this stage's outputs (fusion)."""
 
-    TAG = "fuse"
     depth: int
 
 
+@_tagged("spill_ok")
 class SpillOk(NamedTuple):
     """A blocked worker may send its frame inline (see ``policy``)."""
 
-    TAG = "spill_ok"
 
-
+@_tagged("drop")
 class Drop(NamedTuple):
     """Unmap another worker's arena (that worker is gone)."""
 
-    TAG = "drop"
     segment: str
 
 
+@_tagged("epoch")
 class Epoch(NamedTuple):
     """A new epoch starts: stateful stages build a fresh reducer seeded by it."""
 
-    TAG = "epoch"
     epoch: int
 
 
+@_tagged("exit")
 class Exit(NamedTuple):
     """End now (the executor closes)."""
-
-    TAG = "exit"
 
 
 # ------------------------------------------------------------------- worker -> router
 
 
+@_tagged("hello")
 class Hello(NamedTuple):
     """The worker runs and takes work."""
 
-    TAG = "hello"
     wid: int
     pid: int
 
 
+@_tagged("emit")
 class Emit(NamedTuple):
     """A source committed frame ``k`` of a unit (``n`` items), the output of the stage
     ``depth`` after its own (0: its own; more when stages are fused into it)."""
 
-    TAG = "emit"
     wid: int
     unit_id: int
     k: int
@@ -131,11 +144,11 @@ class Emit(NamedTuple):
     depth: int
 
 
+@_tagged("unit_done")
 class UnitDone(NamedTuple):
     """A source finished a unit of ``frames`` frames; it reads ``ahead`` units at once now
     (:mod:`multiproc.readahead`: the router keeps one more than that in flight to it)."""
 
-    TAG = "unit_done"
     wid: int
     unit_id: int
     frames: int
@@ -143,12 +156,12 @@ class UnitDone(NamedTuple):
     ahead: int = 1
 
 
+@_tagged("done")
 class Done(NamedTuple):
     """A frame is done: its outputs ``[(payload, n)]`` (made by the stage ``depth`` after
     the worker's own, see :class:`Emit`) and, for stateful stages, the input items now fully
     consumed (``{frame_id: [positions]}``)."""
 
-    TAG = "done"
     wid: int
     frame_id: int | None
     outs: list
@@ -157,10 +170,10 @@ class Done(NamedTuple):
     depth: int = 0
 
 
+@_tagged("flushed")
 class Flushed(NamedTuple):
     """A stateful stage's last outputs, after :class:`Flush` (fields as :class:`Done`)."""
 
-    TAG = "flushed"
     wid: int
     frame_id: None
     outs: list
@@ -168,10 +181,10 @@ class Flushed(NamedTuple):
     frees: list
 
 
+@_tagged("handoff")
 class Handoff(NamedTuple):
     """A retiring stateful worker gives its held items back (fields as :class:`Done`)."""
 
-    TAG = "handoff"
     wid: int
     frame_id: None
     outs: list
@@ -179,44 +192,44 @@ class Handoff(NamedTuple):
     frees: list
 
 
+@_tagged("frees")
 class Frees(NamedTuple):
     """Arena blocks of other workers this worker no longer uses."""
 
-    TAG = "frees"
     wid: int
     frees: list
 
 
+@_tagged("blocked")
 class Blocked(NamedTuple):
     """The worker's next frame does not fit its arena; it waits (see ``policy``).
     ``no_room``: the arena had room under the budget, but the shared-memory directory had no
     pages for it (:mod:`multiproc.shm`)."""
 
-    TAG = "blocked"
     wid: int
     frees: list
     no_room: bool = False
 
 
+@_tagged("unblocked")
 class Unblocked(NamedTuple):
     """Room appeared before the router let the frame through."""
 
-    TAG = "unblocked"
     wid: int
 
 
+@_tagged("bye")
 class Bye(NamedTuple):
     """A retiring worker is done."""
 
-    TAG = "bye"
     wid: int
     frees: list
 
 
+@_tagged("error")
 class Error(NamedTuple):
     """The stage function raised (``on_error='raise'``), or the worker could not start."""
 
-    TAG = "error"
     wid: int
     work_id: int | None
     exc: bytes | None  # the pickled exception, when it pickles
@@ -227,25 +240,15 @@ class Error(NamedTuple):
     depth: int = 0  # whose function: the stage this many after the worker's own
 
 
+@_tagged("skipped")
 class Skipped(NamedTuple):
     """An item was dropped under ``on_error='skip'``."""
 
-    TAG = "skipped"
     wid: int
     where: str
     type_name: str
     text: str
     depth: int = 0  # whose function: the stage this many after the worker's own
-
-
-_BY_TAG: dict[str, Any] = {
-    cls.TAG: cls
-    for cls in (
-        Run, Unit, Flush, Retire, Free, Budget, Concurrency, Fuse, SpillOk, Drop, Epoch, Exit,
-        Hello, Emit, UnitDone, Done, Flushed, Handoff, Frees, Blocked, Unblocked, Bye, Error,
-        Skipped,
-    )
-}  # fmt: skip
 
 
 def wire(msg: NamedTuple) -> tuple:
