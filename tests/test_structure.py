@@ -36,10 +36,6 @@ OVER_LIMIT = {
         "the fluid model, the fusion shape and the CPU budget of one plan; to be split when its "
         "capacity/rate model becomes one with tuning/placement.py's (issue 35, item 3)"
     ),
-    "tests/test_loader.py": (
-        "every Loader behaviour in one file; to be split along the Loader's parts (epochs, "
-        "state, tuning, errors) once the Loader's options are grouped (issue 35, item 5)"
-    ),
 }
 
 
