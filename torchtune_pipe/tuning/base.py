@@ -159,6 +159,14 @@ def waits_on_io(cpu_s: float, busy_s: float) -> bool:
     return busy_s > 0 and cpu_s < IO_CPU_SHARE * busy_s
 
 
+def is_io_bound(stage: StageStats) -> bool:
+    """True when the stage's workers mostly wait on I/O: :attr:`StageStats.io_bound`, which
+    both sides of the seam set by :func:`waits_on_io`, the one rule. What every tuner reads;
+    stats that carry no verdict (built by hand, replayed from an old log) read as not
+    I/O-bound, as the flag's default says."""
+    return stage.io_bound
+
+
 @dataclass(frozen=True)
 class Observation:
     """A snapshot of a pipeline and the machine it runs on, as a tuner sees it.
@@ -265,27 +273,6 @@ class Observation:
             fused=fused if any(fused) else (),
             remote=remote if any(remote) else (),
         )
-
-
-# A stage counts as I/O-bound by its busy share alone (CPU not measured) when it computes less
-# than this fraction of the time...
-IO_BUSY_MAX = 0.5
-# ...and waits on its neighbours' channels less than this fraction.
-IO_BLOCKED_MAX = 0.2
-
-
-def is_io_bound(stage: StageStats) -> bool:
-    """True when the stage's workers mostly wait on I/O rather than compute or wait on their
-    neighbours: :attr:`StageStats.io_bound` as measured (:func:`waits_on_io`). Where the CPU
-    time was not measured (``cpu_s_per_item`` 0: stats built by hand, logs), a stage busy less
-    than ``IO_BUSY_MAX`` and blocked on its channels less than ``IO_BLOCKED_MAX`` of the time
-    counts as waiting on something outside the pipeline."""
-    if stage.io_bound:
-        return True
-    if stage.items_per_s <= 0.0 or stage.cpu_s_per_item > 0.0:
-        return False
-    blocked = stage.blocked_in + stage.blocked_out
-    return stage.busy < IO_BUSY_MAX and blocked < IO_BLOCKED_MAX
 
 
 @dataclass(frozen=True)

@@ -132,7 +132,7 @@ def charge(stage: StageStats) -> float:
     """The share of a core one worker of ``stage`` is charged (module docstring)."""
     if stage.idle:
         return IO_MIN_CHARGE  # no work this interval: waiting uses no core
-    if stage.items_per_s <= 0.0 and not stage.io_bound:
+    if stage.items_per_s <= 0.0 and not is_io_bound(stage):
         return 1.0  # nothing measured yet: a full core
     return max(charge_floor(stage), min(1.0, _core_share(stage)))
 
