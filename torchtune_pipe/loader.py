@@ -45,11 +45,11 @@ from .prefetch import END
 from .running import (
     MachineFacts,
     RunningPipeline,
+    as_tuner,
     busy,
     close_held,
     consumer_labels,
     executor_spec,
-    make_tuner,
     start_executor,
     start_tuning,
     start_watch,
@@ -153,7 +153,7 @@ class Loader:
             )
         at_source = self.strategy.batch_at_source and batched_at_source(pipeline)
         self.pipeline = at_source or pipeline
-        self.tuner = make_tuner(tuner)
+        self.tuner = as_tuner(tuner)
         self.ordered = ordered
         self.inline = self.strategy.inline  # True from the start, or once choose_shape says so
         self.progress = progress

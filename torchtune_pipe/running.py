@@ -137,10 +137,18 @@ class MachineFacts:
         )
 
 
-def make_tuner(tuner: Any) -> Any:
-    """The Loader's ``tuner`` argument as a tuner (None: keep the stages' own knobs)."""
+def as_tuner(tuner: Any) -> Any:
+    """The Loader's ``tuner`` argument as the tuner it runs, or None for no tuning loop.
+
+    None and ``"static"`` keep the stages' own knobs (no tuner steps them, so nothing clamps
+    them either); another name is :func:`torchtune_pipe.tuning.make_tuner`'s tuner of that
+    name; an object with ``reset`` and ``step`` is the tuner itself.
+
+    Raises:
+        ValueError: for an unknown name or an object that is not a tuner.
+    """
     if tuner is None or tuner == "static":
-        return None  # the stages' own knobs, unchanged
+        return None
     if isinstance(tuner, str):
         from .tuning.registry import make_tuner
 
