@@ -47,7 +47,7 @@ class RunningPipeline:
     def apply(self, allocation: Allocation) -> None:
         """Resize stages and buffers to ``allocation`` (budgets within each stage's
         ``max_buffer_bytes``); calls in flight per worker where the allocation leaves them open
-        follow the measured rule (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
+        follow the measured rule (:func:`~torchtune_pipe.tuning.calls_in_flight.plan_concurrency`).
 
         ``allocation.remote`` is honoured as far as the executor places workers: a
         ``placement="auto"`` stage connected to Ray (``remotable``) runs ``remote[i]`` of its
@@ -59,7 +59,7 @@ class RunningPipeline:
             ValueError: when ``allocation.remote`` asks a stage that is not remotable for
                 another placement than the one it was built with.
         """
-        from .tuning.concurrency import plan_concurrency
+        from .tuning.calls_in_flight import plan_concurrency
 
         obs = self._last or self.observe()
         a = plan_concurrency(obs, allocation)

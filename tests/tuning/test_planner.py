@@ -4,7 +4,7 @@ import pytest
 
 from torchtune_pipe.tuning import MiB, Observation, StageStats
 from torchtune_pipe.tuning.base import Allocation, fusion_host
-from torchtune_pipe.tuning.concurrency import settled_concurrency
+from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
 from torchtune_pipe.tuning.intune import ActionSpace
 from torchtune_pipe.tuning.planner import plan
 

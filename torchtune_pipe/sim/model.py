@@ -65,7 +65,7 @@ from torchtune_pipe.tuning.base import (
     running_workers,
     waits_on_io,
 )
-from torchtune_pipe.tuning.concurrency import plan_concurrency
+from torchtune_pipe.tuning.calls_in_flight import plan_concurrency
 
 from .fused import FusionRule, can_host
 from .remote import RemoteModel
@@ -189,7 +189,8 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
     def apply(self, allocation: Allocation) -> None:
         """Set workers and buffer bytes per stage; workers are clamped to each stage's bounds.
         Calls in flight per worker follow the allocation, or where it leaves them open the
-        rule a live pipeline follows (:func:`~torchtune_pipe.tuning.concurrency.plan_concurrency`).
+        rule a live pipeline follows
+        (:func:`~torchtune_pipe.tuning.calls_in_flight.plan_concurrency`).
         Stages run fused as ``allocation.fused`` says (empty: as they run now), and
         ``allocation.remote`` of their workers on the cluster (empty: each stage keeps its
         placement); remote workers past ``cluster_cpus`` wait (pending) and do nothing.

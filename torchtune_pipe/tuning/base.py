@@ -281,7 +281,7 @@ class Allocation:
     worker of each stage and which stages run fused, in pipeline order.
 
     ``concurrency`` empty means "not decided by the tuner": the pipeline sets it from its own
-    measurements (:func:`torchtune_pipe.tuning.concurrency.plan_concurrency`), live and in the
+    measurements (:func:`torchtune_pipe.tuning.calls_in_flight.plan_concurrency`), live and in the
     simulator alike. ``fused`` empty means "as it is now"; ``fused[j]`` True runs stage ``j``
     in stage ``j - 1``'s workers (see :attr:`StageStats.fused`), and ``workers[j]`` is then
     the stage's target for when it is split again, not processes that run (the CPU budget

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from .base import Allocation, MiB, Observation, StageStats, fusion_host, memory_parts
+from .calls_in_flight import settled_concurrency
 from .cluster import local_total, remote_of
-from .concurrency import settled_concurrency
 from .planner import Plan, cpu_saturated
 from .safety import MEMORY_SAFE_SHARE, is_io_bound, oversubscribe_factor
 

@@ -21,7 +21,7 @@ From one interval with ``X`` items/s delivered, per stage ``i``:
 * ``u_i = g_i + max(0, a_i - g_i - q_i) * k_i / K_i``: worker seconds per item on an
   uncontended machine (CPU plus waiting on I/O), where a stage at ``k_i`` calls in flight per
   worker is being raised to ``K_i`` by the concurrency rule below every tuner
-  (:func:`~.concurrency.settled_concurrency`): its wait goes to threads, not processes. Such
+  (:func:`~.calls_in_flight.settled_concurrency`): its wait goes to threads, not processes. Such
   a stage keeps the workers it has until its calls in flight settle (processes bought for a
   wait its threads are about to take run idle after, and a run's peak memory is theirs).
 
@@ -90,7 +90,7 @@ from dataclasses import dataclass
 from multiproc.stats import MAX_FUSED
 
 from .base import Allocation, Observation, fusion_host
-from .concurrency import settled_concurrency
+from .calls_in_flight import settled_concurrency
 from .placement import Station, local_wall, place, rate_of, remote_terms
 from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 

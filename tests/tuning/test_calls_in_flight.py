@@ -12,7 +12,7 @@ from torchtune_pipe import DataLoader, Pipeline
 from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
 from torchtune_pipe.tuning import make_tuner
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
-from torchtune_pipe.tuning.concurrency import next_concurrency, plan_concurrency, wait_ratio
+from torchtune_pipe.tuning.calls_in_flight import next_concurrency, plan_concurrency, wait_ratio
 
 from ..multiproc._fns import burn_2ms  # noqa: F401  (imports the module workers load)
 from ..test_faststart import _wait_for_workers
