@@ -35,7 +35,7 @@ from typing import Any
 from ._inline import run_inline
 from ._rng import rng_states, set_rng_states
 from ._tagging import Work
-from .stages import StageChain
+from .stages import PipelineLike
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def _isolated_rng() -> Iterator[None]:
         set_rng_states(saved)
 
 
-def fast_start_fits(pipeline: StageChain, interleave: bool, timeout_s: float) -> bool:
+def fast_start_fits(pipeline: PipelineLike, interleave: bool, timeout_s: float) -> bool:
     """Whether a pipeline's first units may be read in the calling thread: no shuffle or batch
     stage (they group items across units), no interleaving, no prefetch thread (inline reads
     reseed the global generators, which only the consumer's own thread may touch) and no
@@ -118,7 +118,7 @@ def fast_start_fits(pipeline: StageChain, interleave: bool, timeout_s: float) ->
     )
 
 
-def inline_context(pipeline: StageChain) -> Any:
+def inline_context(pipeline: PipelineLike) -> Any:
     """What makes the calling thread stand in for a source worker during a fast start: the
     source stage's ``init.inline`` where its init has one (the DataLoader's sets torch's
     worker info), else nothing."""
@@ -153,7 +153,7 @@ class FastStart:
 
     def __init__(
         self,
-        pipeline: StageChain,
+        pipeline: PipelineLike,
         works: list[Work],
         epoch: int,
         start: Callable[[], Any],

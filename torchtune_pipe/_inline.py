@@ -13,12 +13,12 @@ from multiproc.reducers import DROPPED
 from multiproc.spec import too_many_errors
 
 from ._tagging import MapTagged, ReadTagged, TaggedReducer, Work, map_fn, reducer_factory
-from .stages import Stage, StageChain
+from .stages import PipelineLike, Stage
 
 log = logging.getLogger(__name__)
 
 
-def run_inline(pipeline: StageChain, works: list[Work], epoch: int) -> Iterator[tuple]:
+def run_inline(pipeline: PipelineLike, works: list[Work], epoch: int) -> Iterator[tuple]:
     """Run the pipeline in the calling thread (no workers): the tagged stream of items."""
     src = pipeline.stages[0]
     read = ReadTagged(pipeline.source, skip=src.on_error == "skip")

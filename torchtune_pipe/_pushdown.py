@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .map_dataset import MapDatasetSource
-from .stages import StageChain
+from .stages import PipelineLike
 
 
 class EachSample:
@@ -61,7 +61,7 @@ class CollateBatch:
         return samples if self.collate is None else self.collate(samples)
 
 
-def batched_at_source(pipe: StageChain) -> StageChain | None:
+def batched_at_source(pipe: PipelineLike) -> PipelineLike | None:
     """``pipe`` with its batching moved into its source (module docstring), or None when the
     rewrite would not deliver exactly the same batches."""
     src, stages = pipe.source, pipe.stages

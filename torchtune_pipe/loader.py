@@ -57,7 +57,7 @@ from .running import (
     warm_workers,
 )
 from .sources import ShardedSource
-from .stages import StageChain, items_out
+from .stages import PipelineLike, items_out
 from .tuning.base import Allocation, Observation
 from .tuning.loop import write_event
 
@@ -118,7 +118,7 @@ class Loader:
 
     def __init__(
         self,
-        pipeline: StageChain,
+        pipeline: PipelineLike,
         *,
         tuner: Any = None,
         ordered: bool = False,
@@ -136,7 +136,7 @@ class Loader:
         strategy: Strategy | None = None,
         **switches: bool,
     ):
-        if not isinstance(pipeline, StageChain):
+        if not isinstance(pipeline, PipelineLike):
             raise TypeError(f"Loader: pipeline must be a Pipeline, got {type(pipeline).__name__}")
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"Loader: epoch must be an int >= 0, got {epoch!r}")

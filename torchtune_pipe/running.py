@@ -21,7 +21,7 @@ from . import remote as _remote
 from . import telemetry
 from .memory import MemoryProbe
 from .sources import frame_items, max_readers
-from .stages import StageChain
+from .stages import PipelineLike
 from .tuning.base import Allocation, Observation
 
 
@@ -164,7 +164,7 @@ def _prefetched_bytes(slot: list[weakref.ref]) -> int:
     return pre.held_bytes() if pre is not None else 0
 
 
-def warm_workers(pipeline: StageChain, start_method: str = "fork") -> None:
+def warm_workers(pipeline: PipelineLike, start_method: str = "fork") -> None:
     """Where workers are spawned (not forked from a snapshot of this process: ``start_method``
     "spawn", ``MULTIPROC_FORKSERVER=spawn``, a process that imported Ray), start the spawned
     fork server now, importing what the stages' functions need (the modules their pickles
@@ -187,7 +187,7 @@ def warm_workers(pipeline: StageChain, start_method: str = "fork") -> None:
 
 
 def executor_spec(
-    pipeline: StageChain,
+    pipeline: PipelineLike,
     *,
     ordered: bool,
     max_restarts: int,
@@ -279,7 +279,7 @@ def start_executor(
     return ex, RunningPipeline(ex, meter)
 
 
-def consumer_labels(pipeline: StageChain) -> dict[str, Any]:
+def consumer_labels(pipeline: PipelineLike) -> dict[str, Any]:
     """What a tuning log's decisions say of their consumer: ``unit``, what one item it takes
     is (``"batches"`` from a pipeline that batches: a batch stage, or a source that reads
     whole batches, as the DataLoader's do; else ``"items"``), and its ``rank`` under

@@ -2,7 +2,7 @@
 
 :class:`Stage` describes one stage of a :class:`~torchtune_pipe.pipeline.Pipeline` (built by
 its ``from_source``/``map``/``shuffle``/``batch`` methods, which validate the knobs);
-:class:`Prefetch` the consumer side; :class:`StageChain` is what a
+:class:`Prefetch` the consumer side; :class:`PipelineLike` is what a
 :class:`~torchtune_pipe.loader.Loader` needs of a pipeline to run it.
 """
 
@@ -109,7 +109,7 @@ class Prefetch:
 
 
 @runtime_checkable
-class StageChain(Protocol):
+class PipelineLike(Protocol):
     """What a :class:`~torchtune_pipe.loader.Loader` runs: a source, its stages in order, the
     consumer side, and the executor spec they make. :class:`~torchtune_pipe.pipeline.Pipeline`
     is the implementation; the loader depends on this seam, not on the builder, so the
