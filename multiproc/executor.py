@@ -18,14 +18,13 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import itertools
 import logging
 import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import arena, buffers, handles, lifetime, offload, policy, shm, stats
@@ -36,15 +35,17 @@ from .errors import (
     SharedMemoryError,
     SpecError,
 )
-from .faults import Faults
+from .faults import Busy, FaultHandler
 from .frames import Order, Run, StageState
 from .frames import WorkerState as WS
-from .fusion import Fusion
-from .lifecycle import MAX_SLOTS, Workers
-from .poller import Poller
-from .router import Router
+from .fusion import FusionControl, chain_lengths, chain_pickles, check_fused
+from .ledger import Ledger
+from .lifecycle import MAX_SLOTS, Launch, WorkerPool, pickle_stages, start_server
+from .mail import Mail
+from .router import Router, route
 from .snapshot import Snapshot
 from .spec import ExecutorSpec, check_picklable
+from .state import Command, ExecutorState
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ _exec_ids = itertools.count()
 _swept = threading.Event()  # stale segments are swept once per process
 
 
-class Executor(Router, Workers, Fusion, Faults):
+class Executor:
     """Runs an :class:`ExecutorSpec`; see the module docstring.
 
     Args:
@@ -68,6 +69,7 @@ class Executor(Router, Workers, Fusion, Faults):
     def __init__(self, spec: ExecutorSpec, snapshot: Snapshot | None = None):
         if not isinstance(spec, ExecutorSpec):
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
+        check_fused(spec.stages)
         self.spec = spec
         # Segments are named ttp_<pid>_...: the fork server sweeps that prefix (lifetime.py).
         self._tag = f"{os.getpid()}_{next(_exec_ids)}_{os.urandom(3).hex()}"
@@ -76,7 +78,7 @@ class Executor(Router, Workers, Fusion, Faults):
         # Large arrays of the stage pickles: in the fork server's memory, or in one shared
         # file the workers map (buffers.py).
         self._buffers = buffers.BufferFile(f"ttp_{self._tag}{buffers.FILE_SUFFIX}")
-        self._preload = self._start_server(snapshot)
+        self._snapshot, preload = start_server(spec, snapshot)
         # Held until close, made before any other segment (lifetime.Alive): a sweep in another
         # PID namespace sharing the directory sees these segments alive.
         try:
@@ -86,8 +88,8 @@ class Executor(Router, Workers, Fusion, Faults):
                 self._snapshot.stop()
             raise
         try:
-            self._pickle_stages()
-            self._offload_bytes = {
+            stage_bytes = pickle_stages(spec, self._snapshot, self._buffers)
+            offload_bytes = {
                 i: check_picklable(offload.offload_spec(s), self._buffers)
                 for i, s in enumerate(spec.stages)
                 if s.offload is not None
@@ -107,44 +109,44 @@ class Executor(Router, Workers, Fusion, Faults):
             if stale:
                 log.info("removed %d shared-memory segments of dead processes", len(stale))
         self._names = [s.name for s in spec.stages]
-        self._init_fusion()
-        self._timeouts = {i: s.timeout_s for i, s in enumerate(spec.stages) if s.timeout_s}
-        self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
-        self._commands: collections.deque = collections.deque()
-        self._sink_frees: collections.deque = collections.deque()
-        self._free_slots = list(range(MAX_SLOTS - 1, -1, -1))
-        self._wids = itertools.count()
-        self._frame_ids = itertools.count()
-        self._workers: dict[int, handles.WorkerHandle] = {}
-        self._by_seg: dict[str, int] = {}
-        self._seg_refs: collections.Counter = collections.Counter()
-        self._segments: set[str] = {self._buffers.name} if self._buffers.created else set()
-        self._cache = arena.MappingCache()
+        chains = chain_pickles(stage_bytes, chain_lengths(spec.stages))
+        launch = Launch(self._snapshot, preload, stage_bytes, offload_bytes, chains)
+        workers: dict[int, handles.WorkerHandle] = {}
+        segments = {self._buffers.name} if self._buffers.created else set()
+        cache = arena.MappingCache()
         # Everything to give back, reachable by the finalizer from the first resource on: a
         # Ctrl-C anywhere below still releases what was made before it.
         self._res = handles.Resources(
             os.getpid(),
-            self._workers,
-            self._segments,
-            self._cache,
+            workers,
+            segments,
+            cache,
             prefix=f"ttp_{self._tag}_",
             snapshot=self._snapshot,
         )
         self._finalizer = weakref.finalize(self, _release, self._res, self._alive)
         try:
-            self._start()
+            self._start(launch, workers, segments, cache)
         except BaseException:
             self._finalizer()
             raise
 
-    def _start(self) -> None:
+    def _start(
+        self,
+        launch: Launch,
+        workers: dict[int, handles.WorkerHandle],
+        segments: set[str],
+        cache: arena.MappingCache,
+    ) -> None:
+        """Make the shared state and the collaborators over it, start each stage's first
+        workers, then the router thread. ``workers``, ``segments`` and ``cache`` are the
+        finalizer's (``Resources``)."""
         spec = self.spec
         res = self._res
         res.wake_r, res.wake_w = os.pipe()
         os.set_blocking(res.wake_w, False)
-        res.counters = stats.CounterTable(f"ttp_{self._tag}_stats", MAX_SLOTS, create=True)
-        self._counters = res.counters
+        counters = stats.CounterTable(f"ttp_{self._tag}_stats", MAX_SLOTS, create=True)
+        res.counters = counters
         # Budgets that fit what the shared-memory directory has free (shm.Room).
         budgets = self._room.fit([s.buffer_bytes for s in spec.stages])
         if budgets != [s.buffer_bytes for s in spec.stages]:
@@ -154,7 +156,7 @@ class Executor(Router, Workers, Fusion, Faults):
                 shm.usage(self._room.path)[1] >> 20,
                 [round(b / (1 << 20), 1) for b in budgets],
             )
-        self._stages = [
+        stages = [
             StageState(
                 i,
                 s.workers,
@@ -164,31 +166,41 @@ class Executor(Router, Workers, Fusion, Faults):
             )  # fmt: skip
             for i, s in enumerate(spec.stages)
         ]
-        self._run: Run | None = None
-        self._error: BaseException | None = None
-        self._closed = False
+        state = ExecutorState(
+            spec=spec,
+            tag=self._tag,
+            names=self._names,
+            res=res,
+            counters=counters,
+            room=self._room,
+            stages=stages,
+            fused=[s.fused for s in spec.stages],
+            workers=workers,
+            segments=segments,
+            cache=cache,
+            free_slots=list(range(MAX_SLOTS - 1, -1, -1)),
+        )
+        self._state = state
+        self._mail = Mail()
+        self._ledger = Ledger(state, self._mail)
+        self._pool = WorkerPool(state, self._mail, self._ledger, launch)
+        self._fusion = FusionControl(state, self._mail, self._pool)
+        self._faults = FaultHandler(state, self._fusion)
+        router = Router(state, self._mail, self._ledger, self._pool, self._fusion, self._faults)
+        self._router = router
         self._delivered_items = 0
         self._delivered_frames = 0
-        self._start_latencies_ns: list[int] = []
-        self._seg_bytes: collections.Counter = collections.Counter()  # stage -> bytes in arenas
-        self._sizes: dict = {}  # (segment, offset) -> bytes
-        self._pending_free: dict = {}  # wid -> offsets to send
-        self._outgoing: dict | None = None  # wid -> (handle, messages) while handling an event
-        self._pending_count: collections.Counter = collections.Counter()  # wid -> frames queued
-        # The router holds the executor weakly (see _route): an executor nobody references is
-        # collected, and its finalizer stops the workers.
+        # The router thread holds the router weakly (see route): an executor nobody
+        # references is collected with it, and its finalizer stops the workers.
         self._thread = threading.Thread(
-            target=Executor._route,
-            args=(weakref.ref(self), res.stop),
+            target=route,
+            args=(weakref.ref(router), res.stop),
             name=f"multiproc-router-{self._tag}",
             daemon=True,
         )
         res.router = self._thread
-        with self._lock:
-            for st in self._stages:
-                if not self._fused[st.index]:
-                    for k in range(self._first_workers(st.index)):
-                        self._spawn(st.index, remote=k >= st.target - st.remote)
+        with state.lock:
+            self._pool.start()
         self._thread.start()
 
     # ---------------------------------------------------------------- public API
@@ -200,22 +212,23 @@ class Executor(Router, Workers, Fusion, Faults):
         create a new one to continue.
         """
         units = list(units)
-        with self._lock:
+        state = self._state
+        with state.lock:
             self._check_open()
-            if self._run is not None and not self._run.finished:
+            if state.run is not None and not state.run.finished:
                 raise ExecutorError(
                     "Executor.run: a run is already active; finish or close it first"
                 )
-            self._run = Run(units, epoch)
-            for st in self._stages:
+            run = state.run = Run(units, epoch)
+            for st in state.stages:
                 st.closed = st.done = st.flush_sent = False
                 st.order = Order()
                 st.out_counter = 0
-            for h in self._workers.values():
+            for h in state.workers.values():
                 if h.alive() and self.spec.stages[h.stage].stateful:
-                    self._send(h, P.Epoch(epoch))
-        self._wake()
-        return self._iterate(self._run)
+                    self._mail.send(h, P.Epoch(epoch))
+        self._res.wake()
+        return self._iterate(run)
 
     def resize(self, stage: str | int, n: int, remote: int | None = None) -> None:
         """Set a stage's worker count (within its bounds) while running.
@@ -245,8 +258,9 @@ class Executor(Router, Workers, Fusion, Faults):
         """Set the byte budget of a stage's outbound channel while running."""
         i = self._stage_index(stage)
         s = self.spec.stages[i]
-        lo = policy.MIN_SHARE_BYTES
-        if not isinstance(budget_bytes, int) or not lo <= budget_bytes <= s.max_buffer_bytes:
+        lo, hi = policy.MIN_SHARE_BYTES, s.max_buffer_bytes
+        assert hi is not None  # set by StageSpec
+        if not isinstance(budget_bytes, int) or not lo <= budget_bytes <= hi:
             raise SpecError(
                 f"set_budget(): stage {s.name!r}: budget_bytes must be an int in "
                 f"[{lo}, {s.max_buffer_bytes}] (max_buffer_bytes), got {budget_bytes!r}"
@@ -263,55 +277,98 @@ class Executor(Router, Workers, Fusion, Faults):
                 f"set_concurrency(): stage {s.name!r}: n must be an int in "
                 f"[1, {s.max_concurrency}] (max_concurrency), got {n!r}"
             )
-        self._stages[i].concurrency = n  # read by concurrency(); the router tells the workers
+        self._state.stages[i].concurrency = n  # read by concurrency(); the router tells workers
         self._command(("concurrency", i, n))
 
     def concurrency(self, stage: str | int) -> int:
         """Calls in flight per worker of the stage."""
-        return self._stages[self._stage_index(stage)].concurrency
+        return self._state.stages[self._stage_index(stage)].concurrency
 
     def workers(self, stage: str | int) -> int:
         """The stage's target worker count."""
-        return self._stages[self._stage_index(stage)].target
+        return self._state.stages[self._stage_index(stage)].target
 
     def remote_workers(self, stage: str | int) -> int:
         """Of the stage's target worker count, its offload workers (:mod:`multiproc.offload`;
         0 for a stage without an offload)."""
-        st = self._stages[self._stage_index(stage)]
+        st = self._state.stages[self._stage_index(stage)]
         return min(st.remote, st.target)
 
     def budget(self, stage: str | int) -> int:
-        return self._stages[self._stage_index(stage)].budget
+        """The byte budget of the stage's outbound channel."""
+        return self._state.stages[self._stage_index(stage)].budget
 
     @property
     def stage_names(self) -> list[str]:
         return list(self._names)
 
+    def fused(self) -> tuple[bool, ...]:
+        """Per stage, whether it runs in the previous stage's workers (:mod:`multiproc.fusion`)."""
+        return self._fusion.fused()
+
+    def fusable(self) -> tuple[bool, ...]:
+        """Per stage, whether :meth:`set_fused` may fuse it into the stage before it (given
+        the stages fused now: a chain is at most ``stats.MAX_FUSED`` long)."""
+        return self._fusion.fusable()
+
+    def set_fused(self, stage: str | int, fused: bool) -> None:
+        """Run ``stage``'s function in the previous stage's workers (True), or in its own
+        workers again (False), while running; nothing is lost or run twice across the switch.
+
+        Raises:
+            SpecError: the stage cannot be fused into the one before it (says why).
+        """
+        j = self._stage_index(stage)
+        if not isinstance(fused, bool):
+            raise SpecError(f"set_fused(): fused must be a bool, got {fused!r}")
+        with self._state.lock:
+            self._check_open()
+            if not self._fusion.switch(j, fused):
+                return
+        self._command(("fusion",))
+
     def started(self) -> bool:
         """Whether as many workers have started (said hello) as the stages that run their
         own (not fused) want."""
-        want = sum(st.target for st in self._stages if not self._fused[st.index])
-        return len(self._start_latencies_ns) >= want
+        state = self._state
+        want = sum(st.target for st in state.stages if not state.fused[st.index])
+        return len(state.start_latencies_ns) >= want
+
+    def serving(self) -> bool:
+        """Whether every stage that runs its own workers has as many started (said hello)
+        as it starts with: the executor serves, while the rest of its workers start."""
+        with self._state.lock:
+            return self._pool.serving()
 
     def start_latencies_ms(self) -> list[float]:
         """Time from a worker's start request to its first message, for every worker so far."""
-        with self._lock:
-            return [x / 1e6 for x in self._start_latencies_ns]
+        with self._state.lock:
+            return [x / 1e6 for x in self._state.start_latencies_ns]
+
+    def busy(self, min_s: float = 0.0) -> list[Busy]:
+        """The workers inside their stage function for at least ``min_s`` now, longest
+        first: which stage, worker, for how long, on which item or unit. What to look at when
+        nothing comes out."""
+        with self._state.lock:
+            if self._state.closed:
+                raise self._closed_error("busy()")
+            return self._faults.busy(time.monotonic_ns(), min_s)
 
     def snapshot(self, per_worker: bool = False) -> stats.Snapshot:
         """All counters now, without stopping anything."""
         now = time.monotonic_ns()
-        with self._lock:
-            if self._closed:
+        state = self._state
+        with state.lock:
+            if state.closed:
                 raise self._closed_error("snapshot()")
             stages = []
-            fusable = self.fusable()
-            for st in self._stages:
-                live = [h for h in self._workers.values() if h.stage == st.index and h.alive()]
+            fusable = self._fusion.fusable()
+            for st in state.stages:
+                live = [h for h in state.workers.values() if h.stage == st.index and h.alive()]
                 far_slots = {h.slot for h in live if h.remote}
                 name = self._names[st.index]
                 rows = [
-                    stats.read_row(name, slot, self._counters.row(slot), now, slot in far_slots)
+                    stats.read_row(name, slot, state.counters.row(slot), now, slot in far_slots)
                     for slot in sorted(st.slots)
                 ]
                 if st.retired is not None:
@@ -319,8 +376,8 @@ class Executor(Router, Workers, Fusion, Faults):
                 far = [r for r in rows if r.remote]
                 if st.retired_remote is not None:
                     far.append(stats.read_row(name, -1, st.retired_remote, now, True))
-                rows += self._fused_rows(st.index, now)
-                used = sum(self._seg_refs[h.seg_name] for h in live)
+                rows += self._fusion.fused_rows(st.index, now)
+                used = sum(state.seg_refs[h.seg_name] for h in live)
                 queued = len(st.ready)
                 stages.append(
                     stats.StageSnapshot(
@@ -338,14 +395,14 @@ class Executor(Router, Workers, Fusion, Faults):
                         spilled=sum(r.spilled for r in rows),
                         restarts=st.restarts,
                         buffer_budget_bytes=st.budget,
-                        buffer_used_bytes=self._seg_bytes[st.index],
+                        buffer_used_bytes=state.seg_bytes[st.index],
                         buffer_items=used,
                         queued_frames=queued,
                         per_worker=tuple(rows) if per_worker else (),
                         runq_ns=sum(r.runq_ns for r in rows),
                         hop_ns=sum(r.hop_ns for r in rows),
                         concurrency=st.concurrency,
-                        fused=self._fused[st.index],
+                        fused=state.fused[st.index],
                         fusable=fusable[st.index],
                         placement=self.spec.stages[st.index].placement,
                         remote_workers=sum(h.remote and h.state != WS.RETIRING for h in live),
@@ -360,17 +417,18 @@ class Executor(Router, Workers, Fusion, Faults):
 
         Does nothing in a process forked from the owner (which shares none of its threads).
         """
+        state = self._state
         if self._res.stop.is_set():
-            self._closed = True  # released already (at interpreter exit, module globals may
+            state.closed = True  # released already (at interpreter exit, module globals may
             return  # be gone by the time a leftover run iterator is collected)
         if not self._is_owner(self._res.pid):
             return
-        with self._lock:
-            if self._closed:
+        with state.lock:
+            if state.closed:
                 return
-            self._closed = True
-            self._cond.notify_all()
-        self._wake()
+            state.closed = True
+            state.cond.notify_all()
+        self._res.wake()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s + 2.0)
         self._finalizer()
@@ -378,7 +436,7 @@ class Executor(Router, Workers, Fusion, Faults):
     def __enter__(self) -> Executor:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---------------------------------------------------------------- consumer side
@@ -389,7 +447,7 @@ class Executor(Router, Workers, Fusion, Faults):
                 payload = self._next_frame(run)
                 if payload is None:
                     return
-                items = arena.decode(payload, self._cache, release)
+                items = arena.decode(payload, self._state.cache, release)
                 self._delivered_frames += 1
                 for x in items:
                     self._delivered_items += 1
@@ -403,35 +461,36 @@ class Executor(Router, Workers, Fusion, Faults):
             self.close()
             raise
 
-    def _next_frame(self, run: Run):
-        with self._cond:
+    def _next_frame(self, run: Run) -> Any:
+        state = self._state
+        with state.cond:
             while True:
-                if self._closed and not run.finished:
+                if state.closed and not run.finished:
                     # Its frames live in segments the close removed.
                     raise self._closed_error("iterating a run")
-                if self._error is not None:
-                    raise self._error
+                if state.error is not None:
+                    raise state.error
                 if run.sink:
-                    was_full = run.sink.full(self._stages[-1].budget)
+                    was_full = run.sink.full(state.stages[-1].budget)
                     frame = run.sink.popleft()
-                    self._frame_left(frame)
+                    self._ledger.frame_left(frame)
                     if frame.inline and was_full:
-                        self._wake()  # the last stage may be waiting for room here (FrameQueue)
+                        self._res.wake()  # the last stage may wait for room here (FrameQueue)
                     if not run.sink:
-                        self._break_stall()  # the consumer held the last thing that could move
+                        self._ledger.break_stall()  # the consumer held the last thing to move
                     return frame.payload
                 if run.finished:
                     return None
                 # Woken by the router on every delivery; the timeout only re-checks liveness.
-                self._cond.wait(1.0)
-                if not self._thread.is_alive() and self._error is None and not run.finished:
-                    self._error = ExecutorError("the executor's router thread ended unexpectedly")
+                state.cond.wait(1.0)
+                if not self._thread.is_alive() and state.error is None and not run.finished:
+                    state.error = ExecutorError("the executor's router thread ended unexpectedly")
 
-    def _sink_release(self):
+    def _sink_release(self) -> Callable[[arena.ShmRef], None]:
         """The release callback of delivered frames: holds the executor weakly (a tensor the
         user keeps must not keep the workers alive) and ignores a forked child's releases."""
         me = weakref.ref(self)
-        frees, res = self._sink_frees, self._res
+        frees, res = self._state.sink_frees, self._res
 
         def release(ref: arena.ShmRef) -> None:
             # Runs from a finalizer in whatever thread dropped the last reference.
@@ -444,38 +503,6 @@ class Executor(Router, Workers, Fusion, Faults):
         return release
 
     # ---------------------------------------------------------------- helpers
-    def _set_stage_budget(self, stage: int, budget_bytes: int) -> None:
-        """A budget for ``stage`` (set_budget's), within what the shared-memory directory
-        leaves this executor (shm.Room); the router thread only."""
-        others = sum(st.budget for st in self._stages if st.index != stage)
-        self._stages[stage].budget = self._room.clamp(budget_bytes, others)
-        self._rebudget(stage)
-
-    def _on_no_room(self, stage: int) -> None:
-        """A worker of ``stage`` found the shared-memory directory full: read its free bytes
-        again and lower the budgets to fit (workers give back the pages they hold beyond); the
-        frame that did not fit waits for room or travels through the pipe. The router only."""
-        held = sum(self._seg_bytes.values())
-        if not self._room.refit(held):
-            return
-        size, free = shm.usage(self._room.path)
-        log.warning(
-            "stage %r: %s is full (%.1f of %.1f MiB free): channel budgets lowered to fit "
-            "%.1f MiB; frames that do not fit travel through the workers' pipes (slower). "
-            "See docker run --shm-size, or %s",
-            self._names[stage],
-            self._room.path,
-            free / (1 << 20),
-            size / (1 << 20),
-            self._room.cap_bytes / (1 << 20),
-            shm.DIR_ENV,
-        )
-        budgets = self._room.fit([st.budget for st in self._stages])
-        for st, b in zip(self._stages, budgets, strict=True):
-            if b != st.budget:
-                st.budget = b
-                self._rebudget(st.index)
-
     def _stage_index(self, stage: str | int) -> int:
         if isinstance(stage, int) and not isinstance(stage, bool):
             if 0 <= stage < len(self._names):
@@ -485,57 +512,25 @@ class Executor(Router, Workers, Fusion, Faults):
         raise SpecError(f"no stage {stage!r}; stages are {self._names}")
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._state.closed:
             raise self._closed_error("this call")
-        if self._error is not None:
-            raise self._error
+        if self._state.error is not None:
+            raise self._state.error
 
     def _closed_error(self, what: str) -> ExecutorClosedError:
-        why = f" after {type(self._error).__name__}: {self._error}" if self._error else ""
+        error = self._state.error
+        why = f" after {type(error).__name__}: {error}" if error else ""
         e = ExecutorClosedError(
             f"Executor: {what} after close(): the executor was closed{why}; create a new one"
         )
-        e.__cause__ = self._error
+        e.__cause__ = error
         return e
 
-    def _command(self, cmd) -> None:
-        with self._lock:
+    def _command(self, cmd: Command) -> None:
+        with self._state.lock:
             self._check_open()
-            self._commands.append(cmd)
-        self._wake()
-
-    @staticmethod
-    def _route(ref: weakref.ref, stop: threading.Event) -> None:
-        """The router thread: holds the executor only while it handles events, never while it
-        waits, so that dropping the last reference elsewhere collects the executor."""
-        ex = ref()
-        poller = Poller()
-        try:
-            while ex is not None and not stop.is_set():
-                waitables, live, timeout = ex._waitables()
-                if waitables is None:
-                    return
-                del ex  # may run the finalizer here, in this thread: it sets ``stop``
-                if stop.is_set():
-                    return
-                # Every event that matters (a message, a death, a command, a release by the
-                # consumer, the finalizer) makes one of these ready; the timeout is only the
-                # deadline of a stage's timeout_s.
-                ready = poller.wait(waitables, timeout)
-                if stop.is_set():
-                    return
-                ex = ref()
-                if ex is None or not ex._on_ready(ready, live):
-                    return
-        except BaseException as e:  # make the consumer see it instead of hanging
-            ex = ref()
-            if ex is None or stop.is_set():
-                return
-            log.debug("router failed", exc_info=True)
-            with ex._cond:
-                if ex._error is None:
-                    ex._error = e
-                ex._cond.notify_all()
+            self._state.commands.append(cmd)
+        self._res.wake()
 
 
 def _alive(tag: str) -> lifetime.Alive:

@@ -1,11 +1,11 @@
 """What goes wrong, seen by the router: workers stuck in their function, stage timeouts,
 errors raised in a worker, and items skipped under ``on_error='skip'``.
 
-:class:`Faults` is the part of :class:`~multiproc.executor.Executor` that says which workers
-are inside their stage function and for how long (:meth:`Faults.busy`, from the counters the
-workers write), raises :class:`~multiproc.errors.StageTimeoutError` when one passes its
-stage's ``timeout_s``, rebuilds a worker's exception for the consumer (its own type, the stage,
-worker and remote traceback), and bounds skipped items by ``max_errors``.
+:class:`FaultHandler` says which workers are inside their stage function and for how long
+(:meth:`FaultHandler.busy`, from the counters the workers write), raises
+:class:`~multiproc.errors.StageTimeoutError` when one passes its stage's ``timeout_s``,
+rebuilds a worker's exception for the consumer (its own type, the stage, worker and remote
+traceback), and bounds skipped items by ``max_errors``.
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ import logging
 import pickle
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from . import handles, stats
 from .errors import RemoteTraceback, StageError, StageTimeoutError, TooManyErrorsError
 from .frames import Unit
+from .fusion import FusionControl
 from .items import short_repr
 from .spec import too_many_errors
+from .state import ExecutorState
 
 log = logging.getLogger("multiproc.executor")
 
@@ -41,29 +44,32 @@ class Busy:
         )
 
 
-class Faults:
-    """Stuck workers, timeouts, errors and skips (see the module docstring)."""
+class FaultHandler:
+    """Stuck workers, timeouts, errors and skips (see the module docstring). Callers hold the
+    executor's lock."""
 
-    def busy(self, min_s: float = 0.0) -> list[Busy]:
-        """The workers inside their stage function for at least ``min_s`` now, longest
-        first: which stage, worker, for how long, on which item or unit. What to look at when
-        nothing comes out."""
-        with self._lock:
-            if self._closed:
-                raise self._closed_error("busy()")
-            return self._busy(time.monotonic_ns(), min_s)
+    def __init__(self, state: ExecutorState, fusion: FusionControl) -> None:
+        self.state = state
+        self.fusion = fusion
+        # Stage name -> its timeout_s, for the stages that have one; and those stages.
+        self.limits = {s.name: s.timeout_s for s in state.spec.stages if s.timeout_s}
+        self.timed = {i for i, s in enumerate(state.spec.stages) if s.timeout_s}
 
-    def _busy(self, now: int, min_s: float, stages: set | None = None) -> list[Busy]:
+    def busy(self, now: int, min_s: float, stages: set[int] | None = None) -> list[Busy]:
+        """The workers (of ``stages``; None: all) inside their stage function for at least
+        ``min_s`` at ``now`` (``monotonic_ns``), longest first."""
+        state = self.state
         out = []
-        for h in self._workers.values():
+        for h in state.workers.values():
             if not h.alive() or (stages is not None and h.stage not in stages):
                 continue
-            row = self._counters.row(h.slot)
+            row = state.counters.row(h.slot)
             since, work_id, item = (int(v) for v in row[stats.IN_FN_SINCE_NS : stats.WORK_ITEM + 1])
             secs = (now - since) / 1e9
             if not since or secs < min_s:
                 continue
-            out.append(Busy(self._names[h.stage], h.wid, h.pid, secs, self._work(h, work_id, item)))
+            name = state.names[h.stage]
+            out.append(Busy(name, h.wid, h.pid, secs, self._work(h, work_id, item)))
         return sorted(out, key=lambda b: -b.seconds)
 
     def _work(self, h: handles.WorkerHandle, work_id: int, item: int) -> str:
@@ -76,13 +82,14 @@ class Faults:
         at = f"item {item - 1} of " if item else ""
         return f"{at}frame {work_id - 1}"
 
-    def _on_skipped(
+    def on_skipped(
         self, h: handles.WorkerHandle, where: str, tname: str, text: str, j: int
     ) -> None:
         """Count a skip of stage ``j`` (on_error='skip', run by worker ``h`` of that stage or
         of its fusion host); log the first; past max_errors, fail the run."""
-        s = self.spec.stages[j]
-        st = self._stages[j]
+        state = self.state
+        s = state.spec.stages[j]
+        st = state.stages[j]
         st.skipped += 1
         st.last_errors.append(f"worker {h.wid}, {where}: {tname}: {text}")
         if st.skipped == 1:
@@ -90,20 +97,33 @@ class Faults:
                 "stage %r skipped an item (on_error='skip'; more are counted in the stage's "
                 "errors): worker %d, %s: %s: %s", s.name, h.wid, where, tname, text,
             )  # fmt: skip
-        items_in = sum(int(self._counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
+        items_in = sum(int(state.counters.row(slot)[stats.ITEMS_IN]) for slot in st.slots)
         if st.retired is not None:
             items_in += int(st.retired[stats.ITEMS_IN])
-        items_in += sum(r.items_in for r in self._fused_rows(j, 0))
-        if self._error is None and too_many_errors(st.skipped, items_in, s.max_errors):
+        items_in += sum(r.items_in for r in self.fusion.fused_rows(j, 0))
+        if state.error is None and too_many_errors(st.skipped, items_in, s.max_errors):
             last = "; ".join(st.last_errors)
-            self._error = TooManyErrorsError(
+            state.error = TooManyErrorsError(
                 f"stage {s.name!r}: {st.skipped} items skipped of {items_in} taken in, more "
                 f"than max_errors={s.max_errors!r} allows; last errors: {last}"
             )
 
-    def _make_error(self, stage: str, h, exc_bytes, tname, text, tb, where) -> BaseException:
+    def on_error(
+        self,
+        stage: str,
+        h: handles.WorkerHandle,
+        exc_bytes: bytes | None,
+        tname: str,
+        text: str,
+        tb: str,
+        where: str,
+    ) -> None:
+        """Worker ``h`` raised in stage ``stage``'s function: the consumer gets its exception
+        (its own type, with a note naming the stage, worker and process, and the worker's
+        traceback as its cause; a :class:`StageError` when it does not unpickle)."""
         note = f"in stage {stage!r}, worker {h.wid} (pid {h.pid}), {where}"
-        exc = None
+        # Whatever type the worker raised: the stage and worker ride on it as attributes.
+        exc: Any = None
         if exc_bytes is not None:
             try:
                 exc = pickle.loads(exc_bytes)
@@ -116,32 +136,34 @@ class Faults:
             exc.add_note(f"raised {note}")
         exc.stage = stage
         exc.worker = h.wid
-        return exc
+        self.state.error = exc
 
-    def _next_deadline_s(self, live: list) -> float | None:
-        """Seconds until a busy worker of a stage with ``timeout_s`` would pass it."""
-        if not self._timeouts or self._error is not None:
+    def next_deadline_s(self, live: list[handles.WorkerHandle]) -> float | None:
+        """Seconds until a busy worker of ``live`` in a stage with ``timeout_s`` would pass it."""
+        state = self.state
+        if not self.limits or state.error is not None:
             return None
         now = time.monotonic_ns()
         soonest = None
         for h in live:
-            limit = self._timeouts.get(h.stage)
+            limit = self.limits.get(state.names[h.stage])
             if limit is None or not h.inflight:
                 continue
-            since = int(self._counters.row(h.slot)[stats.IN_FN_SINCE_NS])
+            since = int(state.counters.row(h.slot)[stats.IN_FN_SINCE_NS])
             left = limit - (now - since) / 1e9 if since else limit
             soonest = left if soonest is None else min(soonest, left)
         return None if soonest is None else max(soonest, 0.005)
 
-    def _check_timeouts(self) -> None:
-        limits = self._timeouts
-        if not limits or self._error is not None:
+    def check_timeouts(self) -> None:
+        """Fail the run when a worker has been in its function past its stage's timeout_s."""
+        state, limits = self.state, self.limits
+        if not limits or state.error is not None:
             return
-        busy = self._busy(time.monotonic_ns(), min(limits.values()), set(limits))
-        stuck = [b for b in busy if b.seconds > limits[self._names.index(b.stage)]]
+        busy = self.busy(time.monotonic_ns(), min(limits.values()), self.timed)
+        stuck = [b for b in busy if b.seconds > limits[b.stage]]
         if stuck:
             b = stuck[0]
-            limit = limits[self._names.index(b.stage)]
-            self._error = StageTimeoutError(
-                f"{b} (timeout_s={limit:g}); it is stopped when the executor closes", tuple(stuck)
+            state.error = StageTimeoutError(
+                f"{b} (timeout_s={limits[b.stage]:g}); it is stopped when the executor closes",
+                tuple(stuck),
             )

@@ -40,7 +40,7 @@ class Frame:
     consumed: set = field(default_factory=set)
     inline: int = 0  # bytes carried in the control message (0 for shared memory)
     # A stateful stage's worker let go of the frame's memory while the frame is still held
-    # (its items were copied out): freed once the frame is consumed (router._take_frees).
+    # (its items were copied out): freed once the frame is consumed (ledger.Ledger.take_frees).
     released: bool = False
 
 

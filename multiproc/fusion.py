@@ -2,7 +2,8 @@
 
 A *host* stage's worker is given, when spawned, the pickled specs of the stages after it that
 may run in it (:func:`~multiproc.spec.fuse_blocker`: stateless, same worker type, at most
-``stats.MAX_FUSED``). :meth:`Fusion.set_fused` marks a stage as fused into the one before it;
+``stats.MAX_FUSED``). :meth:`FusionControl.switch` (``Executor.set_fused``) marks a stage as fused into the one
+before it;
 the router then tells each host's workers how many of the next stages to run too
 (``protocol.Fuse``). A worker reports with every output which stage made it (its depth), and
 the router delivers the frame past the stages it went through. So each frame is run by each
@@ -21,7 +22,10 @@ from . import protocol as P
 from . import stats
 from .errors import SpecError
 from .frames import WorkerState as WS
-from .spec import FUSABLE_INTO, StageSpec, fuse_blocker, fusion_host
+from .lifecycle import WorkerPool
+from .mail import Mail
+from .spec import FUSABLE_INTO, StageSpec, fuse_blocker, fused_depth, fusion_host
+from .state import ExecutorState
 
 
 def chain_lengths(stages: list[StageSpec] | tuple[StageSpec, ...]) -> list[int]:
@@ -38,6 +42,12 @@ def chain_lengths(stages: list[StageSpec] | tuple[StageSpec, ...]) -> list[int]:
             k += 1
         out.append(k)
     return out
+
+
+def chain_pickles(stage_bytes: list[bytes], chain: list[int]) -> list[tuple[bytes, ...]]:
+    """Per stage, the pickles of the stages after it that its workers can run (``chain``,
+    :func:`chain_lengths`), out of every stage's pickle ``stage_bytes``."""
+    return [tuple(stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(chain)]
 
 
 def fuse_error(
@@ -61,7 +71,7 @@ def fuse_error(
 
 def fuse_all(stages: list[StageSpec] | tuple[StageSpec, ...]) -> tuple[bool, ...]:
     """``stages``' shape with every stage fused that may be, in pipeline order (the fewest
-    processes): what :meth:`Fusion.set_fused` accepts one stage after the other. A pipeline
+    processes): what :meth:`FusionControl.switch` accepts one stage after the other. A pipeline
     whose tuner starts there is started in it, so that no worker is started for a stage only
     to be fused away in the first tuning step."""
     chain = chain_lengths(stages)
@@ -71,115 +81,109 @@ def fuse_all(stages: list[StageSpec] | tuple[StageSpec, ...]) -> tuple[bool, ...
     return tuple(fused)
 
 
-class Fusion:
-    """Fusion state and decisions of the executor (see the module docstring)."""
+def check_fused(stages: list[StageSpec] | tuple[StageSpec, ...]) -> None:
+    """Raise SpecError naming the first stage with ``fused=True`` that cannot start fused."""
+    chain = chain_lengths(stages)
+    fused = [s.fused for s in stages]
+    for j, s in enumerate(stages):
+        if fused[j] and (why := fuse_error(stages, chain, j, fused)) is not None:
+            raise SpecError(f"stage {s.name!r}: fused=True, but {why}")
 
-    def _init_fusion(self) -> None:
-        stages = self.spec.stages
-        n = len(stages)
-        self._chain_len = chain_lengths(stages)
-        self._set_chains()
-        self._fused = [s.fused for s in stages]
-        for j in range(n):
-            if self._fused[j] and (why := self._fuse_error(j, self._fused)) is not None:
-                raise SpecError(f"stage {self._names[j]!r}: fused=True, but {why}")
-        self._depth_sent = [self._depth(i) for i in range(n)]
 
-    def _set_chains(self) -> None:
-        """Each stage's workers' pickles of the stages after it they can run (from the stage
-        pickles, :meth:`multiproc.lifecycle.Workers._pickle_stages`)."""
-        self._chains = [
-            tuple(self._stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(self._chain_len)
-        ]
+class FusionControl:
+    """Which stages run fused, and the router's side of a switch (see the module docstring).
+    Callers hold the executor's lock."""
 
-    # ---------------------------------------------------------------- public API
+    def __init__(self, state: ExecutorState, mail: Mail, pool: WorkerPool) -> None:
+        self.state = state
+        self.mail = mail
+        self.pool = pool
+        stages = state.spec.stages
+        # Per stage, how many of the stages after it its workers can run (chain_lengths).
+        self.chain_len = chain_lengths(stages)
+        # Per stage, the depth its workers were last told (protocol.Fuse; at spawn, the one
+        # of then).
+        self.depth_sent = [fused_depth(state.fused, i) for i in range(len(stages))]
+
     def fused(self) -> tuple[bool, ...]:
         """Per stage, whether it runs in the previous stage's workers."""
-        return tuple(self._fused)
+        return tuple(self.state.fused)
 
     def fusable(self) -> tuple[bool, ...]:
-        """Per stage, whether :meth:`set_fused` may fuse it into the stage before it (given
+        """Per stage, whether :meth:`switch` may fuse it into the stage before it (given
         the stages fused now: a chain is at most ``stats.MAX_FUSED`` long)."""
-        return tuple(self._fuse_error(j, self._fused) is None for j in range(len(self._fused)))
+        fused = self.state.fused
+        return tuple(self._error(j, fused) is None for j in range(len(fused)))
 
-    def set_fused(self, stage: str | int, fused: bool) -> None:
-        """Run ``stage``'s function in the previous stage's workers (True), or in its own
-        workers again (False), while running; nothing is lost or run twice across the switch.
+    def switch(self, j: int, fused: bool) -> bool:
+        """Mark stage ``j`` as run in the previous stage's workers (True) or in its own (False).
+
+        Returns:
+            Whether that changed anything (then the router is to :meth:`apply` it).
 
         Raises:
             SpecError: the stage cannot be fused into the one before it (says why).
         """
-        j = self._stage_index(stage)
-        if not isinstance(fused, bool):
-            raise SpecError(f"set_fused(): fused must be a bool, got {fused!r}")
-        with self._lock:
-            self._check_open()
-            if fused == self._fused[j]:
-                return
-            if fused:
-                want = list(self._fused)
-                want[j] = True
-                why = self._fuse_error(j, want)
-                if why is not None:
-                    raise SpecError(f"set_fused(): cannot fuse stage {self._names[j]!r}: {why}")
-            self._fused[j] = fused
-        self._command(("fusion",))
+        now = self.state.fused
+        if fused == now[j]:
+            return False
+        if fused:
+            want = list(now)
+            want[j] = True
+            why = self._error(j, want)
+            if why is not None:
+                name = self.state.names[j]
+                raise SpecError(f"set_fused(): cannot fuse stage {name!r}: {why}")
+        now[j] = fused
+        return True
 
-    # ---------------------------------------------------------------- router side
-    def _fuse_error(self, j: int, fused: list[bool]) -> str | None:
-        return fuse_error(self.spec.stages, self._chain_len, j, fused)
+    def _error(self, j: int, fused: list[bool]) -> str | None:
+        return fuse_error(self.state.spec.stages, self.chain_len, j, fused)
 
-    def _depth(self, i: int) -> int:
-        """How many stages after ``i`` its workers run now (0 unless ``i`` hosts a group)."""
-        if self._fused[i]:
-            return 0
-        d = 0
-        while i + d + 1 < len(self._fused) and self._fused[i + d + 1]:
-            d += 1
-        return d
-
-    def _apply_fusion(self) -> None:
+    def apply(self) -> None:
         """Tell hosts' workers their depth; give split stages their workers back first."""
-        for j, st in enumerate(self._stages):
-            if not self._fused[j]:
-                for _ in range(st.target - self._n_active(j)):
-                    self._spawn(j)
-        for i in range(len(self._stages)):
-            d = self._depth(i)
-            if d != self._depth_sent[i]:
-                self._depth_sent[i] = d
-                for h in self._active(i):
-                    self._send(h, P.Fuse(d))
+        state, pool = self.state, self.pool
+        for j, st in enumerate(state.stages):
+            if not state.fused[j]:
+                for _ in range(st.target - pool.n_active(j)):
+                    pool.spawn(j)
+        for i in range(len(state.stages)):
+            d = fused_depth(state.fused, i)
+            if d != self.depth_sent[i]:
+                self.depth_sent[i] = d
+                for h in pool.active(i):
+                    self.mail.send(h, P.Fuse(d))
 
-    def _settle_fusion(self) -> None:
+    def settle(self) -> None:
         """A fused stage's workers retire once nothing is queued or running there; one is
         started if frames made before the switch arrive after they left."""
-        for j, st in enumerate(self._stages):
-            if not self._fused[j]:
+        state, pool = self.state, self.pool
+        for j, st in enumerate(state.stages):
+            if not state.fused[j]:
                 continue
-            active = self._active(j)
+            active = pool.active(j)
             if st.ready:
                 if not active and not any(
-                    h.stage == j and h.state == WS.RETIRING for h in self._workers.values()
+                    h.stage == j and h.state == WS.RETIRING for h in state.workers.values()
                 ):
-                    self._spawn(j)
+                    pool.spawn(j)
             elif active and not any(h.inflight for h in active):
                 for h in active:
-                    h.state = WS.RETIRING
-                    self._send(h, P.Retire())
+                    pool.retire(h)
 
-    def _fused_rows(self, j: int, now: int) -> list[stats.WorkerStats]:
+    def fused_rows(self, j: int, now: int) -> list[stats.WorkerStats]:
         """Stage ``j``'s work done in other stages' workers, as rows of counters."""
+        state = self.state
         rows = []
         for d in range(1, stats.MAX_FUSED + 1):
             i = j - d
             if i < 0:
                 break
-            st = self._stages[i]
-            sources = [self._counters.row(slot) for slot in sorted(st.slots)]
+            st = state.stages[i]
+            sources = [state.counters.row(slot) for slot in sorted(st.slots)]
             if st.retired is not None:
                 sources.append(st.retired)
             for r in sources:
                 if r[stats.fused_col(d, stats.F_ITEMS_IN)]:
-                    rows.append(stats.read_fused(self._names[j], r, d))
+                    rows.append(stats.read_fused(state.names[j], r, d))
         return rows

@@ -43,6 +43,7 @@ from multiprocessing import (
     util,
 )
 from multiprocessing.context import ForkServerProcess, set_spawning_popen
+from typing import Any
 
 from . import arena, forking, lifetime
 from . import protocol as P
@@ -328,8 +329,8 @@ class WorkerHandle:
     seg_name: str
     thread: bool
     remote: bool = False  # an offload worker (multiproc.offload)
-    conn: object = None
-    proc: object = None
+    conn: Any = None  # the router's end of its pipe (a multiprocessing Connection), once started
+    proc: Any = None  # its process (a multiprocessing process), or its thread
     pid: int = 0
     state: WorkerState = WorkerState.STARTING
     start_ns: int = 0

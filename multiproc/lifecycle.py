@@ -1,139 +1,173 @@
 """Workers come and go: spawn, resize, retire, and recovery of what a dead one held.
 
-:class:`Workers` is the part of :class:`~multiproc.executor.Executor` that starts worker
-processes (or threads) in free counter slots, splits a stage's budget among them, retires the
-ones :func:`multiproc.policy.to_retire` picks when a stage shrinks, and, when one ends, puts
-every frame, unit or stateful holding it had back at the front of its stage's queue, so each is
-delivered again exactly once (a source's committed frames are skipped).
+:class:`WorkerPool` starts worker processes (or threads) in free counter slots, splits a
+stage's budget among them, retires the ones :func:`multiproc.policy.to_retire` picks when a
+stage shrinks, and, when one ends, puts every frame, unit or stateful holding it had back at
+the front of its stage's queue, so each is delivered again exactly once (a source's committed
+frames are skipped). :func:`start_server` and :func:`pickle_stages` prepare, once per
+executor, what every worker starts from (:class:`Launch`).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
-from . import arena, buffers, handles, offload, policy, stats
+from . import arena, buffers, handles, offload, policy, shm, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
     WorkerDiedError,
 )
 from .frames import WorkerState as WS
+from .ledger import Ledger
+from .mail import Mail
 from .snapshot import Snapshot, forks
-from .spec import check_picklable, imported_modules
+from .spec import ExecutorSpec, check_picklable, fused_depth, imported_modules
+from .state import ExecutorState
 
 log = logging.getLogger("multiproc.executor")
 
 MAX_SLOTS = 1024  # workers ever started by one executor (counter slots are reused)
-# Process workers a stage starts with; the rest start one per router turn (Workers._ramp).
+# Process workers a stage starts with; the rest start one per router turn (WorkerPool.ramp).
 START_WORKERS = 2
 
 
-class Workers:
-    """Worker lifecycle of the executor (see the module docstring)."""
+def start_server(
+    spec: ExecutorSpec, snapshot: Snapshot | None
+) -> tuple[Snapshot | None, tuple[str, ...]]:
+    """Where process workers come from: ``snapshot`` (or one taken now) of this process, whose
+    stage functions they inherit (:mod:`multiproc.snapshot`); or, where this process must not
+    be forked (``start_method="spawn"``, ``MULTIPROC_FORKSERVER=spawn``,
+    :func:`~multiproc.handles.fork_unsafe`), multiprocessing's spawned server, which imports
+    the modules the stage pickles name once instead of every new worker importing them.
 
-    def _spawn(self, stage: int, remote: bool = False) -> None:
-        s = self.spec.stages[stage]
-        st = self._stages[stage]
-        wid = next(self._wids)
-        if not self._free_slots:
+    Returns:
+        The snapshot workers fork from (None: the spawned server; ``snapshot`` is stopped),
+        and the modules that server imports (empty for a snapshot).
+    """
+    stages = [offload.local_spec(s) if s.offload else s for s in spec.stages]
+    if forks(spec):
+        return (snapshot if snapshot is not None else Snapshot.take(stages)), ()
+    if snapshot is not None:
+        snapshot.stop()
+    if not any(s.worker_type == "process" for s in stages):
+        return None, ()
+    try:
+        light = [buffers.dumps_light(s) for s in stages]
+    except Exception:  # check_picklable names the stage that does not pickle, next
+        return None, ()
+    preload = tuple(dict.fromkeys(m for b in light for m in imported_modules(b)))
+    handles.ensure_server(preload)
+    return None, preload
+
+
+def pickle_stages(
+    spec: ExecutorSpec, snapshot: Snapshot | None, shared: buffers.BufferFile
+) -> list[bytes]:
+    """Each stage pickled for its local workers (a stage with an offload: its local workers'
+    spec): with references to the snapshot's copy of its functions for process workers of a
+    snapshot, by value otherwise (large arrays in ``shared``, :mod:`multiproc.buffers`)."""
+    out = []
+    for s in spec.stages:
+        local = offload.local_spec(s) if s.offload else s
+        if snapshot is not None and s.worker_type == "process":
+            out.append(check_picklable(local, dumps=snapshot.dumps))
+        else:
+            out.append(check_picklable(local, shared))
+    return out
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What every worker of the executor starts from, fixed for the executor's life."""
+
+    snapshot: Snapshot | None  # process workers fork from its server (None: spawned server)
+    preload: tuple[str, ...]  # modules the spawned server imports (start_server)
+    stage_bytes: list[bytes]  # per stage, its pickle for local workers (pickle_stages)
+    offload_bytes: dict[int, bytes]  # per stage with an offload, its offload workers' pickle
+    chains: list[tuple[bytes, ...]]  # per stage, the pickles of the stages it may run too
+
+
+class WorkerPool:
+    """Worker lifecycle of the executor (see the module docstring). Callers hold the
+    executor's lock."""
+
+    def __init__(self, state: ExecutorState, mail: Mail, ledger: Ledger, launch: Launch) -> None:
+        self.state = state
+        self.mail = mail
+        self.ledger = ledger
+        self.launch = launch
+
+    def spawn(self, stage: int, remote: bool = False) -> None:
+        """Start a worker of ``stage`` (an offload worker when ``remote``)."""
+        state = self.state
+        s = state.spec.stages[stage]
+        st = state.stages[stage]
+        wid = next(state.wids)
+        if not state.free_slots:
             raise ExecutorError(f"stage {s.name!r}: more than {MAX_SLOTS} workers started")
-        slot = self._free_slots.pop()
-        seg_name = f"ttp_{self._tag}_w{wid}"
+        slot = state.free_slots.pop()
+        seg_name = f"ttp_{state.tag}_w{wid}"
         size = s.max_buffer_bytes
-        self._segments.add(seg_name)  # first: removed at close even if Ctrl-C lands below
+        assert size is not None  # set by StageSpec
+        state.segments.add(seg_name)  # first: removed at close even if Ctrl-C lands below
         arena.create_segment(seg_name, size)
-        index = sum(1 for h in self._workers.values() if h.stage == stage)
+        index = sum(1 for h in state.workers.values() if h.stage == stage)
         h = handles.WorkerHandle(
             wid, stage, index, slot, seg_name, thread=remote or s.worker_type == "thread",
             remote=remote,
         )  # fmt: skip
-        self._by_seg[seg_name] = wid
-        self._workers[wid] = h
+        state.by_seg[seg_name] = wid
+        state.workers[wid] = h
         st.slots.add(slot)
-        n_alive = max(1, self._n_active(stage) + 1)
+        n_alive = max(1, self.n_active(stage) + 1)
+        launch = self.launch
 
-        def launch() -> None:
+        def start_it() -> None:
             if not h.thread:
                 self._check_server()
             args = (
                 # In a list the worker empties (worker._Worker).
-                [self._offload_bytes[stage] if remote else self._stage_bytes[stage]],
+                [launch.offload_bytes[stage] if remote else launch.stage_bytes[stage]],
                 wid,
                 slot,
                 index,
-                f"ttp_{self._tag}_stats",
+                f"ttp_{state.tag}_stats",
                 MAX_SLOTS,
                 seg_name,
                 size,
                 policy.budget_share(st.budget, n_alive),
-                self._chains[stage],
+                launch.chains[stage],
             )
             h.start_ns = time.monotonic_ns()
-            handles.start_worker(
-                h, args, None if self._snapshot is None else self._snapshot.server, self._preload
-            )
+            server = None if launch.snapshot is None else launch.snapshot.server
+            handles.start_worker(h, args, server, launch.preload)
 
         try:
-            launch()
+            start_it()
         except (EOFError, OSError):
             # A fork server killed a moment ago can still look alive to waitpid: once it is
             # reaped, launch again through its successor.
-            snap = self._snapshot
+            snap = launch.snapshot
             if h.thread or snap is None or not snap.server.wait_ended():
                 raise
             log.warning("stage %r: the fork server ended while starting a worker", s.name)
-            launch()
-        if self._depth(stage):
-            self._send(h, P.Fuse(self._depth(stage)))
-        if self._run is not None:
-            self._send(h, P.Epoch(self._run.epoch))  # stateful stages seed by epoch
+            start_it()
+        depth = fused_depth(state.fused, stage)
+        if depth:
+            self.mail.send(h, P.Fuse(depth))
+        if state.run is not None:
+            self.mail.send(h, P.Epoch(state.run.epoch))  # stateful stages seed by epoch
         if st.concurrency != s.concurrency:
-            self._send(h, P.Concurrency(st.concurrency))
-        self._rebudget(stage)
-
-    def _start_server(self, snapshot: Snapshot | None) -> tuple[str, ...]:
-        """Where process workers come from: ``snapshot`` (or one taken now) of this process,
-        whose stage functions they inherit (:mod:`multiproc.snapshot`); or, where this process
-        must not be forked (``start_method="spawn"``, ``MULTIPROC_FORKSERVER=spawn``,
-        :func:`~multiproc.handles.fork_unsafe`), multiprocessing's spawned server, which
-        imports the modules the stage pickles name once instead of every new worker importing
-        them. Returns those modules (empty for a snapshot)."""
-        stages = [offload.local_spec(s) if s.offload else s for s in self.spec.stages]
-        self._snapshot = None
-        if forks(self.spec):
-            self._snapshot = snapshot if snapshot is not None else Snapshot.take(stages)
-            return ()
-        if snapshot is not None:
-            snapshot.stop()
-        if not any(s.worker_type == "process" for s in stages):
-            return ()
-        try:
-            light = [buffers.dumps_light(s) for s in stages]
-        except Exception:  # check_picklable names the stage that does not pickle, next
-            return ()
-        preload = tuple(dict.fromkeys(m for b in light for m in imported_modules(b)))
-        handles.ensure_server(preload)
-        return preload
-
-    def _pickle_stages(self) -> None:
-        """Pickle each stage for its local workers (a stage with an offload: its local
-        workers' spec): with references to the snapshot's copy of its functions for process
-        workers of a snapshot, by value otherwise (large arrays in :mod:`multiproc.buffers`'
-        shared file)."""
-        snap = self._snapshot
-        self._stage_bytes = []
-        for s in self.spec.stages:
-            local = offload.local_spec(s) if s.offload else s
-            if snap is not None and s.worker_type == "process":
-                self._stage_bytes.append(check_picklable(local, dumps=snap.dumps))
-            else:
-                self._stage_bytes.append(check_picklable(local, self._buffers))
+            self.mail.send(h, P.Concurrency(st.concurrency))
+        self.rebudget(stage)
 
     def _check_server(self) -> None:
         """Before a process worker starts: the snapshot's server still runs, else (killed)
         another is forked from this process now."""
-        snap = self._snapshot
+        snap = self.launch.snapshot
         if snap is None or not snap.server.ended():
             return
         log.warning(
@@ -147,89 +181,158 @@ class Workers:
         """Whether the stage's workers start a few at first and the rest while it runs (local
         process workers: each is a fork of the snapshot, ~10-20 ms for a process of a GB,
         made one at a time by its server)."""
-        s = self.spec.stages[stage]
+        s = self.state.spec.stages[stage]
         return s.worker_type == "process" and s.offload is None
 
-    def _first_workers(self, stage: int) -> int:
-        """How many workers the stage starts with (see :meth:`_ramp`)."""
-        target = self._stages[stage].target
+    def first_workers(self, stage: int) -> int:
+        """How many workers the stage starts with (see :meth:`ramp`)."""
+        target = self.state.stages[stage].target
         return min(target, START_WORKERS) if self._ramps(stage) else target
 
-    def _ramp(self) -> None:
+    def start(self) -> None:
+        """Start every stage's first workers (of its own, not fused), each kind as wanted."""
+        for st in self.state.stages:
+            if not self.state.fused[st.index]:
+                for k in range(self.first_workers(st.index)):
+                    self.spawn(st.index, remote=k >= st.target - st.remote)
+
+    def ramp(self) -> None:
         """On a router turn: start one more worker of the first stage short of its target.
         The executor starts with :data:`START_WORKERS` per stage, and those serve while the
         others fork, one per turn, with the router handling events in between (instead of
         every worker forked before the first one gets work)."""
-        for st in self._stages:
+        for st in self.state.stages:
             i = st.index
-            if self._fused[i] or not self._ramps(i) or len(self._active(i)) >= st.target:
+            if self.state.fused[i] or not self._ramps(i) or self.n_active(i) >= st.target:
                 continue
-            self._spawn(i)
-            self._wake()  # another turn soon, for the next one
+            self.spawn(i)
+            self.state.res.wake()  # another turn soon, for the next one
             return
 
     def serving(self) -> bool:
         """Whether every stage that runs its own workers has as many started (said hello)
-        as it starts with: the executor serves, while the rest of its workers start."""
-        with self._lock:
-            for st in self._stages:
-                if self._fused[st.index]:
-                    continue
-                hello = sum(1 for h in self._workers.values() if h.stage == st.index and h.ready_ns)
-                if hello < self._first_workers(st.index):
-                    return False
-            return True
+        as it starts with."""
+        state = self.state
+        for st in state.stages:
+            if state.fused[st.index]:
+                continue
+            hello = sum(1 for h in state.workers.values() if h.stage == st.index and h.ready_ns)
+            if hello < self.first_workers(st.index):
+                return False
+        return True
 
-    def _active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
+    def active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring): all, or
         only its offload workers (``remote`` True) or only its local ones (False)."""
         return [
             h
-            for h in self._workers.values()
+            for h in self.state.workers.values()
             if h.stage == stage
             and h.state in (WS.STARTING, WS.READY)
             and (remote is None or h.remote == remote)
         ]
 
-    def _n_active(self, stage: int) -> int:
-        return len(self._active(stage))
+    def n_active(self, stage: int) -> int:
+        return len(self.active(stage))
 
-    def _rebudget(self, stage: int) -> None:
-        active = self._active(stage)
+    def rebudget(self, stage: int) -> None:
+        """Tell the stage's active workers their share of its budget."""
+        active = self.active(stage)
         if not active:
             return
-        share = policy.budget_share(self._stages[stage].budget, len(active))
+        share = policy.budget_share(self.state.stages[stage].budget, len(active))
         for h in active:
-            self._send(h, P.Budget(share))
+            self.mail.send(h, P.Budget(share))
 
-    def _resize(self, stage: int, n: int, remote: int | None = None) -> None:
-        st = self._stages[stage]
+    def set_budget(self, stage: int, budget_bytes: int) -> None:
+        """A budget for ``stage`` (Executor.set_budget's), within what the shared-memory
+        directory leaves this executor (shm.Room)."""
+        stages = self.state.stages
+        others = sum(st.budget for st in stages if st.index != stage)
+        stages[stage].budget = self.state.room.clamp(budget_bytes, others)
+        self.rebudget(stage)
+
+    def on_no_room(self, stage: int) -> None:
+        """A worker of ``stage`` found the shared-memory directory full: read its free bytes
+        again and lower the budgets to fit (workers give back the pages they hold beyond); the
+        frame that did not fit waits for room or travels through the pipe."""
+        state = self.state
+        room = state.room
+        held = sum(state.seg_bytes.values())
+        if not room.refit(held):
+            return
+        size, free = shm.usage(room.path)
+        log.warning(
+            "stage %r: %s is full (%.1f of %.1f MiB free): channel budgets lowered to fit "
+            "%.1f MiB; frames that do not fit travel through the workers' pipes (slower). "
+            "See docker run --shm-size, or %s",
+            state.names[stage],
+            room.path,
+            free / (1 << 20),
+            size / (1 << 20),
+            (room.cap_bytes or 0) / (1 << 20),
+            shm.DIR_ENV,
+        )
+        budgets = room.fit([st.budget for st in state.stages])
+        for st, b in zip(state.stages, budgets, strict=True):
+            if b != st.budget:
+                st.budget = b
+                self.rebudget(st.index)
+
+    def resize(self, stage: int, n: int, remote: int | None = None) -> None:
+        """Start or retire workers of ``stage`` toward ``n``, ``remote`` of them offload
+        workers (None: as many as now, at most ``n``)."""
+        st = self.state.stages[stage]
         st.target = n
         if remote is not None:
             st.remote = remote
         st.remote = min(st.remote, n)
-        if self._fused[stage]:
+        if self.state.fused[stage]:
             return  # its host runs it; the target is kept for when it is split again
-        local, far = self._active(stage, False), self._active(stage, True)
+        local, far = self.active(stage, False), self.active(stage, True)
         plan = offload.split(len(local), len(far), n, st.remote)
         retired = False
         for active, kind, is_remote in ((local, plan[0], False), (far, plan[1], True)):
             for _ in range(kind.start):
-                self._spawn(stage, remote=is_remote)
+                self.spawn(stage, remote=is_remote)
             if kind.retire:
                 retired = True
                 # Each kind retires its own: a frame a retiring worker holds is finished by
                 # it, and the frames queued go to whichever worker of the stage is free.
                 for h in policy.to_retire(active, kind.retire):
-                    h.state = WS.RETIRING
-                    self._send(h, P.Retire())
+                    self.retire(h)
         if retired:
-            self._rebudget(stage)
+            self.rebudget(stage)
+
+    def retire(self, h: handles.WorkerHandle) -> None:
+        """Tell ``h`` to finish what it holds, take nothing new, and go."""
+        h.state = WS.RETIRING
+        self.mail.send(h, P.Retire())
+
+    def finish(self, h: handles.WorkerHandle) -> None:
+        """Worker ``h`` ended (said bye) or its pipe or process did: forget it, re-delivering
+        what it held and replacing it if it died."""
+        if h.state == WS.GONE:
+            self._on_gone(h, died=False)
+            handles.stop_worker(h, 1.0)
+            return
+        if not h.thread:
+            h.proc.join(0.5)
+        why = handles.describe_exit(h)
+        if why.startswith("killed by SIGBUS"):
+            why += shm.sigbus_hint(shm.directory())
+        if h.state == WS.RETIRING and not h.inflight and not h.held:
+            self._on_gone(h, died=False)
+            return
+        if self.state.closed or self.state.res.stop.is_set():
+            return
+        self._on_gone(h, died=True, why=why)
 
     def _on_gone(self, h: handles.WorkerHandle, died: bool, why: str = "") -> None:
         """A worker ended: re-deliver what it held; replace it if it died."""
-        s = self.spec.stages[h.stage]
-        st = self._stages[h.stage]
+        state = self.state
+        s = state.spec.stages[h.stage]
+        st = state.stages[h.stage]
         prev = h.state
         h.state = WS.DEAD if died else WS.GONE
         h.close_outbox(timeout_s=0.5)  # the peer is gone: a pending send fails at once
@@ -239,7 +342,7 @@ class Workers:
             pass
         if h.proc is not None and not h.thread:
             h.proc.join(0.1)
-        run = self._run
+        run = state.run
         if died:
             st.restarts += 1
             log.warning(
@@ -258,7 +361,7 @@ class Workers:
                 f.released = False
                 keep.add((f.payload[1].segment, f.payload[1].offset))
         for f in h.held.values():
-            self._pending_count[f.producer] += 1  # queued again
+            state.pending_count[f.producer] += 1  # queued again
             f.released = False  # its next worker lets go of it
             if f.payload[0] == "shm":
                 keep.add((f.payload[1].segment, f.payload[1].offset))
@@ -266,6 +369,7 @@ class Workers:
         h.held.clear()
         if s.kind == "source":
             for u in sorted(back, key=lambda u: u.pos, reverse=True):
+                assert run is not None  # units are held only while a run is on
                 run.units.appendleft(u)
         else:
             for f in sorted(back, key=lambda f: f.seq, reverse=True):
@@ -274,28 +378,28 @@ class Workers:
         # Frames it consumed but had not yet released: it never will (held frames excepted:
         # they are delivered again from the same memory).
         for seg, off in list(h.owes - keep):
-            self._free(seg, off)
+            self.ledger.free(seg, off)
         h.owes.clear()
         self._retire_slot(h)
         if h.flushing:
             h.flushing = False
             st.flush_sent = False  # flush again once the re-delivered frames are through
-        self._maybe_unlink(h.seg_name)
+        self.ledger.maybe_unlink(h.seg_name)
         if died:
-            if st.restarts > self.spec.max_restarts:
+            if st.restarts > state.spec.max_restarts:
                 raise WorkerDiedError(
                     f"stage {s.name!r} worker {h.wid} (pid {h.pid}) {why}; {st.restarts} worker "
-                    f"deaths in this stage exceed max_restarts={self.spec.max_restarts}"
+                    f"deaths in this stage exceed max_restarts={state.spec.max_restarts}"
                 )
-            if prev != WS.RETIRING and not self._closed:
-                self._spawn(h.stage, remote=h.remote)
+            if prev != WS.RETIRING and not state.closed:
+                self.spawn(h.stage, remote=h.remote)
 
     def _retire_slot(self, h: handles.WorkerHandle) -> None:
         """Fold a finished worker's counters into its stage's totals and reuse its slot."""
-        st = self._stages[h.stage]
+        st = self.state.stages[h.stage]
         if h.slot not in st.slots:
             return
-        row = self._counters.row(h.slot)
+        row = self.state.counters.row(h.slot)
         if st.retired is None:
             st.retired = row.copy()
             st.retired[stats.STARTED_NS] = 0
@@ -313,4 +417,4 @@ class Workers:
             st.retired_remote[stats.PID] = st.retired_remote[stats.STARTED_NS] = 0
         row[:] = 0
         st.slots.discard(h.slot)
-        self._free_slots.append(h.slot)
+        self.state.free_slots.append(h.slot)

@@ -106,7 +106,10 @@ def _can_progress(h: WorkerView) -> bool:
     return bool(h.inflight) or h.flushing
 
 
-def stalled(workers: Iterable[WorkerView], sink_frames: int) -> list[WorkerView]:
+V = TypeVar("V", bound=WorkerView)
+
+
+def stalled(workers: Iterable[V], sink_frames: int) -> list[V]:
     """The blocked workers to let through because nothing else can move.
 
     Empty while any worker is starting or working on something, or while the consumer has

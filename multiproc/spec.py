@@ -348,6 +348,17 @@ def fusion_host(fused: Sequence[bool], j: int) -> int:
     return j
 
 
+def fused_depth(fused: Sequence[bool], i: int) -> int:
+    """How many stages after ``i`` run in stage ``i``'s workers when the stages marked in
+    ``fused`` run in the stage before them (0 when ``i`` is fused itself)."""
+    if fused[i]:
+        return 0
+    d = 0
+    while i + d + 1 < len(fused) and fused[i + d + 1]:
+        d += 1
+    return d
+
+
 def check_picklable(
     stage: StageSpec,
     buffers: BufferFile | None = None,

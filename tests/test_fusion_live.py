@@ -62,16 +62,16 @@ def test_the_observation_reports_a_fused_stage_and_an_allocation_splits_it():
 
 def test_a_tuner_that_starts_fused_gets_its_shape_from_the_first_worker_on(monkeypatch):
     # No worker is started for a stage only to be fused away by the tuner's first step.
-    from multiproc import Executor
+    from multiproc.lifecycle import WorkerPool
 
     spawned: list[int] = []
-    spawn = Executor._spawn
+    spawn = WorkerPool.spawn
 
     def counting(self, stage, *args, **kwargs):
         spawned.append(stage)
         return spawn(self, stage, *args, **kwargs)
 
-    monkeypatch.setattr(Executor, "_spawn", counting)
+    monkeypatch.setattr(WorkerPool, "spawn", counting)
     want = sorted(2 * x - 1 for x in range(20 * 200))
     with _pipe(fused=False).loader(tuner="intune") as loader:
         it = iter(loader)

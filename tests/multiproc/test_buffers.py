@@ -85,7 +85,7 @@ with Executor(spec) as ex:
     old = ex._snapshot.server.pid
     racing.set()
     os.kill(old, signal.SIGKILL)
-    os.kill(next(h.pid for h in ex._workers.values() if h.stage == 1), signal.SIGKILL)
+    os.kill(next(h.pid for h in ex._state.workers.values() if h.stage == 1), signal.SIGKILL)
     sums = [first, *it]
     new = ex._snapshot.server.pid
     print(f"new_server={new not in (None, old)} raced={raced == [True]} sums={sums}")

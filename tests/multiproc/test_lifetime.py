@@ -220,7 +220,7 @@ def test_the_fork_server_ignores_sigterm_and_its_workers_do_not():
     spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range, workers=1),))
     with Executor(spec) as ex:
         assert list(ex.run([(0, 3)])) == [0, 1, 2]
-        worker = next(h.pid for h in ex._workers.values() if not h.thread)
+        worker = next(h.pid for h in ex._state.workers.values() if not h.thread)
         assert not _ignores(worker, signal.SIGTERM)
         assert _ignores(ex._snapshot.server.pid, signal.SIGTERM)
 

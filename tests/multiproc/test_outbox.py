@@ -132,8 +132,8 @@ def test_releasing_frames_while_workers_report_wakes_the_router_only_when_needed
         out = [x["payload"][0].item() for x in ex.run([(i, i + 1) for i in range(200)])]
         assert sorted(out) == [float(i) for i in range(200)]
         deadline = time.monotonic() + 5
-        while ex._seg_bytes[1] and time.monotonic() < deadline:
+        while ex._state.seg_bytes[1] and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert ex._seg_bytes[1] == 0  # every frame's block was freed
-        assert not ex._sink_frees
+        assert ex._state.seg_bytes[1] == 0  # every frame's block was freed
+        assert not ex._state.sink_frees
         assert len(wakes) < 200  # not one wake per released frame

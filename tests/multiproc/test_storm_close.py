@@ -48,11 +48,11 @@ def test_close_after_a_resize_and_kill_storm_reaps_every_process_and_segment():
             got = 0
             for k, _ in enumerate(ex.run(UNITS, epoch)):
                 got += 1
-                seen |= {h.pid for h in ex._workers.values() if h.pid and not h.thread}
+                seen |= {h.pid for h in ex._state.workers.values() if h.pid and not h.thread}
                 if k % 150 == 0:
                     ex.resize(rng.choice(["read", "a", "b", "c"]), rng.randint(1, 4))
                 if k % 250 == 100 and kills < 12:
-                    pids = [h.pid for h in ex._workers.values() if h.pid and h.alive()]
+                    pids = [h.pid for h in ex._state.workers.values() if h.pid and h.alive()]
                     try:
                         os.kill(rng.choice(pids), signal.SIGKILL)
                         kills += 1
@@ -62,11 +62,11 @@ def test_close_after_a_resize_and_kill_storm_reaps_every_process_and_segment():
         # The storm goes on through the close: resizes in flight, a worker just killed.
         ex.resize("a", 4)
         ex.resize("b", 1)
-        victim = next(h.pid for h in ex._workers.values() if h.pid and h.alive())
+        victim = next(h.pid for h in ex._state.workers.values() if h.pid and h.alive())
         os.kill(victim, signal.SIGKILL)
     finally:
         # This executor's: its workers and their fork server (not the session's other servers).
-        seen |= {h.pid for h in ex._workers.values() if h.pid and not h.thread}
+        seen |= {h.pid for h in ex._state.workers.values() if h.pid and not h.thread}
         seen |= {p.pid for p in psutil.Process().children() if p.pid in _parents(seen)}
         t0 = time.monotonic()
         ex.close()
