@@ -28,7 +28,7 @@ no OOM. Contenders: ``intune``; ``planner`` (the planner alone under the same un
 rescale: ``make_tuner("planner")``); ``network-only`` (the DQN with the plan action shut:
 ``InTuneTuner(plan_action=False)``); ``plumber-adaptive``; ``autotune``.
 
-``--set planner.NEED_SLACK=0`` runs with a module-level constant of the tuning package
+``--set capacity.NEED_SLACK=0`` runs with a module-level constant of the tuning package
 changed (every tuning module that imported it too): ``benchmarks/generalize_ab.py`` A/Bs the
 InTune stack's rules that way. ``--oracle-cache FILE`` keeps the oracle's values between
 runs (keyed by the workload's full description).
@@ -90,7 +90,7 @@ BASELINES = ("plumber-adaptive", "autotune")
 
 # -- constants changed for an A/B -----------------------------------------------------------
 def parse_set(text: str) -> tuple[str, str, object]:
-    """``"planner.NEED_SLACK=0"`` -> ``("planner", "NEED_SLACK", 0)``."""
+    """``"capacity.NEED_SLACK=0"`` -> ``("capacity", "NEED_SLACK", 0)``."""
     where, sep, value = text.partition("=")
     module, dot, name = where.strip().rpartition(".")
     if not (sep and dot and name.isupper()):

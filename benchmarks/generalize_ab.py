@@ -56,13 +56,13 @@ VARIANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("headroom 1.1", "HEADROOM 1.2 -> 1.1", ("planner.HEADROOM=1.1",)),
     ("headroom 1.3", "HEADROOM 1.2 -> 1.3", ("planner.HEADROOM=1.3",)),
     ("memory share .95", "planner.MEMORY_SHARE 0.9 -> 0.95", ("planner.MEMORY_SHARE=0.95",)),
-    ("need slack off", "NEED_SLACK 0.02 -> 0", ("planner.NEED_SLACK=0.0",)),
+    ("need slack off", "NEED_SLACK 0.02 -> 0", ("capacity.NEED_SLACK=0.0",)),
     ("wait noise off", "WAIT_NOISE 0.05 -> 0", ("planner.WAIT_NOISE=0.0",)),
     ("saturated off", "SATURATED 0.8 -> 0", ("planner.SATURATED=0.0",)),
     ("fuse gain 0", "FUSE_MIN_GAIN 0.02 -> 0", ("planner.FUSE_MIN_GAIN=0.0",)),
     ("cheap hops off", "CHEAP_HOPS 2 -> 0", ("planner.CHEAP_HOPS=0.0",)),
     ("remote headroom off", "REMOTE_HEADROOM 1.05 -> 1.2",
-     ("placement.REMOTE_HEADROOM=1.2",)),
+     ("capacity.REMOTE_HEADROOM=1.2",)),
     ("move gain 0", "MOVE_MIN_GAIN 0.1 -> 0", ("placement.MOVE_MIN_GAIN=0.0",)),
 )  # fmt: skip
 

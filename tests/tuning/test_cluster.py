@@ -10,17 +10,18 @@ import pytest
 from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
 from torchtune_pipe.tuning import make_tuner, run_episode
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
-from torchtune_pipe.tuning.cluster import remote_cost, remote_of
-from torchtune_pipe.tuning.intune import InTuneTuner
-from torchtune_pipe.tuning.oracle import best_static
-from torchtune_pipe.tuning.placement import (
+from torchtune_pipe.tuning.capacity import (
     REMOTE_HEADROOM,
     Station,
     capacity,
-    local_headroom,
     remote_headroom,
     served_share,
+    station_capacity,
 )
+from torchtune_pipe.tuning.cluster import remote_cost, remote_of
+from torchtune_pipe.tuning.intune import InTuneTuner
+from torchtune_pipe.tuning.oracle import best_static
+from torchtune_pipe.tuning.placement import local_headroom
 from torchtune_pipe.tuning.planner import plan
 from torchtune_pipe.tuning.plumber import plan as plumber_plan
 from torchtune_pipe.tuning.safety import (
@@ -199,13 +200,16 @@ def test_items_split_by_the_kinds_capacities():
 
 
 def test_remote_and_waiting_workers_are_planned_with_the_smaller_headroom():
-    cpu = Station(0, g=1e-5, u=1e-5, floor=0.5, lo=1, hi=64, idle=False, h=1e-6, v=2e-5)
-    io = Station(1, g=1e-6, u=4e-5, floor=0.1, lo=1, hi=64, idle=False)
     assert remote_headroom(1.2) == REMOTE_HEADROOM < 1.2
-    assert local_headroom(cpu, 1.2) == 1.2
-    assert local_headroom(io, 1.2) == REMOTE_HEADROOM  # waits on I/O: holds no core
-    assert capacity(cpu, 0, 10, 1.2) == pytest.approx(10 / (REMOTE_HEADROOM * 2e-5))
-    assert capacity(cpu, 2, 0, 1.2) == pytest.approx(2 / (1.2 * 1e-5))
+    assert local_headroom(1e-5, 1e-5, 1.2) == 1.2
+    assert local_headroom(1e-6, 4e-5, 1.2) == REMOTE_HEADROOM  # waits on I/O: holds no core
+    # The planner's rate model, each kind with its headroom: local workers the station's,
+    # remote ones at most REMOTE_HEADROOM.
+    cpu = Station(0, g=1e-5, u=1e-5, floor=0.5, lo=1, hi=64, idle=False, h=1e-6, v=2e-5,
+                  headroom=1.2)  # fmt: skip
+    assert station_capacity(cpu, 0, 10) == capacity(10, 2e-5, REMOTE_HEADROOM)
+    assert station_capacity(cpu, 2, 0) == capacity(2, 1e-5, 1.2)
+    assert station_capacity(cpu, 2, 10) == capacity(2, 1e-5, 1.2) + capacity(10, 2e-5, 1.05)
 
 
 def test_the_planner_moves_a_stage_wholly_when_the_cluster_holds_it():

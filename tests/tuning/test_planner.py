@@ -41,7 +41,7 @@ def test_plan_stops_at_the_consumer_rate():
 
 
 def test_the_headroom_margin_rounds_to_the_nearest_worker_over_the_need():
-    from torchtune_pipe.tuning.planner import capacity, workers_for
+    from torchtune_pipe.tuning.capacity import capacity, workers_for
 
     assert workers_for(10.0, 0.2, 1.2) == 2  # need 2, 2.4 with headroom
     assert workers_for(10.0, 0.25, 1.2) == 3  # need 2.5, 3.0

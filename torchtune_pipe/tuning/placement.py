@@ -6,8 +6,9 @@ also take workers there. Per delivered item, stage ``i`` costs on the host ``g_i
 ``u_i`` of a local worker's time when made locally, and ``h_i`` of host CPU (its hop), ``v_i``
 of a remote worker's time (its CPU on the cluster plus the network's wait) and ``b_i`` bytes on
 the link when made remotely (:func:`~.cluster.remote_cost`). For a target rate ``T``, a share
-``f_i`` of its items goes remote: ``ceil(REMOTE_HEADROOM * T * f_i * v_i)`` remote workers
-(one cluster CPU each) and ``ceil(headroom * T * (1 - f_i) * u_i)`` local ones.
+``f_i`` of its items goes remote: the workers the planner's rate model (:mod:`~.capacity`)
+gives ``T * f_i`` items/s at ``v_i`` (one cluster CPU each) and ``T * (1 - f_i)`` at ``u_i``
+locally (:func:`~.capacity.workers_for`).
 
 Three rules decide what a split costs, each from ``benchmarks/cluster_sim.py`` (BENCHMARKS.md,
 "Two budgets"):
@@ -20,9 +21,9 @@ Three rules decide what a split costs, each from ``benchmarks/cluster_sim.py`` (
   planner kept 1 of 8 UDF workers on the host on ``netflix_like``, 0.91-0.92 of the best
   split, and 1 of 12 parse and sparse-hash workers on the DLRM-like pipeline).
 * Workers that hold no host core, remote ones and local ones that wait on I/O
-  (:func:`~.base.waits_on_io`), are planned with ``REMOTE_HEADROOM`` (1.05), the rest with
-  ``headroom`` (1.2). Remote CPUs are paid, and a waiting worker is bounded by the local worker
-  cap (a count) rather than by CPU: with 1.2 on both, the DLRM-like pipeline paid 29-32 CPUs
+  (:func:`~.base.waits_on_io`, :func:`local_headroom`), are planned with ``REMOTE_HEADROOM``
+  (1.05), the rest with ``headroom`` (1.2). Remote CPUs are paid, and a waiting worker is
+  bounded by the local worker cap (a count) rather than by CPU: with 1.2 on both, the DLRM-like pipeline paid 29-32 CPUs
   where the best split needs 27.5, and its I/O-bound read took the slots its cheap map needed
   to stay local (that map then ran 2+2 and its remote half filled the link).
 * The charged cores may pass the host's by ``SPARE_CORES``, as the guard lets them
@@ -47,46 +48,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .base import Observation, waits_on_io
+from .capacity import Station, remote_headroom, served_share, station_capacity, workers_for
 from .cluster import network_of, remote_cost
 from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE, SPARE_CORES
 
-# Remote workers planned per unit of measured need, at most (module docstring).
-REMOTE_HEADROOM = 1.05
 # A stage moves only where its host CPU per item falls by more than this share.
 MOVE_MIN_GAIN = 0.1
 _BISECT_STEPS = 40
 _SHARE_STEPS = 24
 
 
-@dataclass(frozen=True)
-class Station:
-    """One planned group, as :func:`place` sees it (per delivered item).
-
-    Attributes:
-        stage: its host stage's index.
-        g: host CPU seconds when made locally.
-        u: local worker seconds.
-        floor: the least share of a core a local worker is charged.
-        lo: the fewest workers it runs; hi: the most.
-        idle: it had no work (its workers are kept).
-        h: host CPU seconds when made remotely (the hop); v: remote worker seconds; b: bytes
-            on the link. ``v`` is 0 for a station that cannot run remote.
-    """
-
-    stage: int
-    g: float
-    u: float
-    floor: float
-    lo: int
-    hi: int
-    idle: bool
-    h: float = 0.0
-    v: float = 0.0
-    b: float = 0.0
-
-    @property
-    def movable(self) -> bool:
-        return self.v > 0 and not self.idle and self.g > (1.0 + MOVE_MIN_GAIN) * self.h
+def movable(s: Station) -> bool:
+    """Whether moving ``s``'s items to the cluster frees host CPU: it may run remote, has work,
+    and its host CPU per item is more than ``1 + MOVE_MIN_GAIN`` times its hop's."""
+    return s.v > 0 and not s.idle and s.g > (1.0 + MOVE_MIN_GAIN) * s.h
 
 
 @dataclass(frozen=True)
@@ -107,51 +82,11 @@ def remote_terms(obs: Observation, i: int, r: float) -> tuple[float, float, floa
     return cost.hop_cpu_s * r, (cpu + cost.net_s + cost.hop_cpu_s) * r, cost.net_bytes * r
 
 
-def remote_headroom(headroom: float) -> float:
-    """The headroom remote workers are planned with: at most ``REMOTE_HEADROOM``."""
-    return min(headroom, max(1.0, REMOTE_HEADROOM))
-
-
-def local_headroom(s: Station, headroom: float) -> float:
-    """The headroom ``s``'s local workers are planned with: ``remote_headroom`` for a station
-    whose workers wait on I/O (they hold no core either; the local worker cap, a count, is
-    what bounds them), else ``headroom``."""
-    return remote_headroom(headroom) if waits_on_io(s.g, s.u) else headroom
-
-
-def capacity(s: Station, local: int, remote: int, headroom: float) -> float:
-    """Delivered items per second ``local`` and ``remote`` workers of ``s`` plan for."""
-    rate = local / (local_headroom(s, headroom) * s.u) if s.u > 0 else math.inf
-    far = remote_headroom(headroom)
-    return rate + (remote / (far * s.v) if remote and s.v > 0 else 0.0)
-
-
-def served_share(s: Station, local: int, remote: int) -> float:
-    """The share of ``s``'s items its ``remote`` workers make next to ``local`` ones: the
-    kinds split items by their capacities (a free worker takes the next item)."""
-    far = remote / s.v if remote and s.v > 0 else 0.0
-    near = local / s.u if s.u > 0 else math.inf
-    return far / (far + near) if far > 0 else 0.0
-
-
-def rate_of(
-    stations: Sequence[Station],
-    local: Sequence[int],
-    remote: Sequence[int],
-    cpus: float,
-    headroom: float,
-    consumer: float = math.inf,
-) -> float:
-    """The rate the plan's model gives workers as they run: the slowest station, the host's
-    CPU (items split between a station's kinds by their capacities) and the consumer."""
-    rate, host = consumer, 0.0
-    for s, n, m in zip(stations, local, remote, strict=True):
-        cap = capacity(s, n, m, headroom)
-        f = served_share(s, n, m) if n > 0 else (1.0 if m > 0 else 0.0)
-        host += (1 - f) * s.g + f * s.h
-        if not s.idle:
-            rate = min(rate, cap)
-    return min(rate, cpus / host) if host > 0 else rate
+def local_headroom(g: float, u: float, headroom: float) -> float:
+    """The headroom the local workers of a station of ``g`` CPU and ``u`` worker seconds per
+    item are planned with: :func:`~.capacity.remote_headroom` where they wait on I/O (they hold
+    no core either; the local worker cap, a count, is what bounds them), else ``headroom``."""
+    return remote_headroom(headroom) if waits_on_io(g, u) else headroom
 
 
 def local_wall(obs: Observation, u: Sequence[float], r: Sequence[float]) -> list[float]:
@@ -172,9 +107,8 @@ def local_wall(obs: Observation, u: Sequence[float], r: Sequence[float]) -> list
 class _Budget:
     """The budgets one split must fit (module docstring)."""
 
-    def __init__(self, obs, stations, headroom, per_worker_bytes, memory_left, allowance):
-        self.obs, self.st, self.headroom = obs, stations, headroom
-        self.far = remote_headroom(headroom)
+    def __init__(self, obs, stations, per_worker_bytes, memory_left, allowance):
+        self.obs, self.st = obs, stations
         self.per_worker_bytes, self.memory_left = per_worker_bytes, memory_left
         self.cluster = math.floor(obs.cluster_cpus + 1e-9)
         self.bandwidth = network_of(obs)[1]
@@ -189,9 +123,8 @@ class _Budget:
                 local.append(s.lo)
                 remote.append(0)
                 continue
-            nr = math.ceil(self.far * t * fi * s.v - 1e-9) if fi > 0 else 0
-            near = local_headroom(s, self.headroom)
-            nl = math.ceil(near * t * (1.0 - fi) * s.u - 1e-9) if fi < 1 else 0
+            nr = workers_for(t * fi, s.v, remote_headroom(s.headroom)) if fi > 0 else 0
+            nl = workers_for(t * (1.0 - fi), s.u, s.headroom) if fi < 1 else 0
             nl = min(s.hi, max(max(0, s.lo - nr), nl))
             local.append(nl)
             remote.append(min(nr, s.hi - nl))
@@ -228,7 +161,7 @@ class _Budget:
             and wire <= self.bandwidth
             and sum(local) * self.per_worker_bytes <= self.memory_left
             and all(
-                s.idle or capacity(s, n, m, self.headroom) >= t * (1 - 1e-9)
+                s.idle or station_capacity(s, n, m) >= t * (1 - 1e-9)
                 for s, n, m in zip(st, local, remote, strict=True)
             )
         )
@@ -239,7 +172,7 @@ class _Budget:
         if self.fits(t, f):
             return f
         order = sorted(
-            (k for k, s in enumerate(self.st) if s.movable),
+            (k for k, s in enumerate(self.st) if movable(s)),
             key=lambda k: (
                 -(self.st[k].g - self.st[k].h)
                 / max(self.st[k].v / max(1, self.cluster), self.st[k].b / self.bandwidth, 1e-15)
@@ -284,16 +217,15 @@ def place(
     stations: Sequence[Station],
     top: float,
     *,
-    headroom: float,
     per_worker_bytes: float,
     memory_left: float,
     allowance: float = 0.0,
 ) -> Placed | None:
     """The highest rate up to ``top`` some split of ``stations`` fits the budgets at, and that
     split's workers (module docstring); None when no rate does or nothing can move."""
-    if obs.cluster_cpus < 1 or not any(s.movable for s in stations):
+    if obs.cluster_cpus < 1 or not any(movable(s) for s in stations):
         return None
-    budget = _Budget(obs, stations, headroom, per_worker_bytes, memory_left, allowance)
+    budget = _Budget(obs, stations, per_worker_bytes, memory_left, allowance)
     low, high = 0.0, top
     if budget.shares(high) is not None:
         low = high

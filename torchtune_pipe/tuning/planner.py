@@ -32,14 +32,10 @@ Where the run-queue delay is not measured (the simulator), ``q_i = g_i / phi - g
 ``phi`` the CPU rate a runnable worker got: the median of ``g_i / a_i`` over CPU-bound stages
 (1 when there are none, at most 1).
 
-For a target rate ``T`` stage ``i`` needs ``n_i = max(ceil(T * u_i * (1 - NEED_SLACK)),
-round(headroom * T * u_i))`` workers (:func:`workers_for`: the headroom absorbs noise and
-heavy-tailed items; its margin is rounded to the nearest worker, the need itself always covered
-but for ``NEED_SLACK`` (2%): a CPU-bound stage on 2 cores needs 2 workers, and a third, 1.2 x 2
-rounded up or a need measured at 2.03, only time-slices the same cores), each
-charged the CPU it would use,
-``max(floor_i, T * g_i / n_i)`` of a core (the safety policy's floors,
-:mod:`~torchtune_pipe.tuning.safety`). The plan
+For a target rate ``T`` stage ``i`` needs ``n_i`` workers for ``T * u_i`` of need with
+``HEADROOM`` (:func:`~.capacity.workers_for`, the rate model the split between host and
+cluster uses too), each charged the CPU it would use, ``max(floor_i, T * g_i / n_i)`` of a core
+(the safety policy's floors, :mod:`~torchtune_pipe.tuning.safety`). The plan
 is the largest ``T`` (bisection) with ``T * sum g <= budget``, charged cores ``<= cpus``,
 ``sum n <= MAX_OVERSUBSCRIBE * cpus``, worst-case memory within the limit, and ``T`` no faster
 than the consumer takes items. The budget is ``cpus`` while the busy stages' workers get a CPU
@@ -91,7 +87,8 @@ from multiproc.stats import MAX_FUSED
 
 from .base import Allocation, Observation, fusion_host
 from .calls_in_flight import settled_concurrency
-from .placement import Station, local_wall, place, rate_of, remote_terms
+from .capacity import Station, capacity, rate_of, station_capacity, workers_for
+from .placement import local_headroom, local_wall, movable, place, remote_terms
 from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
@@ -103,10 +100,6 @@ _BISECT_STEPS = 40
 # stage measures it (StageStats.hop_s_per_item) and the least it prices a hop at: ~2.5 us per
 # row in the UDF-heavy peers scenario.
 HOP_S_PER_ITEM = 2.5e-6
-# A need at most this share above a whole number of workers is met by that number: the next
-# process would buy at most this much (a CPU-bound group on 2 cores measured at 2.03 workers'
-# need would start a third process that time-slices the same cores, for its memory).
-NEED_SLACK = 0.02
 # A group (a stage and those fused into it) whose worker seconds per item exceed its CPU by
 # less than this share is CPU-bound: the rest is measurement noise (_Model.groups).
 WAIT_NOISE = 0.05
@@ -262,7 +255,8 @@ def _stations(obs: Observation, model: _Model, shape, now, hop, r) -> list[Stati
         terms = (0.0, 0.0, 0.0)
         if len(members) == 1 and obs.stages[h].remotable and not (h + 1 < n and shape[h + 1]):
             terms = remote_terms(obs, h, r[h])
-        out.append(Station(h, gg, ug, fl, lo, hi, idle, *terms))
+        headroom = local_headroom(gg, ug, model.headroom)
+        out.append(Station(h, gg, ug, fl, lo, hi, idle, *terms, headroom=headroom))
     return out
 
 
@@ -274,12 +268,12 @@ def _split(obs: Observation, model: _Model, shape, now, hop, r, found):
         return None
     stations = _stations(obs, model, shape, now, hop, r)
     busy = [s for s in stations if not s.idle]
-    top = min([model.consumer_rate()] + [s.hi / (model.headroom * s.u) for s in busy])
-    top = max(top, max((s.hi / s.v for s in busy if s.movable), default=0))
-    host = sum(min(s.g, s.h) if s.movable else s.g for s in stations)
+    top = min([model.consumer_rate()] + [station_capacity(s, s.hi, 0) for s in busy])
+    top = max(top, max((station_capacity(s, 0, s.hi) for s in busy if movable(s)), default=0))
+    host = sum(min(s.g, s.h) if movable(s) else s.g for s in stations)
     top = min(top, obs.cpus / max(host, 1e-12), model.consumer_rate())
     placed = place(
-        obs, stations, top, headroom=model.headroom, per_worker_bytes=model.per_worker_bytes,
+        obs, stations, top, per_worker_bytes=model.per_worker_bytes,
         memory_left=model.memory_left, allowance=model.allowance,
     )  # fmt: skip
     if placed is None or (found is not None and placed.rate <= found[0] * (1 + 1e-9)):
@@ -300,7 +294,7 @@ def _split_rate(obs: Observation, model: _Model, now, r) -> float:
     remote = obs.remote_workers
     local = [obs.workers[s.stage] - remote[s.stage] for s in stations]
     far = [remote[s.stage] for s in stations]
-    return rate_of(stations, local, far, obs.cpus, model.headroom, model.consumer_rate())
+    return rate_of(stations, local, far, obs.cpus, model.consumer_rate())
 
 
 def _fusion_shape(
@@ -419,11 +413,15 @@ class _Model:
         return out, g, u
 
     def rate_of(self, shape, workers) -> float:
-        """The rate the model gives ``workers`` (as they run) under ``shape``."""
+        """The rate the model gives ``workers`` (as they run) under ``shape``, all local
+        (:func:`~.capacity.rate_of`)."""
         groups, _, _ = self.groups(shape, shape, [0.0] * len(shape))
-        top = self._top(groups)
-        busy = [grp for grp in groups if not grp[7]]
-        return min([top] + [capacity(workers[h], ug, self.headroom) for h, _, _, ug, *_ in busy])
+        stations = [
+            Station(h, gg, ug, fl, lo, hi, idle, headroom=self.headroom)
+            for h, _, gg, ug, fl, lo, hi, idle, _ in groups
+        ]
+        local = [workers[st.stage] for st in stations]
+        return rate_of(stations, local, [0] * len(stations), self.cpus, self.consumer_rate())
 
     def consumer_rate(self) -> float:
         """Items per second the consumer takes at most (inf: not measured)."""
@@ -590,19 +588,6 @@ def _free_share(g: list[float], q: list[float], idle: list[bool]) -> float:
         return 1.0
     share = sum(g[i] for i in range(len(g)) if not idle[i]) / run
     return min(1.0, max(0.0, (share - SATURATED) / (1.0 - SATURATED)))
-
-
-def workers_for(rate: float, u: float, headroom: float) -> int:
-    """Workers a stage of ``u`` worker seconds per item needs for ``rate`` items/s: the need
-    ``rate * u`` rounded up (less ``NEED_SLACK`` of it first), and the headroom's margin over
-    it rounded to the nearest worker."""
-    need = rate * u
-    return max(math.ceil(need * (1 - NEED_SLACK) - 1e-9), math.floor(headroom * need + 0.5 - 1e-9))
-
-
-def capacity(workers: int, u: float, headroom: float) -> float:
-    """The highest rate ``workers`` cover in :func:`workers_for` (its inverse)."""
-    return min(workers / ((1 - NEED_SLACK) * u), (workers + 0.5) / (headroom * u))
 
 
 def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) -> list[float]:
