@@ -31,12 +31,7 @@ MODULE_MAX_LINES = 600
 MODULE_ROOTS = ("torchtune_pipe", "multiproc", "benchmarks", "examples", "tests")
 # Modules allowed past MODULE_MAX_LINES, each with the reason; remove an entry once its module
 # is back within the limit.
-OVER_LIMIT = {
-    "torchtune_pipe/tuning/planner.py": (
-        "the fluid model, the fusion shape and the CPU budget of one plan; to be split when its "
-        "capacity/rate model becomes one with tuning/placement.py's (issue 35, item 3)"
-    ),
-}
+OVER_LIMIT: dict[str, str] = {}
 
 
 @pytest.mark.parametrize("package", sorted(INTERNALS))

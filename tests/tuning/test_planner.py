@@ -263,7 +263,7 @@ def test_cheap_stages_are_fused_when_cores_are_scarce():
 
 
 def test_hops_come_from_what_the_stages_measure_and_fall_back_to_the_prior_as_a_floor():
-    from torchtune_pipe.tuning.planner import HOP_S_PER_ITEM, channel_hops
+    from torchtune_pipe.tuning.item_costs import HOP_S_PER_ITEM, channel_hops
 
     def obs_of(hops, fused=(False, False, False)):
         stages = tuple(
@@ -448,7 +448,7 @@ def test_no_process_is_planned_onto_cores_the_workers_already_wait_for():
 
 
 def test_a_channel_no_stage_measures_is_priced_at_the_hops_of_stages_with_its_items():
-    from torchtune_pipe.tuning.planner import HOP_S_PER_ITEM, channel_hops
+    from torchtune_pipe.tuning.item_costs import HOP_S_PER_ITEM, channel_hops
 
     # Rows from a reader (a measured 0.05 us hop per row) through a map fused into it, then a
     # collate of 4096 rows whose 4 MiB batches cost 200 us each to cross: the fused channel

@@ -78,7 +78,8 @@ from .intune_state import (
     transition_reward,
 )
 from .intune_weights import WEIGHTS_DIR, PlannerOnly, load_agent, shipped_lengths, weights_path
-from .planner import Plan, crossed_hops, plan
+from .item_costs import crossed_hops
+from .planner import Plan, plan
 
 __all__ = [
     "ACTIONS_PER_STAGE",

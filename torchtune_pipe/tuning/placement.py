@@ -23,9 +23,10 @@ Three rules decide what a split costs, each from ``benchmarks/cluster_sim.py`` (
 * Workers that hold no host core, remote ones and local ones that wait on I/O
   (:func:`~.base.waits_on_io`, :func:`local_headroom`), are planned with ``REMOTE_HEADROOM``
   (1.05), the rest with ``headroom`` (1.2). Remote CPUs are paid, and a waiting worker is
-  bounded by the local worker cap (a count) rather than by CPU: with 1.2 on both, the DLRM-like pipeline paid 29-32 CPUs
-  where the best split needs 27.5, and its I/O-bound read took the slots its cheap map needed
-  to stay local (that map then ran 2+2 and its remote half filled the link).
+  bounded by the local worker cap (a count) rather than by CPU: with 1.2 on both, the
+  DLRM-like pipeline paid 29-32 CPUs where the best split needs 27.5, and its I/O-bound read
+  took the slots its cheap map needed to stay local (that map then ran 2+2 and its remote half
+  filled the link).
 * The charged cores may pass the host's by ``SPARE_CORES``, as the guard lets them
   (:func:`~.safety.oversubscribe_factor`): without it a 16-CPU cluster's split left a
   bottleneck stage a local worker short (0.92-0.96 of the best split).

@@ -7,17 +7,10 @@ incremental actions for what the model gets wrong. The agent decides when to pla
 measurement decides whether the plan stays (a plan that costs throughput is undone like any
 other worker move).
 
-From one interval with ``X`` items/s delivered, per stage ``i``:
+From one interval with ``X`` items/s delivered, per stage ``i``: ``r_i`` items of the stage
+per delivered item, ``g_i`` CPU seconds, ``a_i`` worker (wall) seconds and ``q_i`` seconds
+runnable but waiting for a CPU per delivered item (:mod:`~.item_costs`), and
 
-* ``r_i``: items of stage ``i`` per delivered item, from the in/out ratios of the stages after
-  it (a batch of 4 after ``i``: 4); not ``items_per_s_i / X``, which is inflated while stage
-  ``i`` runs ahead of the others filling a buffer (the measured ratio stands in where the
-  in/out counts are missing);
-* ``g_i = cpu_s_per_item_i * r_i``: CPU seconds per delivered item;
-* ``a_i = workers_i * busy_i / items_per_s_i * r_i``: worker (wall) seconds per delivered item;
-* ``q_i = workers_i * runqueue_i / items_per_s_i * r_i``: seconds per delivered item its
-  workers were runnable but waiting for a CPU; a contended machine stretches wall time by
-  that much and the plan must not mistake it for work (or for I/O);
 * ``u_i = g_i + max(0, a_i - g_i - q_i) * k_i / K_i``: worker seconds per item on an
   uncontended machine (CPU plus waiting on I/O), where a stage at ``k_i`` calls in flight per
   worker is being raised to ``K_i`` by the concurrency rule below every tuner
@@ -51,30 +44,30 @@ process would take its CPU from them. (A map-style loader on 2 cores whose two w
 which made none.) In the simulator ``q`` comes from ``phi``, below 1 only when the machine is
 oversubscribed, where ``X * sum g`` is ``cpus`` already.
 
-Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host
-and the stages fused into it) is planned as one stage with the host's workers, costing the sum
-of its members' ``g_i`` and ``u_i``, charged the highest floor among them. The plan takes a hop of CPU (and worker time) per item
-per channel crossed (:func:`channel_hops`, from the time the stages' workers spend decoding and
-encoding frames, ``StageStats.hop_s_per_item``; never below ``HOP_S_PER_ITEM``, the prior
-where nothing measures it): a stage whose output stops crossing one (its next stage fused) saves it, and one that
-starts crossing pays it. From every stage split, in pipeline order, a stage that may
-be fused (``StageStats.fusable``, or fused now) is fused when the model gains more than
-``FUSE_MIN_GAIN`` by it, or when it is cheap (its own CPU per item at most ``CHEAP_HOPS``
-hops) or fused now and loses nothing; else it runs split (a channel inside a fused group is
-priced at what it cost when last crossed, ``known_hops``). So cheap stages are fused (the hop is a third or
-more of their cost, and on a few cores each split stage keeps a worker charged at least its
-floor), expensive ones split (the hop is noise next to their cost, and a split stage keeps its
-own workers, calls in flight and buffer). Stages that wait on I/O or keep calls in flight stay
-split, and nothing is fused into a host that waits on I/O (a stage fused now stays fused while
-its host's calls in flight are rising: the wait measured is what the host's threads are about
-to take, and in a map-style loader's first seconds the plan split the collate from the fetch
-workers that way, then bought readers for the split shape): a fused stage runs one call at a
-time in its host's workers, and a group that both waits and computes is one the plan's per-stage
-split of wait and CPU time misjudges (in the held-out simulations, fusing a UDF into a remote
-read made the plan split it again from the fused measurement, and back). The shape running now
-is kept when the shape so built is slower by the same model (a fused stage's share of its
-host's wall time can flag it as waiting by noise, and a shape built from every stage split
-would then leave it apart).
+Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host and
+the stages fused into it) is planned as one stage with the host's workers, costing the sum of
+its members' ``g_i`` and ``u_i``, charged the highest floor among them. The plan takes a hop of
+CPU (and worker time) per item per channel crossed (:func:`~.item_costs.channel_hops`, from the
+time the stages' workers spend decoding and encoding frames, ``StageStats.hop_s_per_item``;
+never below ``HOP_S_PER_ITEM``, the prior where nothing measures it): a stage whose output stops
+crossing one (its next stage fused) saves it, and one that starts crossing pays it. From every
+stage split, in pipeline order, a stage that may be fused (``StageStats.fusable``, or fused now)
+is fused when the model gains more than ``FUSE_MIN_GAIN`` by it, or when it is cheap (its own
+CPU per item at most ``CHEAP_HOPS`` hops) or fused now and loses nothing; else it runs split (a
+channel inside a fused group is priced at what it cost when last crossed, ``known_hops``). So
+cheap stages are fused (the hop is a third or more of their cost, and on a few cores each split
+stage keeps a worker charged at least its floor), expensive ones split (the hop is noise next to
+their cost, and a split stage keeps its own workers, calls in flight and buffer). Stages that
+wait on I/O or keep calls in flight stay split, and nothing is fused into a host that waits on
+I/O (a stage fused now stays fused while its host's calls in flight are rising: the wait
+measured is what the host's threads are about to take, and in a map-style loader's first seconds
+the plan split the collate from the fetch workers that way, then bought readers for the split
+shape): a fused stage runs one call at a time in its host's workers, and a group that both waits
+and computes is one the plan's per-stage split of wait and CPU time misjudges (in the held-out
+simulations, fusing a UDF into a remote read made the plan split it again from the fused
+measurement, and back). The shape running now is kept when the shape so built is slower by the
+same model (a fused stage's share of its host's wall time can flag it as waiting by noise, and a
+shape built from every stage split would then leave it apart).
 """
 
 from __future__ import annotations
@@ -88,6 +81,7 @@ from multiproc.stats import MAX_FUSED
 from .base import Allocation, Observation, fusion_host
 from .calls_in_flight import settled_concurrency
 from .capacity import Station, capacity, rate_of, station_capacity, workers_for
+from .item_costs import channel_hops, cpu_and_idle, per_delivered, worker_seconds
 from .placement import local_headroom, local_wall, movable, place, remote_terms
 from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
@@ -96,10 +90,6 @@ HEADROOM = 1.2
 # Share of the memory limit the planned workers and buffers may fill in the worst case.
 MEMORY_SHARE = 0.9
 _BISECT_STEPS = 40
-# CPU seconds an item costs to cross a channel between two stages, the planner's prior where no
-# stage measures it (StageStats.hop_s_per_item) and the least it prices a hop at: ~2.5 us per
-# row in the UDF-heavy peers scenario.
-HOP_S_PER_ITEM = 2.5e-6
 # A group (a stage and those fused into it) whose worker seconds per item exceed its CPU by
 # less than this share is CPU-bound: the rest is measurement noise (_Model.groups).
 WAIT_NOISE = 0.05
@@ -147,7 +137,7 @@ def plan(
         fusion: choose which fusable stages run fused (module docstring); False keeps the
             stages as they run.
         known_hops: per channel, its hop per item of the stage before it as last measured
-            while crossed (:func:`crossed_hops`; 0 or missing: not known), for channels
+            while crossed (:func:`~.item_costs.crossed_hops`; 0 or missing: not known), for channels
             that no stage measures now (inside a fused group).
 
     Returns:
@@ -163,9 +153,9 @@ def plan(
     # workers: the interval says nothing about what it needs.
     io = [is_io_bound(s) for s in obs.stages]
     r = per_delivered(obs)
-    g, idle = _cpu_and_idle(obs, r)
+    g, idle = cpu_and_idle(obs, r)
     now = tuple(s.fused for s in obs.stages)
-    per_item = _per_item(obs, r)
+    per_item = worker_seconds(obs, r)
     a = per_item([s.busy for s in obs.stages])
     if all(s.runqueue is not None for s in obs.stages):
         q = per_item([s.runqueue for s in obs.stages])
@@ -528,29 +518,6 @@ def _worker_bytes(
     return own, lightest
 
 
-def _cpu_and_idle(obs: Observation, r: list[float]) -> tuple[list[float], list[bool]]:
-    """Each stage's CPU seconds per delivered item (``r``: :func:`per_delivered`), and whether
-    it had no work this interval (idle and emitting nothing)."""
-    g = [max(0.0, s.cpu_s_per_item) * r[i] for i, s in enumerate(obs.stages)]
-    return g, [s.idle and s.items_per_s <= 0 for s in obs.stages]
-
-
-def _per_item(obs: Observation, r: list[float]):
-    """Worker seconds per delivered item that each stage's workers spent in a given share of
-    their wall time (``r``: :func:`per_delivered`). A fused stage's share is of its host's
-    workers' wall time."""
-    now = tuple(s.fused for s in obs.stages)
-    hosts = [obs.workers[fusion_host(now, i)] for i in range(len(obs.stages))]
-
-    def per_item(share: list[float]) -> list[float]:
-        return [
-            w * share[i] / s.items_per_s * r[i] if s.items_per_s > 0 else 0.0
-            for i, (w, s) in enumerate(zip(hosts, obs.stages, strict=True))
-        ]
-
-    return per_item
-
-
 def cpu_saturated(obs: Observation) -> bool:
     """Whether the busy stages' workers waited for a CPU ``1 - SATURATED`` of their runnable
     time or more (live only: the simulator measures no run queue): :func:`cpu_budget` then
@@ -562,8 +529,8 @@ def cpu_saturated(obs: Observation) -> bool:
     if any(s.items_per_s <= 0 and not s.idle for s in stages):
         return False
     r = per_delivered(obs)
-    g, idle = _cpu_and_idle(obs, r)
-    q = _per_item(obs, r)([s.runqueue or 0.0 for s in stages])
+    g, idle = cpu_and_idle(obs, r)
+    q = worker_seconds(obs, r)([s.runqueue or 0.0 for s in stages])
     return _free_share(g, q, idle) == 0.0
 
 
@@ -588,79 +555,3 @@ def _free_share(g: list[float], q: list[float], idle: list[bool]) -> float:
         return 1.0
     share = sum(g[i] for i in range(len(g)) if not idle[i]) / run
     return min(1.0, max(0.0, (share - SATURATED) / (1.0 - SATURATED)))
-
-
-def channel_hops(obs: Observation, r: list[float], known: Sequence[float] = ()) -> list[float]:
-    """CPU seconds per delivered item for stage ``i``'s output to cross the channel to stage
-    ``i + 1`` (``hop[i]``), from the measured ``StageStats.hop_s_per_item`` of the two stages
-    it joins (the producer encodes, the consumer decodes: the mean of the two sides' per-item
-    hop time, each side's being about one crossing). A channel that no split stage measures (a
-    stage fused now) takes what it measured when it was last crossed (``known``, per item of
-    stage ``i``: items inside a group can cost far more to send than the group's output, e.g.
-    rows before the collate that a fused group ends with), else the median hop per item of the
-    measured stages whose items are its items (rows, not batches), else the prior
-    ``HOP_S_PER_ITEM``. No hop is priced below that
-    prior: the measured time is encoding and decoding only (a frame's dispatch by the router,
-    the workers' wake-ups and the channel's bookkeeping are not in it)."""
-    stages = obs.stages
-    n = len(stages)
-    own = [s.hop_s_per_item if not s.fused and s.hop_s_per_item > 0 else 0.0 for s in stages]
-    hop = []
-    for i in range(n):
-        ends = []
-        if own[i] > 0 and (i + 1 == n or not stages[i + 1].fused):  # encodes its own output
-            ends.append(own[i] * r[i])
-        if i + 1 < n and own[i + 1] > 0:
-            ends.append(own[i + 1] * r[i + 1])
-        if ends:
-            cost = sum(ends) / len(ends)
-        elif i < len(known) and known[i] > 0:
-            cost = known[i] * r[i]
-        else:
-            cost = _typical_hop(own, r, i) * r[i]
-        # The counters time encoding and decoding only: a frame's dispatch, its wake-ups and
-        # its channel's bookkeeping are not in them, so a hop costs at least the prior.
-        hop.append(max(cost, HOP_S_PER_ITEM * r[i]))
-    return hop
-
-
-def _typical_hop(own: Sequence[float], r: Sequence[float], i: int) -> float:
-    """The median measured hop per item (``own``) of the stages whose items are stage ``i``'s
-    (``r`` within a factor of ``2``: rows, not the batches a collate makes of them), else the
-    prior. A batch of 4096 rows of 1 KiB costs ~200 us to copy; priced per row, the channels
-    between the row stages of an I/O-heavy pipeline cost more than its CPU, and the plan kept
-    its lookups fused into the reader, where every worker is charged the feature map's core
-    (half the oracle's rate)."""
-    measured = sorted(
-        h for k, h in enumerate(own) if h > 0 and r[i] > 0 and 0.5 <= r[k] / r[i] <= 2.0
-    )
-    return measured[len(measured) // 2] if measured else HOP_S_PER_ITEM
-
-
-def crossed_hops(obs: Observation) -> list[float]:
-    """Per channel, its hop per item of the stage before it where ``obs`` measured it (the
-    channel crossed and a side measured), else 0: what a tuner remembers for
-    :func:`plan`'s ``known_hops`` once the channel is inside a fused group."""
-    r = per_delivered(obs)
-    stages = obs.stages
-    n = len(stages)
-    out = []
-    for i, h in enumerate(channel_hops(obs, r)):
-        crossed = i + 1 < n and not stages[i + 1].fused
-        sides = stages[i].hop_s_per_item > 0 or (crossed and stages[i + 1].hop_s_per_item > 0)
-        out.append(h / r[i] if crossed and sides and r[i] > 0 else 0.0)
-    return out
-
-
-def per_delivered(obs: Observation) -> list[float]:
-    """Items of each stage per item the last stage delivers (``r_i``, module docstring)."""
-    stages = obs.stages
-    x = stages[-1].items_per_s
-    r = [1.0] * len(stages)
-    for i in range(len(stages) - 2, -1, -1):
-        nxt = stages[i + 1]
-        if nxt.items_in_per_s > 0 and nxt.items_per_s > 0:
-            r[i] = r[i + 1] * nxt.items_in_per_s / nxt.items_per_s
-        else:
-            r[i] = stages[i].items_per_s / x if x > 0 else 0.0
-    return r
