@@ -3,9 +3,9 @@ errors raised in a worker, and items skipped under ``on_error='skip'``.
 
 :class:`FaultHandler` says which workers are inside their stage function and for how long
 (:meth:`FaultHandler.busy`, from the counters the workers write), raises
-:class:`~multiproc.errors.StageTimeoutError` when one passes its stage's ``timeout_s``,
-rebuilds a worker's exception for the consumer (its own type, the stage, worker and remote
-traceback), and bounds skipped items by ``max_errors``.
+:class:`~multiproc.errors.StageTimeoutError` when one passes its stage's ``timeout_s``
+(:func:`multiproc.policy.overdue`), rebuilds a worker's exception for the consumer (its own
+type, the stage, worker and remote traceback), and bounds skipped items by ``max_errors``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import handles, stats
+from . import handles, policy, stats
 from .errors import RemoteTraceback, StageError, StageTimeoutError, TooManyErrorsError
 from .frames import Unit
 from .fusion import FusionControl
@@ -143,16 +143,15 @@ class FaultHandler:
         state = self.state
         if not self.limits or state.error is not None:
             return None
-        now = time.monotonic_ns()
-        soonest = None
-        for h in live:
-            limit = self.limits.get(state.names[h.stage])
-            if limit is None or not h.inflight:
-                continue
-            since = int(state.counters.row(h.slot)[stats.IN_FN_SINCE_NS])
-            left = limit - (now - since) / 1e9 if since else limit
-            soonest = left if soonest is None else min(soonest, left)
-        return None if soonest is None else max(soonest, 0.005)
+        clocks = [
+            (
+                self.limits[state.names[h.stage]],
+                int(state.counters.row(h.slot)[stats.IN_FN_SINCE_NS]),
+            )
+            for h in live
+            if h.inflight and state.names[h.stage] in self.limits
+        ]
+        return policy.next_deadline_s(time.monotonic_ns(), clocks)
 
     def check_timeouts(self) -> None:
         """Fail the run when a worker has been in its function past its stage's timeout_s."""
@@ -160,7 +159,7 @@ class FaultHandler:
         if not limits or state.error is not None:
             return
         busy = self.busy(time.monotonic_ns(), min(limits.values()), self.timed)
-        stuck = [b for b in busy if b.seconds > limits[b.stage]]
+        stuck = policy.overdue(busy, limits)
         if stuck:
             b = stuck[0]
             state.error = StageTimeoutError(

@@ -2,8 +2,9 @@
 
 :class:`Router` runs on the router thread (:func:`route`), under the executor's lock: it reads
 worker messages (:mod:`multiproc.protocol`), dispatches frames and units to workers
-(choices in :mod:`multiproc.policy`), delivers outputs in order (:mod:`multiproc.frames`),
-closes stages whose input is done, and raises a worker's error to the consumer. It works on the executor's :class:`~multiproc.state.ExecutorState` through
+(:func:`multiproc.policy.assign`), delivers outputs in order (:mod:`multiproc.frames`), closes
+stages whose input is done (:func:`multiproc.policy.progress`), and raises a worker's error
+to the consumer. It works on the executor's :class:`~multiproc.state.ExecutorState` through
 the collaborators it is given: :class:`~multiproc.ledger.Ledger` (arena blocks, backpressure),
 :class:`~multiproc.lifecycle.WorkerPool`, :class:`~multiproc.fusion.FusionControl` and
 :class:`~multiproc.faults.FaultHandler`.
@@ -81,7 +82,7 @@ class Router:
             st.ready.append(f)
 
     def _dispatch(self) -> None:
-        """Give queued units and frames to the ready workers with room (``policy``)."""
+        """Give queued units and frames to the ready workers with room (``policy.assign``)."""
         state = self.state
         run = state.run
         if run is None or run.finished:
@@ -95,25 +96,22 @@ class Router:
             after = state.stages[i + 1].ready if i + 1 < len(state.stages) else run.sink
             if after.full(st.budget):
                 continue  # see FrameQueue
+            loads = [policy.Load(len(h.inflight), h.ahead) for h in ready]
             if s.kind == "source":
-                # Workers starting with nothing yet, and those the stage has yet to start.
-                coming = sum(
+                idle = sum(
                     1
                     for h in state.workers.values()
                     if h.stage == i and h.state == WS.STARTING and not h.inflight
-                ) + max(0, st.target - self.pool.n_active(i))
-                while run.units:
-                    h = policy.pick_unit_worker(ready, credits, len(run.units), coming)
-                    if h is None:
-                        break
+                )
+                coming = policy.coming_workers(idle, st.target, self.pool.n_active(i))
+                for k in policy.assign(loads, credits, len(run.units), coming):
+                    h = ready[k]
                     u = run.units.popleft()
                     h.inflight[u.id] = u
                     self.mail.send(h, P.Unit(u.id, u.unit, u.committed))
                 continue
-            while st.ready:
-                h = policy.pick_worker(ready, credits)
-                if h is None:
-                    break
+            for k in policy.assign(loads, credits, len(st.ready)):
+                h = ready[k]
                 f = st.ready.popleft()
                 if s.stateful:
                     st.flush_sent = False  # input after a flush: flush again at the end
@@ -125,39 +123,44 @@ class Router:
                 self.mail.send(h, P.Run(f.id, f.payload, f.skip))
 
     def _check_progress(self) -> None:
-        """Close stages whose input is exhausted; flush stateful ones; finish the run."""
+        """Close stages whose input is exhausted; flush stateful ones; finish the run
+        (``policy.progress``)."""
         state = self.state
         run = state.run
         if run is None or run.finished:
             return
-        for i, s in enumerate(state.spec.stages):
-            st = state.stages[i]
-            if st.done:
-                continue
-            ws = [h for h in state.workers.values() if h.stage == i and h.alive()]
-            busy = any(h.inflight for h in ws)
-            if i == 0:
-                st.closed = run.units_done == run.n_units
-            else:
-                st.closed = state.stages[i - 1].done
-            if not st.closed or busy or st.ready or st.order.frames:
-                return
-            if s.stateful:
-                if any(h.state == WS.STARTING for h in ws):
-                    return
-                if not st.flush_sent:
-                    st.flush_sent = True
-                    for h in ws:
-                        if h.state == WS.READY:
-                            h.flushing = True
-                            self.mail.send(h, P.Flush())
-                if any(h.flushing for h in ws) or st.ready or any(h.held for h in ws):
-                    return
-            st.done = True
-        if run.sink_order.frames:
-            return
-        run.finished = True
-        state.cond.notify_all()
+        # Made as progress() reads them: it stops at the first stage that is not done.
+        views = (self._progress_view(i) for i in range(len(state.stages)))
+        got = policy.progress(views, run.units_done == run.n_units, bool(run.sink_order.frames))
+        for i, closed in got.closed.items():
+            state.stages[i].closed = closed
+        for i in got.flush:
+            state.stages[i].flush_sent = True
+            for h in state.workers.values():
+                if h.stage == i and h.state == WS.READY:
+                    h.flushing = True
+                    self.mail.send(h, P.Flush())
+        for i in got.done:
+            state.stages[i].done = True
+        if got.finished:
+            run.finished = True
+            state.cond.notify_all()
+
+    def _progress_view(self, i: int) -> policy.StageProgress:
+        state = self.state
+        st = state.stages[i]
+        ws = [h for h in state.workers.values() if h.stage == i and h.alive()]
+        return policy.StageProgress(
+            done=st.done,
+            stateful=state.spec.stages[i].stateful,
+            busy=any(h.inflight for h in ws),
+            queued=bool(st.ready or st.order.frames),
+            starting=any(h.state == WS.STARTING for h in ws),
+            flush_sent=st.flush_sent,
+            flushing=any(h.flushing for h in ws),
+            can_flush=any(h.state == WS.READY for h in ws),
+            held=any(h.held for h in ws),
+        )
 
     # ---------------------------------------------------------------- messages
     def _on_message(self, h: handles.WorkerHandle, raw: tuple) -> None:
