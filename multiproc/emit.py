@@ -1,31 +1,67 @@
 """How a worker writes its outputs: into its arena, waiting for room, or inline.
 
-:class:`Emitter` is the part of the worker (``worker._Worker``) that encodes frames
-(:func:`multiproc.arena.encode`), waits for room under its budget (backpressure: see
-:mod:`multiproc.policy` for when the router lets a frame travel inline), splits a stateful
-stage's outputs into frames, and reports items that do not pickle, naming them.
+:class:`Emitter` encodes a worker's frames (:func:`multiproc.arena.encode`), waits for room
+under its budget (backpressure: see :mod:`multiproc.policy` for when the router lets a frame
+travel inline), splits a stateful stage's outputs into frames, and reports items that do not
+pickle, naming them.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
+
+import numpy as np
 
 from . import arena, policy, stats
 from . import protocol as P
+from .arena import Allocator, Segment
 from .errors import StageError
 from .items import estimated_size, unpicklable
+from .link import Link
 
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
 
+# An encoded frame: its payload, its bytes in the arena (or inline), the items it holds.
+Encoded = tuple[Any, int, list[Any]]
+
 
 class Emitter:
-    """Output side of a worker (see the module docstring). The worker provides ``alloc``,
-    ``seg``, ``conn``, ``row``, ``cell``, ``wid``, ``deferred``, ``_say``, ``_take_frees``,
-    ``_handle_control`` and ``_error``."""
+    """The output side of a worker (see the module docstring).
 
-    def _encode(self, obj):
+    Args:
+        link: the worker's pipe to the router.
+        alloc: the allocator of the worker's arena; its ``limit`` is the worker's budget.
+        seg: the worker's arena.
+        row: the worker's counter row (bytes, frames and items out, time blocked).
+        cell: ``row`` as a memoryview, for the per-item ``IN_FN_SINCE_NS`` stores.
+        on_control: handles a message that needs no stage work (a budget, frees) while a
+            frame waits for room; False for one that must wait its turn.
+        on_error: reports ``(work_id, exc, where, depth)`` as the worker does; True when the
+            stage goes on (``on_error='skip'``).
+    """
+
+    def __init__(
+        self,
+        link: Link,
+        alloc: Allocator,
+        seg: Segment,
+        row: np.ndarray,
+        cell: memoryview,
+        on_control: Callable[[Any], bool],
+        on_error: Callable[[Any, BaseException, str, int], bool],
+    ) -> None:
+        self.link = link
+        self.alloc = alloc
+        self.seg = seg
+        self.row = row
+        self.cell = cell
+        self.on_control = on_control
+        self.on_error = on_error
+
+    def encode(self, obj: Any) -> tuple[Any, int]:
         """Write one frame into the arena, waiting for room (backpressure) if needed.
 
         A frame bigger than this worker's whole budget waits too, until the router lets it
@@ -38,22 +74,23 @@ class Emitter:
         if payload is not None:
             return payload, nbytes
         t0 = _ns()
-        self._say(P.Blocked(self.wid, self._take_frees(), self.seg.took_refusal()))
+        link = self.link
+        link.say(P.Blocked(link.wid, link.take_frees(), self.seg.took_refusal()))
         since = self.cell[stats.IN_FN_SINCE_NS]
         self.cell[stats.IN_FN_SINCE_NS] = 0  # waiting for room is not being stuck in fn
         try:
             while True:
-                msg = P.read(self.conn.recv())
+                msg = link.read()
                 if type(msg) is P.SpillOk:
                     self.row[stats.SPILLED] += 1
                     return arena.encode(obj, None, None)
-                if not self._handle_control(msg):
-                    self.deferred.append(msg)
+                if not self.on_control(msg):
+                    link.deferred.append(msg)
                     continue
                 if type(msg) in (P.Free, P.Budget) and nbytes <= self.alloc.limit:
                     payload, nbytes = arena.encode(obj, self.alloc, self.seg)
                     if payload is not None:
-                        self._say(P.Unblocked(self.wid))
+                        link.say(P.Unblocked(link.wid))
                         return payload, nbytes
         finally:
             waited = _ns() - t0
@@ -61,13 +98,15 @@ class Emitter:
             if since:
                 self.cell[stats.IN_FN_SINCE_NS] = since + waited
 
-    def _emit_frames(self, items: list, frame_items: int, count: bool = True) -> list | None:
+    def emit_frames(
+        self, items: list[Any], frame_items: int, count: bool = True
+    ) -> list[tuple[Any, int]] | None:
         """Encode outputs of a stateful stage; None when an error was reported instead."""
-        outs = []
+        outs: list[tuple[Any, int]] = []
         if frame_items > 1 and len(items) > 1:
             frame_items = policy.frame_items(estimated_size(items[0]), frame_items)
         for i in range(0, len(items), frame_items):
-            encoded = self._encode_items(None, items[i : i + frame_items], lambda: "output")
+            encoded = self.encode_items(None, items[i : i + frame_items], lambda: "output")
             if encoded is None:
                 return None
             payload, nbytes, chunk = encoded
@@ -78,28 +117,30 @@ class Emitter:
                 self.row[stats.ITEMS_OUT] += len(chunk)
         return outs
 
-    def _encode_items(self, frame_id, items: list, where: Callable[[], str], depth: int = 0):
+    def encode_items(
+        self, frame_id: Any, items: list[Any], where: Callable[[], str], depth: int = 0
+    ) -> Encoded | None:
         """Encode a frame of items; an item that does not pickle is reported, naming it and
         its type, or dropped under ``on_error='skip'``. Returns ``(payload, nbytes, items)``,
         or None when the error was reported (the stage stops). ``where()`` names the frame
         (called only on failure: a repr per frame would cost every frame)."""
         try:
-            payload, nbytes = self._encode(items)
+            payload, nbytes = self.encode(items)
             return payload, nbytes, items
         except Exception as e:
             bad = unpicklable(items)
             if not bad:
                 raise
-            where = where()
+            named = where()
             for i, (path, tname, err) in bad.items():
                 exc = StageError(
-                    f"{where}, item {i}: the stage returned {tname} (at item{path}) that does "
+                    f"{named}, item {i}: the stage returned {tname} (at item{path}) that does "
                     f"not pickle ({type(err).__name__}: {err}); return plain data, tensors or "
                     "arrays, or make the type picklable"
                 )
                 exc.__cause__ = e
-                if not self._error(frame_id, exc, f"{where}, item {i}", depth):
+                if not self.on_error(frame_id, exc, f"{named}, item {i}", depth):
                     return None
             keep = [x for i, x in enumerate(items) if i not in bad]
-            payload, nbytes = self._encode(keep)
+            payload, nbytes = self.encode(keep)
             return payload, nbytes, keep

@@ -31,6 +31,7 @@ from typing import Any
 
 from . import concurrency, stats
 from . import protocol as P
+from .link import Link
 from .poller import Poller
 
 _ns = time.perf_counter_ns
@@ -75,20 +76,96 @@ class Read:
         self.done = False
 
 
+# Commits one unit read: (unit_id, unit, skip_frames, its items, units read at once).
+Commit = Callable[[Any, Any, int, Iterator[Any], int], None]
+
+
 class ReadAhead:
-    """Reads a source worker's units on threads of their own (see the module docstring).
+    """Reads a source worker's units on threads of their own and commits them in order (see
+    the module docstring).
 
     Args:
         pool: the worker's call pool: its width is the worker's concurrency, and the CPU time
             of the reading threads is added to it.
+        link: the worker's pipe to the router: the units it holds wait in ``deferred``.
+        cell: the worker's counter row as a memoryview (what it works on, since when).
+        on_control: handles a message that needs no stage work while units are read; False
+            for one that must wait its turn.
+        commit: frames and commits a unit read, as if it had been read alone.
+        count_time: counts the wall and CPU time since ``(t0, c0)`` as the stage's.
     """
 
-    def __init__(self, pool: concurrency.CallPool):
+    def __init__(
+        self,
+        pool: concurrency.CallPool,
+        link: Link,
+        cell: memoryview,
+        on_control: Callable[[Any], bool],
+        commit: Commit,
+        count_time: Callable[[int, int], None],
+    ) -> None:
         self.pool = pool
+        self.link = link
+        self.cell = cell
+        self.on_control = on_control
+        self.commit = commit
+        self.count_time = count_time
         self._threads: ThreadPoolExecutor | None = None
         self._wake: tuple[int, int] | None = None  # a pipe a finished read writes a byte to
         self._wake_lock = threading.Lock()  # no write to the pipe once close() closed it
         self._poller = Poller()
+
+    def run_units(self, fn: Callable[[Any], Iterator[Any]], unit_id: Any, unit: Any,
+                  skip_frames: int) -> None:  # fmt: skip
+        """Read this unit and the next ones the worker holds side by side with ``fn``, commit
+        them in order. The stage's time is counted as each unit is committed: the wall time
+        since the last commit, while a unit was being read."""
+        cell = self.cell
+        reads = collections.deque([self.start(fn, unit_id, unit, skip_frames)])
+        t0, c0 = _ns(), _cpu_ns()
+        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        try:
+            while reads:
+                head = reads[0]
+                cell[stats.WORK_ID] = head.unit_id + 1
+                most = self.units_at_once(fn, head.unit)
+                self._read_ahead(fn, reads, most)
+                reads.popleft()
+                self.commit(head.unit_id, head.unit, head.skip_frames, self.replay(head), most)
+                self.count_time(t0, c0)
+                t0, c0 = _ns(), _cpu_ns()
+                cell[stats.IN_FN_SINCE_NS] = _mono_ns()
+        finally:
+            cell[stats.IN_FN_SINCE_NS] = 0
+            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
+            self.count_time(t0, c0)
+
+    def _read_ahead(
+        self, fn: Callable[[Any], Iterator[Any]], reads: collections.deque[Read], most: int
+    ) -> None:
+        """Start reading the units that came after the first of ``reads`` (up to ``most`` read
+        at once) until that one is read. Control messages are handled as they come; any other
+        message waits its turn, and no unit after it is started."""
+        link, head = self.link, reads[0]
+        while True:
+            # A unit read but not committed yet holds no call: the next one starts now, so
+            # that the calls in flight stay at the worker's concurrency while it commits.
+            reading = sum(not r.done for r in reads) if READ_DURING_COMMIT else len(reads)
+            if len(reads) < MAX_UNITS and reading < most:
+                if link.deferred:
+                    nxt = link.deferred[0]
+                    if type(nxt) is P.Unit and self.units_at_once(fn, nxt.unit) > 1:
+                        link.deferred.popleft()
+                        reads.append(self.start(fn, nxt.unit_id, nxt.unit, nxt.skip_frames))
+                        continue
+                elif link.ready() if head.done else self.wait(head, link.conn):
+                    msg = link.read()
+                    if not self.on_control(msg):
+                        link.deferred.append(msg)
+                    continue
+            if head.done:
+                return
+            self.wait(head)
 
     def units_at_once(self, fn: Callable[..., Any], unit: Any) -> int:
         """How many units like ``unit`` to read at once for the stage function ``fn``: 1
@@ -173,61 +250,4 @@ class ReadAhead:
                 self._wake = None
 
 
-class ReadsAhead:
-    """The worker side: a source worker (``worker._Worker``) that reads units side by side.
-    The worker provides ``readahead``, ``stage``, ``cell``, ``conn``, ``conn_ready``, ``deferred``,
-    ``chain_ns``, ``chain_cpu_ns``, ``_handle_control(msg)``, ``_commit_unit(...)`` and
-    ``_add_own_time(t0, c0)``."""
-
-    def run_units(self, unit_id, unit, skip_frames: int) -> None:
-        """Read this unit and the next ones this worker holds side by side, commit them in
-        order (:mod:`multiproc.readahead`). The stage's time is counted as each unit is
-        committed: the wall time since the last commit, while a unit was being read."""
-        ra, fn, cell = self.readahead, self.stage.fn, self.cell
-        reads = collections.deque([ra.start(fn, unit_id, unit, skip_frames)])
-        t0, c0 = _ns(), _cpu_ns()
-        self.chain_ns = self.chain_cpu_ns = 0
-        cell[stats.IN_FN_SINCE_NS] = _mono_ns()
-        try:
-            while reads:
-                head = reads[0]
-                cell[stats.WORK_ID] = head.unit_id + 1
-                most = ra.units_at_once(fn, head.unit)
-                self._read_ahead(reads, most)
-                reads.popleft()
-                self._commit_unit(head.unit_id, head.unit, head.skip_frames, ra.replay(head), most)
-                self._add_own_time(t0, c0)
-                t0, c0 = _ns(), _cpu_ns()
-                cell[stats.IN_FN_SINCE_NS] = _mono_ns()
-        finally:
-            cell[stats.IN_FN_SINCE_NS] = 0
-            cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
-            self._add_own_time(t0, c0)
-
-    def _read_ahead(self, reads: collections.deque, most: int) -> None:
-        """Start reading the units that came after the first of ``reads`` (up to ``most`` read
-        at once) until that one is read. Control messages are handled as they come; any other
-        message waits its turn, and no unit after it is started."""
-        ra, head, fn = self.readahead, reads[0], self.stage.fn
-        while True:
-            # A unit read but not committed yet holds no call: the next one starts now, so
-            # that the calls in flight stay at the worker's concurrency while it commits.
-            reading = sum(not r.done for r in reads) if READ_DURING_COMMIT else len(reads)
-            if len(reads) < MAX_UNITS and reading < most:
-                if self.deferred:
-                    nxt = self.deferred[0]
-                    if type(nxt) is P.Unit and ra.units_at_once(fn, nxt.unit) > 1:
-                        self.deferred.popleft()
-                        reads.append(ra.start(fn, nxt.unit_id, nxt.unit, nxt.skip_frames))
-                        continue
-                elif self.conn_ready() if head.done else ra.wait(head, self.conn):
-                    msg = P.read(self.conn.recv())
-                    if not self._handle_control(msg):
-                        self.deferred.append(msg)
-                    continue
-            if head.done:
-                return
-            ra.wait(head)
-
-
-__all__ = ["MAX_UNITS", "Read", "ReadAhead", "ReadsAhead"]
+__all__ = ["MAX_UNITS", "Read", "ReadAhead"]

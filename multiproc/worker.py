@@ -12,7 +12,6 @@ The messages, both ways, are the classes of :mod:`multiproc.protocol`.
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import logging
 import os
@@ -20,6 +19,9 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable, Iterable
+from multiprocessing.connection import Connection
+from typing import Any
 
 from . import arena, concurrency, inherit, lifetime, policy, reducers, serialize, stats
 from . import protocol as P
@@ -27,8 +29,8 @@ from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
 from .emit import Emitter
 from .items import estimated_size, exc_payload, short_repr
-from .poller import pipe_poller
-from .readahead import ReadAhead, ReadsAhead
+from .link import Link
+from .readahead import ReadAhead
 from .spec import Skipped
 
 log = logging.getLogger(__name__)
@@ -44,10 +46,18 @@ class _Exit(Exception):
     pass
 
 
-class _Worker(Emitter, Chain, ReadsAhead):
+class _Worker:
+    """One stage worker: the loop over its link's messages, the stage's kinds, the counters.
+
+    Its collaborators get what they use in ``__init__``: the :class:`~multiproc.link.Link`
+    (its pipe), the :class:`~multiproc.emit.Emitter` (its outputs into its arena), the
+    :class:`~multiproc.chain.Chain` (the stages fused into its own) and the
+    :class:`~multiproc.readahead.ReadAhead` (a source's units read side by side).
+    """
+
     def __init__(
         self,
-        conn,
+        conn: Connection,
         stage_box: list[bytes],
         wid: int,
         slot: int,
@@ -58,9 +68,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         seg_size: int,
         budget: int,
         chain: tuple[bytes, ...] = (),
-    ):
-        self.conn = conn
-        self.conn_ready = pipe_poller(conn)  # a message waits (Connection.poll costs ~20 us)
+    ) -> None:
         # The stage's pickle comes in a list emptied here: a tuple of arguments stays alive on
         # the stack of the process's run() for the worker's whole life, and a map-style
         # dataset's pickle can be as large as the dataset.
@@ -71,56 +79,37 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.row = self.counters.row(slot)
         self.row[:] = 0
         # Written per item: a memoryview store costs a fraction of a numpy one.
-        self.cell = memoryview(self.row)
+        self.cell = self.row.data
         self.row[stats.PID] = os.getpid()
         self.row[stats.STARTED_NS] = time.monotonic_ns()
         self.seg = Segment(seg_name, seg_size, create=False, writer=True)
         self.alloc = Allocator(seg_size, budget)
         self.shrunk = False  # the budget shrank: release free pages once frames fit it
         self.cache = MappingCache()
-        self.pending_frees: list = []
-        self.deferred: collections.deque = collections.deque()
-        self.retiring = False
         self.started = False
-        self.reducer = None
+        self.reducer: Any = None  # a stateful stage's, for this epoch (built on its first frame)
         self.epoch = 0
         self.calls = concurrency.CallPool(self.stage.concurrency, self.stage.max_concurrency)
-        self.readahead = ReadAhead(self.calls)  # a source's units read side by side
         self.thread_worker = False  # set by worker_main; thread workers share torch's settings
         self.runq = stats.RunQueue(enabled=False)  # opened by loop(), in the worker's thread
-        # Fusion: the pickled specs of the next stages this worker may run too (unpickled and
-        # initialized on first use), and how many of them it runs now.
-        self.chain_bytes = chain
-        self.chain: list = []
-        self.depth = 0
-        self.chain_ns = self.chain_cpu_ns = 0  # time in those stages' functions, this frame
         self.unit_clock = (0, 0)  # wall and CPU clocks when the unit's time was last counted
+        self.link = Link(conn, wid, self.row)
+        self.emitter = Emitter(
+            self.link, self.alloc, self.seg, self.row, self.cell, self._handle_control, self._error
+        )
+        # Fusion: the pickled specs of the next stages this worker may run too.
+        self.chain = Chain(chain, index, self.row, self.calls, self._error)
+        # A source's units read side by side.
+        self.readahead = ReadAhead(
+            self.calls,
+            self.link,
+            self.cell,
+            self._handle_control,
+            self._commit_unit,
+            self._add_own_time,
+        )
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _release(self, ref) -> None:
-        # Runs from a finalizer, possibly in the middle of anything: only append.
-        self.pending_frees.append((ref.segment, ref.offset))
-
-    def _take_frees(self) -> list:
-        if not self.pending_frees:
-            return []
-        out, self.pending_frees = self.pending_frees, []
-        return out
-
-    def _say(self, msg) -> None:
-        self.conn.send(P.wire(msg))
-
-    def _recv(self):
-        if self.deferred:
-            return self.deferred.popleft()
-        frees = self._take_frees()
-        if frees:
-            self._say(P.Frees(self.wid, frees))
-        t0 = _ns()
-        msg = P.read(self.conn.recv())
-        self.row[stats.BLOCKED_IN_NS] += _ns() - t0
-        return msg
-
     def _release_free(self) -> None:
         """After the budget shrank: give the arena's free pages back (written pages of a
         shared-memory file stay resident until released), once frames fit the new budget."""
@@ -128,7 +117,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
         for start, size in self.alloc.free_blocks():
             self.seg.release(start, size)
 
-    def _handle_control(self, msg) -> bool:
+    def _handle_control(self, msg: Any) -> bool:
         """Handle a message that needs no stage work; False if it must wait its turn."""
         match msg:
             case P.Free(offsets):
@@ -145,7 +134,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
             case P.Concurrency(n):
                 self.calls.set_width(n)
             case P.Fuse(depth):
-                self.depth = min(depth, len(self.chain_bytes))
+                self.chain.set_depth(depth)
             case P.Drop(segment):
                 self.cache.drop(segment)
             case P.Exit():
@@ -159,28 +148,27 @@ class _Worker(Emitter, Chain, ReadsAhead):
                 return False
         return True
 
-    def _error(self, frame_id, exc: BaseException, where: str, depth: int = 0) -> bool:
+    def _error(self, frame_id: Any, exc: BaseException, where: str, depth: int = 0) -> bool:
         """Report or count a failure of the function of the stage ``depth`` after this
         worker's own (fusion); True when processing may go on."""
         if depth:
-            stage = self.chain[depth - 1]
+            stage = self.chain.stages[depth - 1]
             self.row[stats.fused_col(depth, stats.F_ERRORS)] += 1
         else:
             stage = self.stage
             self.row[stats.ERRORS] += 1
         if stage.on_error == "skip":
             # The executor counts, logs and bounds skips (max_errors); only errors cost this.
-            self._say(P.Skipped(self.wid, where, type(exc).__name__, str(exc)[:300], depth))
+            self.link.say(P.Skipped(self.wid, where, type(exc).__name__, str(exc)[:300], depth))
             return True
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         text, tname = str(exc), type(exc).__name__
-        self._say(P.Error(self.wid, frame_id, exc_payload(exc), tname, text, tb, where, depth))
+        self.link.say(P.Error(self.wid, frame_id, exc_payload(exc), tname, text, tb, where, depth))
         return False
 
     # -- stage kinds -----------------------------------------------------------------------
-    def run_unit(self, unit_id, unit, skip_frames: int) -> None:
+    def run_unit(self, unit_id: int, unit: Any, skip_frames: int) -> None:
         self.unit_clock = (_ns(), _cpu_ns())
-        self.chain_ns = self.chain_cpu_ns = 0
         cell = self.cell
         cell[stats.IN_FN_SINCE_NS] = _mono_ns()
         self.calls.take_not_items()  # none is this unit's
@@ -205,14 +193,20 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.cell[stats.IN_FN_SINCE_NS] = _mono_ns()
 
     def _commit_unit(
-        self, unit_id, unit, skip_frames: int, items, ahead: int = 1, on_frame=None
+        self,
+        unit_id: int,
+        unit: Any,
+        skip_frames: int,
+        items: Iterable[Any],
+        ahead: int = 1,
+        on_frame: Callable[[], None] | None = None,
     ) -> None:
         """Frame ``items`` (what the stage function made of ``unit``), commit the frames
         after the first ``skip_frames`` (calling ``on_frame()`` after each), and say the unit
         is done (and that ``ahead`` units are being read at once)."""
         fi = self.stage.frame_items
         k = 0
-        buf: list = []
+        buf: list[Any] = []
         cell = self.cell
         cell[stats.WORK_ID] = unit_id + 1
         cell[stats.WORK_ITEM] = 1  # per frame, not per item: a store per item costs ~30 ns
@@ -252,30 +246,31 @@ class _Worker(Emitter, Chain, ReadsAhead):
             if not self._error(unit_id, e, where):
                 return
         self.row[stats.FRAMES_IN] += 1
-        self._say(P.UnitDone(self.wid, unit_id, k, self._take_frees(), ahead))
+        self.link.say(P.UnitDone(self.wid, unit_id, k, self.link.take_frees(), ahead))
 
     def _add_own_time(self, t0: int, c0: int) -> None:
         """Count the time since ``t0`` (wall) and ``c0`` (CPU) as this stage's, less what
         fused stages' functions took (counted as theirs)."""
-        self.row[stats.BUSY_NS] += _ns() - t0 - self.chain_ns
-        self.row[stats.CPU_NS] += _cpu_ns() - c0 - self.chain_cpu_ns + self.calls.take_cpu_ns()
+        chain_ns, chain_cpu_ns = self.chain.take_time()
+        self.row[stats.BUSY_NS] += _ns() - t0 - chain_ns
+        self.row[stats.CPU_NS] += _cpu_ns() - c0 - chain_cpu_ns + self.calls.take_cpu_ns()
         calls = self.calls.take_calls()
         if calls is not None:
             self.row[stats.CALL_N : stats.CALL_SXY + 1] += calls
-        self.chain_ns = self.chain_cpu_ns = 0
         self.runq.update(self.row, self.calls.runq_ns)
 
-    def _send_unit_frame(self, unit_id, k: int, items: list, unit) -> bool:
+    def _send_unit_frame(self, unit_id: int, k: int, items: list[Any], unit: Any) -> bool:
         """Commit frame ``k`` of a unit; False when an error was reported instead."""
         made = len(items)
         marks = self.calls.take_not_items()  # the unit's end mark is not an item
-        depth = self.depth
+        depth = self.chain.depth
         if depth:
             where = f"work unit {short_repr(unit)}, frame {k}"
-            items = self._run_chain(unit_id, items, depth, where)
-            if items is None:
+            chained = self.chain.run(unit_id, items, depth, where)
+            if chained is None:
                 return False
-        out = self._encode_items(
+            items = chained
+        out = self.emitter.encode_items(
             unit_id, items, lambda: f"work unit {short_repr(unit)}, frame {k}", depth
         )
         if out is None:
@@ -285,13 +280,12 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.row[stats.ITEMS_OUT] += (made if depth else len(items)) - marks
         self.row[stats.BYTES_OUT] += nbytes
         self.row[stats.FRAMES_OUT] += 1
-        self._say(P.Emit(self.wid, unit_id, k, payload, len(items), depth))
+        self.link.say(P.Emit(self.wid, unit_id, k, payload, len(items), depth))
         return True
 
-    def run_frame(self, frame_id, payload, skip: frozenset) -> None:
+    def run_frame(self, frame_id: int, payload: Any, skip: frozenset[int]) -> None:
         t0, c0 = _ns(), _cpu_ns()
-        self.chain_ns = self.chain_cpu_ns = 0
-        items = arena.decode(payload, self.cache, self._release)
+        items = arena.decode(payload, self.cache, self.link.release)
         self.row[stats.HOP_NS] += _cpu_ns() - c0
         self.row[stats.FRAMES_IN] += 1
         self.row[stats.ITEMS_IN] += len(items)
@@ -303,42 +297,19 @@ class _Worker(Emitter, Chain, ReadsAhead):
             if st.kind == "stateful":
                 self._run_stateful(frame_id, items, skip)
                 return
-            out: list | None = []
-            if self.calls.width > 1 and len(items) > 1 and st.kind != "batch_map":
-                # Calls that wait run side by side on the worker's threads, in order.
-                flat = st.kind == "flat_map"
-                cell[stats.WORK_ITEM] = 1
-                for i, o in enumerate(self.calls.map(st.fn, items)):
-                    if o.error is not None:
-                        if not self._error(frame_id, o.error, f"item {i} of frame {frame_id}"):
-                            return
-                    elif flat:
-                        out.extend(o.value)
-                    else:
-                        out.append(o.value)
-            else:
-                n = len(items)
-                out = call_stage(
-                    st,
-                    items,
-                    lambda i, e: self._error(
-                        frame_id, e,
-                        f"frame of {n} items" if i is None else f"item {i} of frame {frame_id}",
-                    ),
-                    cell,
-                )  # fmt: skip
-                if out is None:
-                    return
+            out = self._call(frame_id, items)
+            if out is None:
+                return
             del items
             made = len(out)
             marks = self.calls.take_not_items()
             self.row[stats.ITEMS_IN] -= marks
-            depth = self.depth
+            depth = self.chain.depth
             if depth:
-                out = self._run_chain(frame_id, out, depth, f"frame {frame_id}")
+                out = self.chain.run(frame_id, out, depth, f"frame {frame_id}")
                 if out is None:
                     return
-            encoded = self._encode_items(frame_id, out, lambda: f"frame {frame_id}", depth)
+            encoded = self.emitter.encode_items(frame_id, out, lambda: f"frame {frame_id}", depth)
             if encoded is None:
                 return
             payload_out, nbytes, out = encoded
@@ -348,17 +319,47 @@ class _Worker(Emitter, Chain, ReadsAhead):
             self.row[stats.BYTES_OUT] += nbytes
             self.row[stats.FRAMES_OUT] += 1
             outs = [(payload_out, len(out))]
-            self._say(P.Done(self.wid, frame_id, outs, None, self._take_frees(), depth))
+            self.link.say(P.Done(self.wid, frame_id, outs, None, self.link.take_frees(), depth))
         finally:
             cell[stats.IN_FN_SINCE_NS] = 0
             cell[stats.WORK_ID] = cell[stats.WORK_ITEM] = 0
             self._add_own_time(t0, c0)
 
-    def _run_stateful(self, frame_id, items: list, skip: frozenset) -> None:
+    def _call(self, frame_id: int, items: list[Any]) -> list[Any] | None:
+        """A stateless stage's function over a frame's items: side by side on the worker's
+        threads when it runs calls in flight, else one call at a time (:func:`call_stage`);
+        None when an error stops the stage."""
+        st, cell = self.stage, self.cell
+        if self.calls.width > 1 and len(items) > 1 and st.kind != "batch_map":
+            # Calls that wait run side by side on the worker's threads, in order.
+            out: list[Any] = []
+            flat = st.kind == "flat_map"
+            cell[stats.WORK_ITEM] = 1
+            for i, o in enumerate(self.calls.map(st.fn, items)):
+                if o.error is not None:
+                    if not self._error(frame_id, o.error, f"item {i} of frame {frame_id}"):
+                        return None
+                elif flat:
+                    out.extend(o.value)
+                else:
+                    out.append(o.value)
+            return out
+        n = len(items)
+        return call_stage(
+            st,
+            items,
+            lambda i, e: self._error(
+                frame_id, e,
+                f"frame of {n} items" if i is None else f"item {i} of frame {frame_id}",
+            ),
+            cell,
+        )  # fmt: skip
+
+    def _run_stateful(self, frame_id: int, items: list[Any], skip: frozenset[int]) -> None:
         if self.reducer is None:
             self.reducer = self.stage.fn(self.epoch, self.index)
-        ready: list = []
-        consumed: dict = {}
+        ready: list[Any] = []
+        consumed: dict[Any, list[int]] = {}
         for i, x in enumerate(items):
             if i in skip:
                 continue
@@ -375,7 +376,9 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.row[stats.ITEMS_OUT] -= marks
         self._commit_stateful(P.Done, frame_id, ready, consumed)
 
-    def _commit_stateful(self, kind: type, frame_id, ready: list, consumed: dict) -> None:
+    def _commit_stateful(
+        self, kind: type, frame_id: int | None, ready: list[Any], consumed: dict[Any, list[int]]
+    ) -> None:
         """Emit a reducer's outputs with the inputs they consumed (``kind``: ``P.Done`` or
         ``P.Flushed``)."""
         outs_items = []
@@ -384,32 +387,32 @@ class _Worker(Emitter, Chain, ReadsAhead):
                 outs_items.append(out)
             for fid, i in tags:
                 consumed.setdefault(fid, []).append(i)
-        outs = self._emit_frames(outs_items, self.stage.frame_items) if outs_items else []
+        outs = self.emitter.emit_frames(outs_items, self.stage.frame_items) if outs_items else []
         del ready, outs_items
         if outs is None:
             return
-        self._say(kind(self.wid, frame_id, outs, consumed, self._take_frees()))
+        self.link.say(kind(self.wid, frame_id, outs, consumed, self.link.take_frees()))
 
     def flush(self) -> None:
         t0 = _ns()
-        ready = self.reducer.flush() if self.reducer is not None else []
+        ready: list[Any] = self.reducer.flush() if self.reducer is not None else []
         self._commit_stateful(P.Flushed, None, ready, {})
         self.row[stats.BUSY_NS] += _ns() - t0
 
     def handoff(self) -> None:
         """Give the items held in state back to the stage (this worker retires)."""
-        held = self.reducer.drain() if self.reducer is not None else []
-        consumed: dict = {}
+        held: list[Any] = self.reducer.drain() if self.reducer is not None else []
+        consumed: dict[Any, list[int]] = {}
         items = []
         for (fid, i), x in held:
             items.append(x)
             consumed.setdefault(fid, []).append(i)
         # Handed-over items are not outputs; undo their input count, the taker counts them.
-        outs = self._emit_frames(items, max(len(items), 1), count=False) if items else []
+        outs = self.emitter.emit_frames(items, max(len(items), 1), count=False) if items else []
         if outs is None:
             return
         self.row[stats.ITEMS_IN] -= len(items)
-        self._say(P.Handoff(self.wid, None, outs, consumed, self._take_frees()))
+        self.link.say(P.Handoff(self.wid, None, outs, consumed, self.link.take_frees()))
 
     # -- main loop --------------------------------------------------------------------------
     def loop(self) -> None:
@@ -422,9 +425,9 @@ class _Worker(Emitter, Chain, ReadsAhead):
         self.runq = stats.RunQueue()
         concurrency._install(self.calls)  # sources reach it through concurrency.current()
         self.started = True
-        self._say(P.Hello(self.wid, os.getpid()))
+        self.link.say(P.Hello(self.wid, os.getpid()))
         while True:
-            msg = self._recv()
+            msg = self.link.next()
             if self._handle_control(msg):
                 continue
             match msg:
@@ -432,7 +435,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
                     self.run_frame(frame_id, payload, skip)
                 case P.Unit(unit_id, unit, skip_frames):
                     if self.readahead.units_at_once(self.stage.fn, unit) > 1:
-                        self.run_units(unit_id, unit, skip_frames)
+                        self.readahead.run_units(self.stage.fn, unit_id, unit, skip_frames)
                     else:
                         self.run_unit(unit_id, unit, skip_frames)
                 case P.Flush():
@@ -440,7 +443,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
                 case P.Retire():
                     if self.stage.kind == "stateful":
                         self.handoff()
-                    self._say(P.Bye(self.wid, self._take_frees()))
+                    self.link.say(P.Bye(self.wid, self.link.take_frees()))
                     return
                 case _:
                     raise RuntimeError(f"worker got a message it does not take: {msg!r}")
@@ -448,7 +451,7 @@ class _Worker(Emitter, Chain, ReadsAhead):
     def close(self) -> None:
         # A stage function that holds something per worker (a remote actor) lets it go when
         # the worker ends: retired, replaced or stopped (StageSpec: on_worker_exit).
-        for st in (self.stage, *self.chain):
+        for st in (self.stage, *self.chain.stages):
             hook = getattr(st.fn, "on_worker_exit", None)
             if callable(hook):
                 try:
@@ -471,7 +474,7 @@ def _trim_heap() -> None:
         pass
 
 
-def worker_main(conn, *args, is_thread: bool = False, owner_pid: int = 0) -> None:
+def worker_main(conn: Connection, *args: Any, is_thread: bool = False, owner_pid: int = 0) -> None:
     """Entry point of a worker (process target or thread target); a process worker ends
     when the executor's process ``owner_pid`` does, however that one ends."""
     if not is_thread:
