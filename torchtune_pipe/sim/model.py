@@ -40,11 +40,19 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    (``Workload.hop_s_per_item``). A fused stage runs no workers (no worker RSS; its
    ``worker_bytes`` are held by each host worker), and its buffer is unused: the group's
    output goes to the host's buffer (the host worker's arena), in items of the group's last
-   stage. Which stages may fuse follows the live rule (:meth:`SimPipeline.fusable`).
+   stage. Which stages may fuse follows the live rule (:meth:`SimPipeline.fusable`,
+   :mod:`torchtune_pipe.sim.fused`).
 8. **Remote workers.** ``Allocation.remote`` of a stage's workers run on a cluster of
    ``cluster_cpus`` CPUs (:mod:`torchtune_pipe.sim.remote`): the function's CPU on a cluster
    CPU of their own, a round trip per call and bytes over a shared link as waits, the hop's
    CPU on the host, no worker memory on the host.
+
+:class:`SimPipeline` is the front end: it holds the schedules and the state that changes as
+it runs (:class:`_State`), and each interval asks its collaborators, built once from the
+workload: the coefficients (:class:`~torchtune_pipe.sim.workload.Coefficients`), the fusion
+rule (:class:`~torchtune_pipe.sim.fused.FusionRule`), the solver of steps 1-5
+(:class:`~torchtune_pipe.sim.solve.Solver`) and the remote workers of step 8
+(:class:`~torchtune_pipe.sim.remote.RemoteModel`).
 """
 
 from __future__ import annotations
@@ -54,9 +62,8 @@ import copy as _copy
 import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from multiproc.stats import MAX_FUSED
 from torchtune_pipe.tuning.base import (
     Allocation,
     Observation,
@@ -67,17 +74,21 @@ from torchtune_pipe.tuning.base import (
 )
 from torchtune_pipe.tuning.calls_in_flight import plan_concurrency
 
-from .fused import FusionRule, can_host
+from .fused import FusionRule
 from .remote import RemoteModel
 from .solve import Solver, overlapped
-from .workload import STAGE_KINDS, Drift, StageModel, SteadyState, Workload
+from .workload import STAGE_KINDS, Coefficients, Drift, StageModel, SteadyState, Workload
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
 
 
+# A value over time: the start times (seconds, ascending) and the value from each on.
+_Schedule = tuple[tuple[float, ...], tuple[float, ...]]
+
+
 def _schedule(
     value: float | Sequence[tuple[float, float]], what: str, zero: bool = False
-) -> tuple[tuple, tuple]:
+) -> _Schedule:
     if isinstance(value, int | float):
         steps = [(0.0, float(value))]
     else:
@@ -89,24 +100,26 @@ def _schedule(
     return tuple(t for t, _ in steps), tuple(v for _, v in steps)
 
 
-def _at(sched: tuple[tuple, tuple], t: float) -> float:
+def _at(sched: _Schedule, t: float) -> float:
     return sched[1][max(0, bisect.bisect_right(sched[0], t) - 1)]
 
 
 @dataclass
 class _State:
-    t: float = 0.0
-    alloc: Allocation | None = None
-    prev_workers: tuple[int, ...] = ()
-    prev_remote: tuple[int, ...] = ()
-    levels: list[float] = field(default_factory=list)
-    fused: tuple[bool, ...] = ()
-    oom: bool = False
-    last_x: float = 0.0
-    last_obs: Observation | None = None
+    """What a simulated pipeline changes as it runs; :meth:`SimPipeline.reset` starts it anew."""
+
+    alloc: Allocation  # the allocation in force
+    fused: tuple[bool, ...]  # per stage: runs in the previous stage's workers
+    prev_workers: tuple[int, ...]  # per stage: local workers asked for in the interval before
+    prev_remote: tuple[int, ...]  # per stage: remote workers that ran in the interval before
+    levels: list[float]  # per stage: items in its buffer now
+    t: float = 0.0  # simulated seconds since reset
+    oom: bool = False  # memory went past the limit: no throughput until reset
+    last_x: float = 0.0  # the last interval's throughput, without noise (pipeline items/s)
+    last_obs: Observation | None = None  # the last observation (plan_concurrency reads it)
 
 
-class SimPipeline(Solver, FusionRule, RemoteModel):
+class SimPipeline:
     """A simulated pipeline implementing :class:`~torchtune_pipe.tuning.base.Tunable`.
 
     Args:
@@ -151,35 +164,14 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         st = workload.stages
         n = len(st)
         self.n_stages = n
-        # Items leaving stage i per pipeline item (S) and stage-i inputs per pipeline item (R).
-        out_per_sink = [1.0] * n
-        for i in range(n - 2, -1, -1):
-            out_per_sink[i] = out_per_sink[i + 1] * st[i + 1].ratio
-        self._S = tuple(out_per_sink)
-        self._R = tuple(out_per_sink[i] * st[i].ratio for i in range(n))
-        copy_s = 1.0 / (workload.dram_gbps * 1e9)
-        hop = workload.hop_s_per_item
-        # Per input item: the function, and the channel its output crosses (unless fused).
-        self._c_fn = tuple(s.cpu_s_per_item for s in st)
-        self._c_out = tuple((s.bytes_per_item * copy_s + hop) / s.ratio for s in st)
-        # For each stage, how many of the stages after it its workers could run (live rule).
-        self._chain_len = []
-        for i, host in enumerate(st):
-            k = 0
-            while i + k + 1 < n and k < MAX_FUSED and can_host(host, st[i + k + 1]):
-                k += 1
-            self._chain_len.append(k)
-        self._d0 = tuple(s.io_s_per_item for s in st)
-        self._cv2 = tuple(s.cpu_cv**2 for s in st)
-        self._bytes = tuple(s.bytes_per_item for s in st)
-        self._r_next = tuple(st[i + 1].ratio if i + 1 < n else 1.0 for i in range(n))
-        self._resident = sum(s.resident_bytes for s in st)
-        self._xc = 1.0 / workload.consumer_step_s if workload.consumer_step_s > 0 else math.inf
+        self._coef = Coefficients.of(workload)
+        self._rule = FusionRule(st)
+        self._solver = Solver(workload, self._coef, self._rule)
+        self._remote = RemoteModel(workload, self._coef, self._solver)
         buf = workload.initial_buffer_bytes
         default = Allocation(tuple(s.min_workers for s in st), (buf,) * n)
         self._initial = self._checked(initial) if initial is not None else default
-        self._s = _State(fused=self._initial.fused or (False,) * n)
-        why = self._remote_error(self._initial.remote, self._s.fused)
+        why = self._remote.error(self._initial.remote, self._initial.fused or (False,) * n)
         if why is not None:
             raise ValueError(f"SimPipeline: initial: {why}")
         self.reset(seed)
@@ -206,11 +198,11 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         a = self._checked(allocation)
         if self._s.last_obs is not None:
             a = plan_concurrency(self._s.last_obs, a)
-        elif not a.concurrency and self._s.alloc is not None:
+        elif not a.concurrency:
             a = a.replace(concurrency=self._concurrency(self._s.alloc))
         fused = a.fused or self._s.fused
-        remote = self._remote_asked(a, fused)
-        if (why := self._remote_error(remote, fused)) is not None:
+        remote = self._remote.asked(a, fused, self._s.alloc)
+        if (why := self._remote.error(remote, fused)) is not None:
             raise ValueError(f"SimPipeline.apply: {why}")
         self._s.fused = fused
         self._s.alloc = a.replace(
@@ -221,6 +213,7 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         """Advance simulated time by ``interval_s`` and return that interval's statistics."""
         s, wl, dt = self._s, self.workload, self.interval_s
         t0, n = s.t, self.n_stages
+        co, rule, solver, rm = self._coef, self._rule, self._solver, self._remote
         s.t = t0 + dt
         cpus, limit = _at(self._cpus, t0), int(_at(self._mem, t0))
         alloc = s.alloc
@@ -229,8 +222,8 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         fused = s.fused
         running = running_workers(alloc.replace(fused=fused))
         cluster = _at(self._cluster, t0)
-        local = self._local(alloc.remote, running)
-        remote = self._running_remote(alloc.remote, running, cluster)
+        local = rm.local(alloc.remote, running)
+        remote = rm.running(alloc.remote, running, cluster)
         # A worker added since the last interval only works once it has started.
         warm = min(1.0, wl.worker_start_s / dt)
         w_local, w_remote = (
@@ -240,22 +233,20 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
             for now, before in ((local, s.prev_workers), (remote, s.prev_remote))
         )
         s.prev_workers, s.prev_remote = local, tuple(remote)
-        c, d = self._costs(t0 + dt / 2, fused)
+        c, d = co.costs(t0 + dt / 2, fused)
         calls = self._concurrency(alloc, fused)
         d = overlapped(c, d, calls)
         if self.noise > 0:
             rng = self._rng
             x_ref = max(s.last_x, 1.0)
             for i in range(n):
-                var = self._cv2[i] / max(1.0, x_ref * self._R[i] * dt)
+                var = co.cv2[i] / max(1.0, x_ref * co.R[i] * dt)
                 sig = math.sqrt(math.log1p(var))
                 f = math.exp(sig * rng.gauss(0.0, 1.0) - sig * sig / 2)
                 c[i] *= f
                 d[i] *= f
-        ss, cb, db, share = self._placed_solve(
-            w_local, w_remote, alloc.buffer_bytes, c, d, cpus, fused
-        )
-        hop, _, net, _ = self._hop(c, fused)
+        ss, cb, db, share = rm.solve(w_local, w_remote, alloc.buffer_bytes, c, d, cpus, fused)
+        hop, _, net, _ = rm.hop(c, fused)
         x = ss.throughput
         # Buffers move toward their steady fill at the rate imbalance across them. A group's
         # stages run in lockstep: the host's buffer holds the group's last stage's items.
@@ -264,32 +255,32 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
             if fused[i]:
                 s.levels[i] = 0.0
                 continue
-            last = self._last(i, fused)
-            k = self._capacity(alloc.buffer_bytes[i], last)
+            last = rule.last(i, fused)
+            k = solver.capacity(alloc.buffer_bytes[i], last)
             target = ss.fill[i] * k
-            flow = x * self._S[last]
-            step = max(ss.gap[i], 0.1 * x) * self._S[last] * dt
+            flow = x * co.S[last]
+            step = max(ss.gap[i], 0.1 * x) * co.S[last] * dt
             old = min(s.levels[i], k)
             new = min(target, old + step) if target > old else max(target, old - step)
             s.levels[i] = new
             for m in range(i, last + 1):
-                rates[m] = max(0.0, flow + (new - old) / dt) * self._S[m] / self._S[last]
+                rates[m] = max(0.0, flow + (new - old) / dt) * co.S[m] / co.S[last]
             fills[i] = new / k
-        used = self._memory(local, s.levels, fused)
+        used = solver.memory(local, s.levels, fused)
         if used > limit:
             s.oom = True
             return self._dead_observation(cpus, limit, used=int(used))
         s.last_x = x
         noisy = self._noisy
-        fusable = self.fusable(fused)
-        remotable = self.remotable()
+        fusable = rule.fusable(fused)
+        remotable = rm.remotable()
         stages = []
         for i, sm in enumerate(wl.stages):
             # Live, a fused stage's time is its own share of its host's workers' wall time
             # and the group's waits are its host's (telemetry.py).
             idle = 0.0
             if not fused[i]:
-                idle = max(0.0, 1.0 - sum(ss.busy[i : self._last(i, fused) + 1]))
+                idle = max(0.0, 1.0 - sum(ss.busy[i : rule.last(i, fused) + 1]))
             pe = ss.p_empty[fusion_host(fused, i - 1)] if i > 0 else 0.0
             pf = ss.p_full[i]
             share_in = pe / (pe + pf) if pe + pf > 1e-12 else 0.5
@@ -310,7 +301,7 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
                     io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
-                    memory_bytes=self._stage_memory(local, i, fused),
+                    memory_bytes=solver.stage_memory(local, i, fused),
                     fused=fused[i],
                     fusable=fusable[i],
                     remote_workers=remote[i],
@@ -325,24 +316,10 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         latency = 0.0
         if x > 0:
             latency = sum(
-                s.levels[i] / (x * self._S[self._last(i, fused)]) for i in range(n) if not fused[i]
+                s.levels[i] / (x * co.S[rule.last(i, fused)]) for i in range(n) if not fused[i]
             )
-            latency += sum(self._R[i] * (cb[i] / ss.phi + db[i]) for i in range(n))
-        obs = Observation(
-            stages=tuple(stages),
-            throughput=noisy(x),
-            cpus=cpus,
-            memory_limit_bytes=limit,
-            memory_used_bytes=int(used),
-            latency_s=latency,
-            consumer_step_s=wl.consumer_step_s,
-            dram_gbps=wl.dram_gbps,
-            cpu_ghz=wl.cpu_ghz,
-            t=s.t,
-            cluster_cpus=cluster,
-            network_bytes_per_s=wl.network_bytes_per_s,
-            rpc_s=wl.rpc_s,
-        )
+            latency += sum(co.R[i] * (cb[i] / ss.phi + db[i]) for i in range(n))
+        obs = self._observation(tuple(stages), noisy(x), cpus, limit, int(used), cluster, latency)
         s.last_obs = obs
         return obs
 
@@ -381,18 +358,19 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         """
         a = self._checked(allocation)
         fused = a.fused or self._s.fused
-        asked = self._remote_asked(a, fused)
-        if (why := self._remote_error(asked, fused)) is not None:
+        rm = self._remote
+        asked = rm.asked(a, fused, self._s.alloc)
+        if (why := rm.error(asked, fused)) is not None:
             raise ValueError(f"SimPipeline.steady_state: {why}")
         at = self._when(t)
-        c, d = self._costs(at, fused)
+        c, d = self._coef.costs(at, fused)
         d = overlapped(c, d, self._concurrency(a, fused))
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
         cluster = _at(self._cluster, at) if cluster_cpus is None else float(cluster_cpus)
         running = running_workers(a.replace(fused=fused))
-        local = self._local(asked, running)
-        remote = self._running_remote(asked, running, cluster)
-        return self._placed_solve(local, remote, a.buffer_bytes, c, d, cpus, fused)[0]
+        local = rm.local(asked, running)
+        remote = rm.running(asked, running, cluster)
+        return rm.solve(local, remote, a.buffer_bytes, c, d, cpus, fused)[0]
 
     def upper_bound(self, cpus: float | None = None, t: float | None = None) -> float:
         """Throughput no allocation can beat now (or at ``t``): all CPU work on ``cpus`` cores,
@@ -402,9 +380,26 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
         with every stage that may be fused fused (the fewest hops).
         """
         at = self._when(t)
-        c, _ = self._costs(at, self.widest_fusion())
+        co = self._coef
+        c, _ = co.costs(at, self._rule.widest())
         cpus = _at(self._cpus, at) if cpus is None else float(cpus)
-        return min(self._xc, cpus / sum(self._R[i] * c[i] for i in range(self.n_stages)))
+        return min(co.xc, cpus / sum(co.R[i] * c[i] for i in range(self.n_stages)))
+
+    def fusable(self, fused: Sequence[bool] | None = None) -> tuple[bool, ...]:
+        """Per stage, whether it may be fused into the stage before it, given the stages fused
+        in ``fused`` (default: now); a fused stage is fusable. The live rule
+        (``multiproc.fusion``): a fusable ``"map"`` after a ``"source"`` or ``"map"``, at most
+        ``MAX_FUSED`` stages run in one host's workers."""
+        return self._rule.fusable(self._s.fused if fused is None else fused)
+
+    def widest_fusion(self) -> tuple[bool, ...]:
+        """Every stage that may be fused fused, in pipeline order (the fewest hops)."""
+        return self._rule.widest()
+
+    def remotable(self) -> tuple[bool, ...]:
+        """Per stage, whether its workers may run on the cluster (``StageStats.remotable``): a
+        remotable map; only while it is neither fused nor hosting a fused stage."""
+        return self._remote.remotable()
 
     def _when(self, t: float | None) -> float:
         return self._s.t if t is None else float(t)
@@ -471,7 +466,7 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
             )
         st = self.workload.stages
         for j, f in enumerate(a.fused):
-            if f and (why := self._fuse_error(j, a.fused)) is not None:
+            if f and (why := self._rule.error(j, a.fused)) is not None:
                 raise ValueError(f"SimPipeline.apply: cannot fuse stage {st[j].name!r}: {why}")
         w = tuple(min(st[i].max_workers, max(st[i].min_workers, a.workers[i])) for i in range(n))
         b = tuple(max(0, x) for x in a.buffer_bytes)
@@ -482,9 +477,9 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
     def _hop_out(self, i: int, fused: Sequence[bool]) -> float:
         """Seconds per item stage ``i`` emits that its group's output pays to cross its
         channel (the host reports it, as live: its workers encode the group's output)."""
-        last = self._last(i, fused)
+        co, last = self._coef, self._rule.last(i, fused)
         st = self.workload.stages[last]
-        return self._c_out[last] * st.ratio * self._S[last] / self._S[i]
+        return co.c_out[last] * st.ratio * co.S[last] / co.S[i]
 
     def _concurrency(self, a: Allocation, fused: Sequence[bool] = ()) -> tuple[int, ...]:
         st = self.workload.stages
@@ -496,41 +491,65 @@ class SimPipeline(Solver, FusionRule, RemoteModel):
             for i, (k, s) in enumerate(zip(a.concurrency, st, strict=True))
         )
 
-    def _costs(self, t: float, fused: Sequence[bool]) -> tuple[list[float], list[float]]:
-        n = self.n_stages
-        # The host of a fused stage hands it its output in-process: no copy, no hop.
-        c = [
-            self._c_fn[i] if i + 1 < n and fused[i + 1] else self._c_fn[i] + self._c_out[i]
-            for i in range(n)
-        ]
-        d = list(self._d0)
-        for i, sm in enumerate(self.workload.stages):
-            if sm.drift is not None:
-                f = sm.drift.factor(t)
-                c[i] *= f
-                d[i] *= f
-        return c, d
+    def _dead_observation(self, cpus: float, limit: int, used: int | None = None) -> Observation:
+        """The observation of a pipeline that ran out of memory: no throughput."""
+        s, wl = self._s, self.workload
+        running = running_workers(s.alloc.replace(fused=s.fused))
+        remote = s.alloc.remote or (0,) * len(running)
+        local = [w - min(r, w) for w, r in zip(running, remote, strict=True)]
+        fusable = self._rule.fusable(s.fused)
+        remotable = self._remote.remotable()
+        stage_memory = self._solver.stage_memory
+        stages = tuple(
+            StageStats(
+                name=sm.name,
+                workers=running[i],
+                min_workers=sm.min_workers,
+                max_workers=sm.max_workers,
+                buffer_bytes=s.alloc.buffer_bytes[i],
+                memory_bytes=stage_memory(local, i, s.fused),
+                fused=s.fused[i],
+                fusable=fusable[i],
+                remote_workers=min(remote[i], running[i]),
+                remotable=remotable[i],
+                bytes_per_item=float(sm.bytes_per_item),
+                items_per_call=float(sm.items_per_call),
+            )
+            for i, sm in enumerate(wl.stages)
+        )
+        used = int(self._solver.memory(local, s.levels, s.fused)) if used is None else used
+        cluster = self.cluster_cpus_at(s.t)
+        return self._observation(stages, 0.0, cpus, limit, used, cluster, oom=True)
 
-    def _capacity(self, buffer_bytes: int, i: int) -> float:
-        # A channel always admits one item, whatever its byte budget.
-        return max(1.0, buffer_bytes / self._bytes[i])
-
-    def _stage_memory(self, workers: Sequence[int], i: int, fused: Sequence[bool]) -> int:
-        """What stage ``i``'s workers hold (``StageStats.memory_bytes``): a host's workers
-        also hold what the stages fused into it keep per worker; a fused stage has none."""
-        if fused[i]:
-            return 0
-        st = self.workload.stages
-        held = sum(st[m].worker_bytes for m in range(i, self._last(i, fused) + 1))
-        return int(workers[i] * (self.workload.worker_rss_bytes + held))
-
-    def _memory(
-        self, workers: Sequence[int], levels: Sequence[float], fused: Sequence[bool]
-    ) -> float:
-        n = self.n_stages
-        buffered = sum(levels[i] * self._bytes[self._last(i, fused)] for i in range(n))
-        held = sum(self._stage_memory(workers, i, fused) for i in range(n))
-        return buffered + held + self._resident
+    def _observation(
+        self,
+        stages: tuple[StageStats, ...],
+        throughput: float,
+        cpus: float,
+        limit: int,
+        used: int,
+        cluster: float,
+        latency_s: float = 0.0,
+        oom: bool = False,
+    ) -> Observation:
+        """The observation now of ``stages``, with the fields the workload fixes."""
+        wl = self.workload
+        return Observation(
+            stages=stages,
+            throughput=throughput,
+            cpus=cpus,
+            memory_limit_bytes=limit,
+            memory_used_bytes=used,
+            latency_s=latency_s,
+            consumer_step_s=wl.consumer_step_s,
+            dram_gbps=wl.dram_gbps,
+            cpu_ghz=wl.cpu_ghz,
+            t=self._s.t,
+            oom=oom,
+            cluster_cpus=cluster,
+            network_bytes_per_s=wl.network_bytes_per_s,
+            rpc_s=wl.rpc_s,
+        )
 
     def _noisy(self, v: float) -> float:
         if self.noise <= 0 or v <= 0:

@@ -1,7 +1,7 @@
 """Remote workers of a simulated pipeline: a stage's workers split between host and cluster.
 
-:class:`RemoteModel` is the part of :class:`~torchtune_pipe.sim.model.SimPipeline` that
-models ``Allocation.remote`` (the model's step 8 in :mod:`torchtune_pipe.sim.model`). A remote
+:class:`RemoteModel` models ``Allocation.remote`` for a workload (the model's step 8 in
+:mod:`torchtune_pipe.sim.model`). A remote
 worker of stage ``i`` runs the stage function on a cluster CPU of its own (no share of the
 host's cores, no processor sharing), and per input item:
 
@@ -27,9 +27,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .workload import StageModel
+from torchtune_pipe.tuning.base import Allocation
 
-# Bisection steps for the CPU rate local and remote workers share (``_placed_solve``).
+from .solve import Solver
+from .workload import Coefficients, StageModel, SteadyState, Workload
+
+# Bisection steps for the CPU rate local and remote workers share (``RemoteModel.solve``).
 _PHI_STEPS = 14
 _NO_WORKERS = 1e-9
 
@@ -39,18 +42,34 @@ def can_run_remote(stage: StageModel) -> bool:
     return stage.kind == "map" and stage.remotable
 
 
+# Per stage: workers, blended CPU and wait per input item, remote share of its items; and the
+# link's cap on throughput (RemoteModel._blend).
+_Blend = tuple[list[float], list[float], list[float], list[float], float]
+
+
 class RemoteModel:
-    """Remote workers of a simulated pipeline (uses ``self.workload`` and its costs)."""
+    """Remote workers of a workload (see the module docstring).
+
+    Args:
+        workload: what is simulated.
+        coef: its coefficients (:meth:`Coefficients.of`).
+        solver: the solver of its line, run with the blended costs.
+    """
+
+    def __init__(self, workload: Workload, coef: Coefficients, solver: Solver) -> None:
+        self.workload = workload
+        self.coef = coef
+        self.solver = solver
 
     def remotable(self) -> tuple[bool, ...]:
         """Per stage, whether its workers may run on the cluster (``StageStats.remotable``): a
         remotable map; only while it is neither fused nor hosting a fused stage
-        (:meth:`_remote_error`)."""
+        (:meth:`error`)."""
         return tuple(can_run_remote(sm) for sm in self.workload.stages)
 
-    def _remote_error(self, remote: Sequence[int], fused: Sequence[bool]) -> str | None:
+    def error(self, remote: Sequence[int], fused: Sequence[bool]) -> str | None:
         """Why ``remote`` cannot run under ``fused`` (None: it can)."""
-        ok, n = self.remotable(), self.n_stages
+        ok, n = self.remotable(), len(self.workload.stages)
         for i, r in enumerate(remote):
             if r > 0 and not ok[i]:
                 return f"stage {self.workload.stages[i].name!r} cannot run remote workers"
@@ -61,35 +80,37 @@ class RemoteModel:
                 )
         return None
 
-    def _local(self, remote: Sequence[int], workers: Sequence[int]) -> tuple[int, ...]:
+    def local(self, remote: Sequence[int], workers: Sequence[int]) -> tuple[int, ...]:
         """Local workers per stage: its workers less the remote ones it asks for (running or
         pending: a pending one waits for a cluster CPU, not for a local core)."""
         if not remote:
             return tuple(workers)
         return tuple(w - min(r, w) for r, w in zip(remote, workers, strict=True))
 
-    def _running_remote(
+    def running(
         self, remote: Sequence[int], workers: Sequence[int], cluster_cpus: float
     ) -> list[int]:
         """Remote workers that run (at most each stage's workers, in total at most the
         cluster's CPUs: the rest are pending, the largest counts first)."""
         run = [min(r, w) for r, w in zip(remote, workers, strict=True)] if remote else []
         if not run:
-            return [0] * self.n_stages
+            return [0] * len(self.workload.stages)
         cap = int(cluster_cpus + 1e-9)
         while sum(run) > cap:
             run[max(range(len(run)), key=run.__getitem__)] -= 1
         return run
 
-    def _hop(self, c: Sequence[float], fused: Sequence[bool]) -> tuple[list, list, list, list]:
+    def hop(
+        self, c: Sequence[float], fused: Sequence[bool]
+    ) -> tuple[list[float], list[float], list[float], list[float]]:
         """Per input item of each stage made remotely: host CPU ``h``, the function's CPU on
         the cluster, and the network wait ``net`` (module docstring); bytes per item too."""
-        wl, n = self.workload, self.n_stages
+        wl, co, n = self.workload, self.coef, len(self.workload.stages)
         copy_s = 1.0 / (wl.dram_gbps * 1e9)
         h, far, net, wire = [], [], [], []
         for i, sm in enumerate(wl.stages):
-            channel = 0.0 if i + 1 < n and fused[i + 1] else self._c_out[i]
-            nbytes = (self._bytes[i - 1] if i > 0 else 0.0) + sm.bytes_per_item / sm.ratio
+            channel = 0.0 if i + 1 < n and fused[i + 1] else co.c_out[i]
+            nbytes = (co.nbytes[i - 1] if i > 0 else 0.0) + sm.bytes_per_item / sm.ratio
             calls = sm.items_per_call
             h.append(wl.rpc_cpu_s / calls + wl.hop_copies * nbytes * copy_s + channel)
             far.append(max(0.0, c[i] - channel))
@@ -97,15 +118,24 @@ class RemoteModel:
             wire.append(nbytes)
         return h, far, net, wire
 
-    def _blend(self, local, remote, c, d, phi, fused):
+    def _blend(
+        self,
+        local: Sequence[float],
+        remote: Sequence[float],
+        c: Sequence[float],
+        d: Sequence[float],
+        phi: float,
+        fused: Sequence[bool],
+    ) -> _Blend:
         """Per stage: workers, blended CPU and wait per input item, the remote share of its
         items, and the link's cap on throughput (module docstring)."""
         if not any(remote):
             w = [max(float(n), _NO_WORKERS) for n in local]
             return w, list(c), list(d), [0.0] * len(c), math.inf
-        h, far, net, wire = self._hop(c, fused)
+        h, far, net, wire = self.hop(c, fused)
         w, c2, d2, share = [], [], [], []
-        for i in range(self.n_stages):
+        n = len(self.workload.stages)
+        for i in range(n):
             wl, wr = local[i], remote[i]
             a = c[i] / phi + d[i]
             wait = far[i] + d[i] + net[i]
@@ -118,37 +148,46 @@ class RemoteModel:
             c2.append((1 - f) * c[i] + f * h[i])
             d2.append((1 - f) * d[i] + f * wait)
             share.append(f)
-        moved = sum(self._R[i] * share[i] * wire[i] for i in range(self.n_stages))
+        moved = sum(self.coef.R[i] * share[i] * wire[i] for i in range(n))
         link = self.workload.network_bytes_per_s / moved if moved > 0 else math.inf
         return w, c2, d2, share, link
 
-    def _placed_solve(self, local, remote, buffers, c, d, cpus, fused):
+    def solve(
+        self,
+        local: Sequence[float],
+        remote: Sequence[float],
+        buffers: Sequence[int],
+        c: Sequence[float],
+        d: Sequence[float],
+        cpus: float,
+        fused: Sequence[bool],
+    ) -> tuple[SteadyState, list[float], list[float], list[float]]:
         """The steady state with ``local`` and ``remote`` workers per stage. The share of
         items each kind makes depends on the CPU rate ``phi`` local workers get, and ``phi``
         on that share (more items remote leave more cores): the rate the blend assumes must
         be the rate the solve gives. The solved rate falls as the assumed one rises, so the
         fixed point lies between the rate solved at ``phi = 1`` and 1 (bisection). Returns
         the steady state, the blended costs and the remote shares."""
+        solve = self.solver.solve
         w, c2, d2, share, link = self._blend(local, remote, c, d, 1.0, fused)
-        ss = self._solve(w, buffers, c2, d2, cpus, fused, link, local)
+        ss = solve(w, buffers, c2, d2, cpus, fused, link, local)
         if not any(remote) or ss.phi >= 1.0:
             return ss, c2, d2, share
         lo, hi = ss.phi, 1.0
         for _ in range(_PHI_STEPS):
             mid = (lo + hi) / 2
             w, c2, d2, share, link = self._blend(local, remote, c, d, mid, fused)
-            ss = self._solve(w, buffers, c2, d2, cpus, fused, link, local)
+            ss = solve(w, buffers, c2, d2, cpus, fused, link, local)
             lo, hi = (mid, hi) if ss.phi > mid else (lo, mid)
         return ss, c2, d2, share
 
-    def _remote_asked(self, a, fused) -> tuple[int, ...]:
-        """Remote workers per stage ``a`` asks for: ``a.remote``, or where it is empty each
-        stage's placement kept (all remote stays all remote; else the count, at most its
-        workers); none for a fused stage."""
-        now = self._s.alloc
+    def asked(self, a: Allocation, fused: Sequence[bool], now: Allocation) -> tuple[int, ...]:
+        """Remote workers per stage ``a`` asks for, with ``now`` in force: ``a.remote``, or
+        where it is empty each stage's placement kept (all remote stays all remote; else the
+        count, at most its workers); none for a fused stage."""
         if a.remote:
             asked = a.remote
-        elif now is None or not now.remote:
+        elif not now.remote:
             return ()
         else:
             asked = tuple(

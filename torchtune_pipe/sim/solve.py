@@ -1,9 +1,8 @@
 """The simulator's closed-form steady state: processor sharing over a line of M/M/1/N buffers.
 
-:class:`Solver` is the part of :class:`~torchtune_pipe.sim.model.SimPipeline` that solves one
-interval (see the model's steps 1-4 and 7 in :mod:`torchtune_pipe.sim.model`): stage (or fused
-group) capacities under processor sharing and oversubscription, the buffers' efficiencies and
-fills, and the observation of a pipeline that ran out of memory.
+:class:`Solver` solves one interval of a workload (see the model's steps 1-5 and 7 in
+:mod:`torchtune_pipe.sim.model`): stage (or fused group) capacities under processor sharing
+and oversubscription, the buffers' efficiencies and fills, and the memory the pipeline holds.
 """
 
 from __future__ import annotations
@@ -11,9 +10,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from torchtune_pipe.tuning.base import Observation, StageStats, fusion_host, running_workers
+from torchtune_pipe.tuning.base import fusion_host
 
-from .workload import SteadyState
+from .fused import FusionRule
+from .workload import Coefficients, SteadyState, Workload
 
 _CONSUMER_CV2 = 0.01  # a training step's time varies little (cv ~0.1)
 _MIN_CV2 = 0.01
@@ -45,50 +45,72 @@ def _mm1n(rho: float, n: float) -> tuple[float, float, float, float]:
 
 
 class Solver:
-    """Steady-state solver of a simulated pipeline (uses ``self.workload`` and its state)."""
+    """Steady-state solver of a workload's line (see the module docstring).
 
-    def _solve(self, w, buffers, c, d, cpus, fused, link=math.inf, held=None) -> SteadyState:
+    Args:
+        workload: what is simulated.
+        coef: its coefficients (:meth:`Coefficients.of`).
+        rule: its fusion rule: which stages a fused group holds.
+    """
+
+    def __init__(self, workload: Workload, coef: Coefficients, rule: FusionRule) -> None:
+        self.workload = workload
+        self.coef = coef
+        self.rule = rule
+
+    def solve(
+        self,
+        w: Sequence[float],
+        buffers: Sequence[int],
+        c: Sequence[float],
+        d: Sequence[float],
+        cpus: float,
+        fused: Sequence[bool],
+        link: float = math.inf,
+        held: Sequence[float] | None = None,
+    ) -> SteadyState:
         """The steady state of ``w`` workers per stage (``held``: those that hold memory on
         the host, default all) at costs ``c``/``d``, throughput at most ``link``."""
-        n = self.n_stages
-        held = w if held is None else held
+        co, last_of = self.coef, self.rule.last
+        n = len(co.R)
+        holds = w if held is None else held
         # The line's stations: each group (a host and the stages fused into it) is one, with
         # the host's workers and its members' costs per pipeline item; a stage on its own
         # keeps its per-input-item costs and R, so an unfused line is solved as it always was.
         hosts = [i for i in range(n) if not fused[i]]
-        lasts = [self._last(i, fused) for i in hosts]
+        lasts = [last_of(i, fused) for i in hosts]
         R, cn, dn, cv2 = [], [], [], []
         for h, last in zip(hosts, lasts, strict=True):
             if h == last:
-                R.append(self._R[h])
+                R.append(co.R[h])
                 cn.append(c[h])
                 dn.append(d[h])
-                cv2.append(self._cv2[h])
+                cv2.append(co.cv2[h])
                 continue
             group = range(h, last + 1)
-            t = [self._R[i] * (c[i] + d[i]) for i in group]
+            t = [co.R[i] * (c[i] + d[i]) for i in group]
             R.append(1.0)
-            cn.append(sum(self._R[i] * c[i] for i in group))
-            dn.append(sum(self._R[i] * d[i] for i in group))
+            cn.append(sum(co.R[i] * c[i] for i in group))
+            dn.append(sum(co.R[i] * d[i] for i in group))
             # Independent per-item times add: the group's squared cv weighs its members'.
             cv2.append(
-                sum(ti * ti * self._cv2[i] for ti, i in zip(t, group, strict=True)) / sum(t) ** 2
+                sum(ti * ti * co.cv2[i] for ti, i in zip(t, group, strict=True)) / sum(t) ** 2
             )
         m = len(hosts)
         wn = [w[h] for h in hosts]
         cost = sum(R[k] * cn[k] for k in range(m))
-        x1 = min(self._xc, link, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
-        x, phi = self._share(wn, R, cn, dn, cpus, cost, x1)
+        x1 = min(co.xc, link, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
+        x, phi = _share(wn, R, cn, dn, cpus, cost, x1)
         if x * cost / phi > cpus:  # more runnable workers than cores: switching overhead
             runnable = min(x * cost / phi, sum(wn[k] * cn[k] / (cn[k] + dn[k]) for k in range(m)))
             usable = cpus / (1.0 + self.workload.switch_overhead * max(0.0, runnable / cpus - 1))
-            x, phi = self._share(wn, R, cn, dn, usable, cost, x1)
+            x, phi = _share(wn, R, cn, dn, usable, cost, x1)
         caps = [wn[k] / (R[k] * (cn[k] / phi + dn[k])) for k in range(m)]
         bottleneck = min(range(m), key=caps.__getitem__)
         up = list(caps)
         for k in range(1, m):
             up[k] = min(up[k], up[k - 1])
-        down = [self._xc] * m
+        down = [co.xc] * m
         for k in range(m - 2, -1, -1):
             down[k] = min(caps[k + 1], down[k + 1])
         eff = 1.0
@@ -96,19 +118,19 @@ class Solver:
         mem = 0.0
         for k, (h, last) in enumerate(zip(hosts, lasts, strict=True)):
             gap[h] = abs(up[k] - down[k]) if down[k] < math.inf else up[k]
-            cap = self._capacity(buffers[h], last)
-            r = self._r_next[last]
+            cap = self.capacity(buffers[h], last)
+            r = co.r_next[last]
             v = (cv2[k] + (cv2[k + 1] if k + 1 < m else _CONSUMER_CV2) / r) / 2
             n_eff = (cap / r + 2.0) / max(v, _MIN_CV2)
             e, fill[h], p_empty[h], p_full[h] = _mm1n(
                 up[k] / down[k] if down[k] < math.inf else 0.0, n_eff
             )
             eff *= e
-            mem += fill[h] * cap * self._bytes[last]
+            mem += fill[h] * cap * co.nbytes[last]
         x *= eff
         host = [fusion_host(fused, i) for i in range(n)]
-        busy = tuple(min(1.0, x * self._R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
-        mem += sum(self._stage_memory(held, i, fused) for i in range(n)) + self._resident
+        busy = tuple(min(1.0, x * co.R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
+        mem += sum(self.stage_memory(holds, i, fused) for i in range(n)) + co.resident
         return SteadyState(
             x,
             phi,
@@ -121,55 +143,46 @@ class Solver:
             tuple(gap),
         )
 
-    def _share(self, w, R, c, d, cpus, cost, x1) -> tuple[float, float]:
-        """Throughput and per-worker CPU rate under processor sharing of ``cpus`` cores."""
-        if x1 * cost <= cpus:
-            return x1, 1.0
-        x = cpus / cost
-        # The rate phi at which the slowest station just meets x; others then block part-time.
-        phi = max(
-            (c[k] / (w[k] / (R[k] * x) - d[k]) for k in range(len(w)) if c[k] > 0),
-            default=1.0,
-        )
-        return x, min(1.0, phi)
+    def capacity(self, buffer_bytes: int, i: int) -> float:
+        """Items of stage ``i`` a buffer of ``buffer_bytes`` holds."""
+        # A channel always admits one item, whatever its byte budget.
+        return max(1.0, buffer_bytes / self.coef.nbytes[i])
 
-    def _dead_observation(self, cpus: float, limit: int, used: int | None = None) -> Observation:
-        s, wl = self._s, self.workload
-        running = running_workers(s.alloc.replace(fused=s.fused))
-        remote = s.alloc.remote or (0,) * len(running)
-        local = [w - min(r, w) for w, r in zip(running, remote, strict=True)]
-        fusable = self.fusable(s.fused)
-        remotable = self.remotable()
-        stages = tuple(
-            StageStats(
-                name=sm.name,
-                workers=running[i],
-                min_workers=sm.min_workers,
-                max_workers=sm.max_workers,
-                buffer_bytes=s.alloc.buffer_bytes[i],
-                memory_bytes=self._stage_memory(local, i, s.fused),
-                fused=s.fused[i],
-                fusable=fusable[i],
-                remote_workers=min(remote[i], running[i]),
-                remotable=remotable[i],
-                bytes_per_item=float(sm.bytes_per_item),
-                items_per_call=float(sm.items_per_call),
-            )
-            for i, sm in enumerate(wl.stages)
-        )
-        used = int(self._memory(local, s.levels, s.fused)) if used is None else used
-        return Observation(
-            stages=stages,
-            throughput=0.0,
-            cpus=cpus,
-            memory_limit_bytes=limit,
-            memory_used_bytes=used,
-            consumer_step_s=wl.consumer_step_s,
-            dram_gbps=wl.dram_gbps,
-            cpu_ghz=wl.cpu_ghz,
-            t=s.t,
-            oom=True,
-            cluster_cpus=self.cluster_cpus_at(s.t),
-            network_bytes_per_s=wl.network_bytes_per_s,
-            rpc_s=wl.rpc_s,
-        )
+    def stage_memory(self, workers: Sequence[float], i: int, fused: Sequence[bool]) -> int:
+        """What stage ``i``'s workers hold (``StageStats.memory_bytes``): a host's workers
+        also hold what the stages fused into it keep per worker; a fused stage has none."""
+        if fused[i]:
+            return 0
+        st = self.workload.stages
+        held = sum(st[m].worker_bytes for m in range(i, self.rule.last(i, fused) + 1))
+        return int(workers[i] * (self.workload.worker_rss_bytes + held))
+
+    def memory(
+        self, workers: Sequence[float], levels: Sequence[float], fused: Sequence[bool]
+    ) -> float:
+        """Bytes held: the buffers' items at ``levels``, the workers', the resident state."""
+        n, nbytes, last = len(levels), self.coef.nbytes, self.rule.last
+        buffered = sum(levels[i] * nbytes[last(i, fused)] for i in range(n))
+        held = sum(self.stage_memory(workers, i, fused) for i in range(n))
+        return buffered + held + self.coef.resident
+
+
+def _share(
+    w: Sequence[float],
+    R: Sequence[float],
+    c: Sequence[float],
+    d: Sequence[float],
+    cpus: float,
+    cost: float,
+    x1: float,
+) -> tuple[float, float]:
+    """Throughput and per-worker CPU rate under processor sharing of ``cpus`` cores."""
+    if x1 * cost <= cpus:
+        return x1, 1.0
+    x = cpus / cost
+    # The rate phi at which the slowest station just meets x; others then block part-time.
+    phi = max(
+        (c[k] / (w[k] / (R[k] * x) - d[k]) for k in range(len(w)) if c[k] > 0),
+        default=1.0,
+    )
+    return x, min(1.0, phi)

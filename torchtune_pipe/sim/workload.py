@@ -2,13 +2,15 @@
 
 :class:`StageModel` and :class:`Workload` describe a pipeline and the machine it runs on (per
 item CPU and waits, output bytes, variability, worker memory, hop costs); :class:`Drift` makes
-a cost change over time; :class:`SteadyState` is what :class:`~torchtune_pipe.sim.model.
-SimPipeline` solves for an allocation. See :mod:`torchtune_pipe.sim.model` for the model.
+a cost change over time; :class:`Coefficients` are the per-stage constants the model derives
+from a workload; :class:`SteadyState` is what :class:`~torchtune_pipe.sim.model.SimPipeline`
+solves for an allocation. See :mod:`torchtune_pipe.sim.model` for the model.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multiproc.spec import PIPELINE_KINDS as STAGE_KINDS
@@ -185,6 +187,66 @@ class Workload:
                 raise ValueError(f"Workload {self.name!r}: {what} must be >= 0")
         if self.network_bytes_per_s <= 0:
             raise ValueError(f"Workload {self.name!r}: network_bytes_per_s must be > 0")
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The per-stage constants of a workload's model (:mod:`torchtune_pipe.sim.model`, steps
+    1-4 and 7), per stage in pipeline order; "pipeline item" is an item leaving the pipeline.
+    """
+
+    S: tuple[float, ...]  # items leaving stage i per pipeline item
+    R: tuple[float, ...]  # stage-i input items per pipeline item
+    c_fn: tuple[float, ...]  # CPU seconds of the stage's function per input item
+    c_out: tuple[float, ...]  # CPU seconds per input item of its output crossing a channel
+    d0: tuple[float, ...]  # CPU-free wait per input item
+    cv2: tuple[float, ...]  # squared coefficient of variation of the per-item time
+    nbytes: tuple[int, ...]  # bytes of one output item
+    r_next: tuple[float, ...]  # the next stage's ratio (1 after the last stage)
+    drift: tuple[Drift | None, ...]  # the drift of the stage's costs, if any
+    resident: int  # bytes held whatever the allocation (resident state of every stage)
+    xc: float  # pipeline items per second the consumer takes (inf: no consumer)
+
+    @classmethod
+    def of(cls, workload: Workload) -> Coefficients:
+        """The coefficients of ``workload``."""
+        st = workload.stages
+        n = len(st)
+        out_per_sink = [1.0] * n
+        for i in range(n - 2, -1, -1):
+            out_per_sink[i] = out_per_sink[i + 1] * st[i + 1].ratio
+        copy_s = 1.0 / (workload.dram_gbps * 1e9)
+        hop = workload.hop_s_per_item
+        return cls(
+            S=tuple(out_per_sink),
+            R=tuple(out_per_sink[i] * st[i].ratio for i in range(n)),
+            c_fn=tuple(s.cpu_s_per_item for s in st),
+            c_out=tuple((s.bytes_per_item * copy_s + hop) / s.ratio for s in st),
+            d0=tuple(s.io_s_per_item for s in st),
+            cv2=tuple(s.cpu_cv**2 for s in st),
+            nbytes=tuple(s.bytes_per_item for s in st),
+            r_next=tuple(st[i + 1].ratio if i + 1 < n else 1.0 for i in range(n)),
+            drift=tuple(s.drift for s in st),
+            resident=sum(s.resident_bytes for s in st),
+            xc=1.0 / workload.consumer_step_s if workload.consumer_step_s > 0 else math.inf,
+        )
+
+    def costs(self, t: float, fused: Sequence[bool]) -> tuple[list[float], list[float]]:
+        """CPU seconds and CPU-free waits per input item of each stage at time ``t``, with the
+        stages in ``fused`` fused: the host of a fused stage hands it its output in-process
+        (no copy, no hop)."""
+        n = len(self.c_fn)
+        c = [
+            self.c_fn[i] if i + 1 < n and fused[i + 1] else self.c_fn[i] + self.c_out[i]
+            for i in range(n)
+        ]
+        d = list(self.d0)
+        for i, drift in enumerate(self.drift):
+            if drift is not None:
+                f = drift.factor(t)
+                c[i] *= f
+                d[i] *= f
+        return c, d
 
 
 @dataclass(frozen=True)
