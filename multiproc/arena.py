@@ -311,6 +311,7 @@ def encode(obj, allocator: Allocator | None, segment: Segment | None):
     total = len(header) + sum(sizes)
     if allocator is None or total <= INLINE_MAX_BYTES:
         return ("inline", header, [bytes(b.raw()) for b in buffers]), total
+    assert segment is not None  # an allocator allocates in its segment
     off = allocator.alloc(total)
     if off is None:
         return None, total
@@ -333,7 +334,7 @@ def decode(payload, cache: MappingCache, on_release: Callable[[ShmRef], None] | 
     ref: ShmRef = payload[1]
     seg = cache.get(ref.segment)
     holder = np.frombuffer(seg.mm, dtype=np.uint8, count=ref.size, offset=ref.offset)
-    mv = memoryview(holder)
+    mv = memoryview(holder)  # type: ignore[arg-type]  # numpy's stubs: no __buffer__
     pos = ref.header_len
     views = []
     for n in ref.buffer_sizes:

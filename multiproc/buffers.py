@@ -35,7 +35,7 @@ import os
 import pickle
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -101,7 +101,7 @@ class BufferFile:
             except OSError:  # no /dev/shm to write to: every array travels in the pickle
                 return None
         offset = -(-self.size // _ALIGN) * _ALIGN
-        view = memoryview(data.reshape(-1).view(np.uint8))
+        view = memoryview(data.reshape(-1).view(np.uint8))  # type: ignore[arg-type]  # numpy's stubs: no __buffer__
         done = 0
         try:
             while done < len(view):
@@ -143,7 +143,7 @@ class BufferFile:
     def _reduce_array(self, a: np.ndarray) -> tuple | None:
         if a.nbytes < MIN_BYTES or a.dtype.hasobject:
             return None
-        order = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
+        order: Literal["C", "F"] = "F" if a.flags.f_contiguous and not a.flags.c_contiguous else "C"
         data = np.asarray(a, order=order)  # a view of a contiguous array (or memmap)
         key = (data.__array_interface__["data"][0], data.nbytes)
         if not np.may_share_memory(data, a):
@@ -290,7 +290,7 @@ def _mapping(name: str) -> mmap.mmap:
     return mm
 
 
-def _array(where: tuple, dtype: np.dtype, shape: tuple, order: str) -> np.ndarray:
+def _array(where: tuple, dtype: np.dtype, shape: tuple, order: Literal["C", "F"]) -> np.ndarray:
     count = int(np.prod(shape, dtype=np.int64))
     raw = _bytes(where, count * np.dtype(dtype).itemsize)
     return raw.view(dtype).reshape(shape, order=order)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import pickle
 import reprlib
+from collections.abc import Iterable
+from typing import Any
 
 from . import arena, serialize
 
@@ -94,6 +96,7 @@ def _pickle_error(x) -> BaseException | None:
 def _culprit(x, err: BaseException, depth: int = 0) -> tuple[str, object, BaseException]:
     """Descend into containers to the innermost part that does not pickle."""
     if depth < 6:
+        parts: Iterable[tuple[Any, Any]]
         if isinstance(x, (list, tuple)):
             parts = enumerate(x)
         elif isinstance(x, dict):

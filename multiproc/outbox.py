@@ -40,7 +40,7 @@ class Outbox:
 
     def post(self, *msgs) -> None:
         """Send ``msgs``, in order (several at once: one write, one wake-up of the worker)."""
-        parts = []
+        parts: list[bytes | memoryview] = []
         for msg in msgs:
             data = reduction.ForkingPickler.dumps(msg)
             n = len(data)

@@ -84,7 +84,7 @@ def _reduce_tensor(t: torch.Tensor):
     if start or nbytes != storage.nbytes():
         base = base[start : start + nbytes]
     return _rebuild_tensor, (
-        pickle.PickleBuffer(base.numpy()),
+        pickle.PickleBuffer(base.numpy()),  # type: ignore[arg-type]  # numpy's stubs: no __buffer__
         t.dtype,
         tuple(t.shape),
         tuple(t.stride()),
