@@ -44,7 +44,6 @@ VARIANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("plan gain 2%", "PLAN_MIN_GAIN 0.05 -> 0.02", ("intune.PLAN_MIN_GAIN=0.02",)),
     ("plan gain 10%", "PLAN_MIN_GAIN 0.05 -> 0.10", ("intune.PLAN_MIN_GAIN=0.1",)),
     ("grow gain off", "GROW_MIN_GAIN 0.02 -> 0", ("intune.GROW_MIN_GAIN=0.0",)),
-    ("start share 1", "START_MEMORY_SHARE 0.9 -> 1", ("intune.START_MEMORY_SHARE=1.0",)),
     ("settle 1", "SETTLE_MAX 3 -> 1", ("intune.SETTLE_MAX=1",)),
     ("keep buffers off", "KEEP_BUFFER_BYTES 64 -> 1 MiB",
      ("intune_space.KEEP_BUFFER_BYTES=1048576",)),

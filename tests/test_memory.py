@@ -18,7 +18,8 @@ from torchtune_pipe.memory import (
     process_bytes,
 )
 from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
-from torchtune_pipe.tuning.base import Allocation, MiB, memory_parts
+from torchtune_pipe.tuning.base import Allocation, MiB
+from torchtune_pipe.tuning.safety import memory_parts
 
 DEADLINE_S = 60.0
 _HELD: list = []

@@ -14,7 +14,6 @@ from torchtune_pipe.tuning.intune import (
     WORKER_DELTAS,
     ActionSpace,
     InTuneTuner,
-    MemoryModel,
     StateEncoder,
     memory_factor,
     rescale,
@@ -179,17 +178,21 @@ def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():
     assert all(mask[_index(i, 5)] for i in range(3))
 
 
-def test_every_step_fits_memory_with_the_buffers_in_force():
-    # Workers measured earlier under small buffers come back (undo, guard) while today's
-    # buffers are large: the step's allocation must still fit the worst case.
+def test_intune_proposes_and_the_guard_fits_memory():
+    # Workers measured earlier under small buffers come back (an undo) while today's buffers
+    # are large: InTune proposes them as they were; what the guard lets through fits the
+    # worst case of the one memory model.
+    from torchtune_pipe.tuning.safety import MEMORY_SAFE_SHARE, memory_parts, within_limits
+
     tuner = InTuneTuner()
-    obs = _obs(workers=(4, 4, 4), limit=4 * GiB, used=int(2.4 * GiB))
-    tuner.reset(obs)
-    tuner._alloc = Allocation((8, 8, 8), (1 * GiB,) * 3)
+    small = _obs(workers=(8, 8, 8), limit=4 * GiB, used=int(2.4 * GiB), throughput=200.0)
+    tuner.reset(small)
+    tuner._before = (small.allocation(), small.throughput)  # the last move cost throughput
+    obs = _obs(workers=(4, 4, 4), buffers=(1 * GiB,) * 3, limit=4 * GiB, used=int(2.4 * GiB))
     got = tuner.step(obs)
-    per_worker, fixed = tuner.memory.split(obs)
-    worst = sum(got.buffer_bytes) + fixed + per_worker * sum(got.workers)
-    assert worst <= 0.95 * obs.memory_limit_bytes
+    assert got.workers == (8, 8, 8)  # the undo, as proposed: the tuner does not clamp
+    fitted = within_limits(got, obs)
+    assert memory_parts(obs).worst_case_bytes(fitted) <= MEMORY_SAFE_SHARE * obs.memory_limit_bytes
 
 
 def test_buffers_do_not_grow_while_the_model_is_the_bottleneck():
@@ -215,14 +218,21 @@ def test_mask_respects_memory_limit_in_the_worst_case():
     assert ActionSpace(3).mask(roomy, roomy.allocation())[_index(0, 0)]
 
 
-def test_memory_model_learns_worker_cost_from_two_points():
-    model = MemoryModel()
-    buffered = int(3 * 4 * MiB * 0.5)
-    model.update(_obs(workers=(1, 1, 1), used=buffered + 1000 * MiB))
-    model.update(_obs(workers=(2, 2, 2), used=buffered + 1300 * MiB))
-    per_worker, fixed = model.split(_obs(workers=(2, 2, 2), used=buffered + 1300 * MiB))
-    assert per_worker == pytest.approx(100 * MiB, rel=1e-6)
-    assert fixed == pytest.approx(700 * MiB, rel=1e-6)
+def test_mask_charges_a_new_worker_what_its_stages_workers_hold():
+    # Stage 0's one worker holds a 400 MiB cache, stage 2's a 20 MiB one: the guard's model
+    # (memory_parts) charges each a worker of its own stage, so under the same limit a worker
+    # fits on stage 2 and not on stage 0.
+    obs = _obs(workers=(1, 1, 1), cpus=64, limit=900 * MiB, used=500 * MiB, busy=(1, 1, 1))
+    held = (400 * MiB, 60 * MiB, 20 * MiB)
+    obs = dataclasses.replace(
+        obs,
+        stages=tuple(
+            dataclasses.replace(st, memory_bytes=b) for st, b in zip(obs.stages, held, strict=True)
+        ),
+    )
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    assert not mask[_index(0, 0)], "a second 400 MiB worker would pass 855 MiB"
+    assert mask[_index(2, 0)], "a 20 MiB worker fits"
 
 
 def test_rescale_keeps_proportions_and_fits_the_new_budget():
@@ -314,28 +324,6 @@ def test_finetune_mode_updates_weights():
     assert tuner.agent.updates > 0
     after = tuner.agent.q.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
-
-
-def test_fit_memory_keeps_some_buffer_before_it_removes_workers():
-    from torchtune_pipe.tuning.intune_space import KEEP_BUFFER_BYTES, fit_memory
-
-    assert KEEP_BUFFER_BYTES == 64 * MiB  # the numbers below assume it
-    # Two stages of 4 workers using 100 MiB each (nothing buffered): under a 1.5 GiB limit the
-    # 2 x 512 MiB buffers are halved until the worst case fits (800 + 512 <= 0.95 x 1.5 GiB)...
-    stages = tuple(StageStats(f"s{i}", 4, items_per_s=1.0) for i in range(2))
-    obs = Observation(stages, 1.0, 8.0, 1536 * MiB, 800 * MiB)
-    got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), obs)
-    assert got == Allocation((4, 4), (256 * MiB, 256 * MiB))
-    # ...and under 900 MiB they go down to KEEP_BUFFER_BYTES, then one worker goes
-    # (700 + 128 <= 855 MiB), not the buffers down to 1 MiB first.
-    tight = dataclasses.replace(obs, memory_limit_bytes=900 * MiB)
-    got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), tight)
-    assert got.buffer_bytes == (KEEP_BUFFER_BYTES, KEEP_BUFFER_BYTES)
-    assert sum(got.workers) == 7
-    # Only when the workers are down to one each do buffers go below it.
-    tiny = dataclasses.replace(obs, memory_limit_bytes=300 * MiB)
-    got = fit_memory(Allocation((4, 4), (512 * MiB, 512 * MiB)), tiny)
-    assert got.workers == (1, 1) and max(got.buffer_bytes) < KEEP_BUFFER_BYTES
 
 
 def test_a_change_of_fusion_is_judged_on_the_first_interval_that_starts_in_the_new_shape():

@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 
 from multiproc.stats import MAX_FUSED
-from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, memory_parts
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
 from torchtune_pipe.tuning.safety import (
     MEMORY_SAFE_SHARE,
     SHED_BUFFER_FLOOR_BYTES,
     Guarded,
     fit_memory,
     fusable_only,
+    memory_parts,
     safe,
     within_limits,
 )

@@ -196,7 +196,7 @@ class Observation:
             (each worker and the fork server, by proportional set size so that pages they
             share count once; shared-memory arenas only once, as buffers), plus what the
             consumer's process holds for it (prefetched copies). Per stage, the workers' part
-            is :attr:`StageStats.memory_bytes`; :func:`memory_parts` splits the total.
+            is :attr:`StageStats.memory_bytes`; :func:`~.safety.memory_parts` splits the total.
         dram_gbps: DRAM copy bandwidth in GB/s (0 when unknown).
         cpu_ghz: CPU clock in GHz (0 when unknown).
         t: seconds since the pipeline started (live: since the meter started; simulator:
@@ -349,69 +349,6 @@ def local_workers(alloc: Allocation) -> tuple[int, ...]:
     if not alloc.remote:
         return own
     return tuple(max(0, w - r) for w, r in zip(own, alloc.remote, strict=True))
-
-
-@dataclass(frozen=True)
-class MemoryParts:
-    """:attr:`Observation.memory_used_bytes` split by what holds it.
-
-    Attributes:
-        buffered_bytes: bytes the buffers hold (budget times fill, per stage).
-        per_worker_bytes: per stage, what one of its workers holds now (its measured memory
-            over its workers; where a stage is not measured, the mean of the measured ones,
-            or, when none is, everything outside the buffers spread over every worker; a
-            fused stage at least what its host's workers hold).
-        fixed_bytes: the rest (the fork server, prefetched copies, arena pages a shrunk
-            budget still holds); never negative.
-        fused: which stages run fused now (empty: none).
-        lightest_bytes: what the lightest measured worker holds (a worker's own memory,
-            without what a stage keeps in it).
-    """
-
-    buffered_bytes: float
-    per_worker_bytes: tuple[float, ...]
-    fixed_bytes: float
-    fused: tuple[bool, ...] = ()
-    lightest_bytes: float = 0.0
-
-    def worst_case_bytes(self, alloc: Allocation) -> float:
-        """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
-        its stage's workers costs now, plus the fixed part. A fused stage runs no workers; a
-        stage that ``alloc`` fuses and that runs split now adds to each of its host's
-        workers what its own workers hold beyond the lightest worker (a cache moves with the
-        function)."""
-        own = local_workers(alloc)  # a remote worker holds no memory on the host
-        per = list(self.per_worker_bytes)
-        now = self.fused or (False,) * len(per)
-        fused = alloc.fused or now
-        for j, f in enumerate(fused):
-            if f and not now[j]:
-                per[fusion_host(fused, j)] += max(0.0, per[j] - self.lightest_bytes)
-        workers = sum(w * p for w, p in zip(own, per, strict=True))
-        return self.fixed_bytes + workers + sum(alloc.buffer_bytes)
-
-
-def memory_parts(obs: Observation) -> MemoryParts:
-    """Split ``obs.memory_used_bytes`` into buffers, workers per stage and the rest (a
-    stage's remote workers hold nothing on the host: its memory is its local workers')."""
-    buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
-    other = max(0.0, obs.memory_used_bytes - buffered)
-    local = [max(0, s.workers - s.remote_workers) for s in obs.stages]
-    measured = [i for i, s in enumerate(obs.stages) if s.memory_bytes > 0 and local[i] > 0]
-    if not measured:
-        each = other / max(1, sum(local))
-        return MemoryParts(buffered, (each,) * len(obs.stages), 0.0)
-    mean = sum(obs.stages[i].memory_bytes for i in measured) / sum(local[i] for i in measured)
-    own = [s.memory_bytes / local[i] if i in measured else mean for i, s in enumerate(obs.stages)]
-    # A fused stage's workers, once split, may hold all that its host's hold now (a cache of
-    # either): charged less, a split that started the cache's workers passed the limit.
-    fused = tuple(s.fused for s in obs.stages)
-    per_worker = tuple(
-        max(own[i], own[fusion_host(fused, i)]) if fused[i] else own[i] for i in range(len(own))
-    )
-    in_workers = sum(w * p for w, p in zip(local, per_worker, strict=True))
-    lightest = min(own[i] for i in measured)
-    return MemoryParts(buffered, per_worker, max(0.0, other - in_workers), fused, lightest)
 
 
 @dataclass(frozen=True)

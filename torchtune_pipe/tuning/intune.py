@@ -9,8 +9,8 @@ One step (:meth:`InTuneTuner.step`) is :meth:`~InTuneTuner.prepare`, a choice, a
    more than ``REVERT_DROP`` (the move is masked for ``TABU_STEPS`` steps, and the undo is the
    step's only worker move); else returns to the
    best allocation of the last ``GUARD_WINDOW`` steps when the current one is worse by more
-   than ``GUARD_DROP``. It fits the result to memory (:func:`~.intune_space.fit_memory`),
-   computes the planner's allocation (:func:`~.planner.plan`), encodes the state
+   than ``GUARD_DROP``. It computes the planner's allocation (:func:`~.planner.plan`, each
+   stage's workers charged what the guard's memory model says they hold), encodes the state
    (:class:`~.intune_state.StateEncoder`) and masks the actions
    (:meth:`~.intune_space.ActionSpace.mask`).
 2. The Q network (:mod:`~torchtune_pipe.tuning.dqn`) takes the masked arg-max; the plan action
@@ -61,10 +61,8 @@ from .intune_space import (
     WORKER_DELTAS,
     Action,
     ActionSpace,
-    MemoryModel,
     changes_processes,
     cpu_cap,
-    fit_memory,
     rescale,
 )
 from .intune_state import (
@@ -80,6 +78,7 @@ from .intune_state import (
 from .intune_weights import WEIGHTS_DIR, PlannerOnly, load_agent, shipped_lengths, weights_path
 from .item_costs import crossed_hops
 from .planner import Plan, plan
+from .safety import memory_parts
 
 __all__ = [
     "ACTIONS_PER_STAGE",
@@ -93,7 +92,6 @@ __all__ = [
     "Action",
     "ActionSpace",
     "InTuneTuner",
-    "MemoryModel",
     "StateEncoder",
     "cpu_cap",
     "memory_factor",
@@ -124,9 +122,6 @@ PLAN_MIN_GAIN = 0.05
 # a plan that adds one for a fraction of a percent, by a model that is itself that noisy, only
 # raises the run's peak.
 GROW_MIN_GAIN = 0.02
-# The first allocation's worst case is fitted to this share of MEMORY_SAFE_SHARE of the limit:
-# a start measured under nothing yet (no per-worker memory) keeps more headroom than a step.
-START_MEMORY_SHARE = 0.9
 # Fine-tuning online: exploration rate, and one gradient update per this many steps (with
 # torch's default intra-op threads a tiny update can cost tens of ms of CPU on a busy machine,
 # and the tuning loop must stay under 2 % of a core).
@@ -228,7 +223,6 @@ class InTuneTuner:
         self.agent: DQNAgent | PlannerOnly | None = None
         self.actions: ActionSpace | None = None
         self.encoder: StateEncoder | None = None
-        self.memory = MemoryModel()
         self._alloc: Allocation | None = None
         self._taken: int | None = None
         self.pending: Pending | None = None
@@ -274,8 +268,6 @@ class InTuneTuner:
             self.actions = ActionSpace(n)
             self.encoder = StateEncoder(n)
         self.encoder.reset()
-        self.memory = MemoryModel()
-        self.memory.update(obs)
         self._last, self._prev, self._taken = None, None, None
         self._before, self._tabu = None, {}
         self._settling = False
@@ -292,7 +284,7 @@ class InTuneTuner:
                 # collate in one worker: splitting a stage costs nothing queued, fusing one
                 # first drains what its own workers hold (seconds with full buffers).
                 start = fused_start(start, obs)
-        self._alloc = fit_memory(start, obs, self.memory, START_MEMORY_SHARE)
+        self._alloc = start
         return self._alloc
 
     def step(self, obs: Observation) -> Allocation:
@@ -325,7 +317,7 @@ class InTuneTuner:
 
     def prepare(self, obs: Observation) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything before the choice of an action: the allocation it will change (undo,
-        guard and rescale applied, fitted to memory), the plan, the state and the action mask.
+        guard and rescale applied), the plan, the state and the action mask.
 
         Returns:
             (state vector, bool mask of the allowed actions).
@@ -341,7 +333,6 @@ class InTuneTuner:
                 f"for {self.actions.n_stages}; call reset() for a new pipeline"
             )
         self.encoder.update_references(obs)
-        self.memory.update(obs)
         current = self._ran(obs)
         undone = False
         if abs(obs.cpus - self._cpus) > 1e-6:
@@ -355,9 +346,6 @@ class InTuneTuner:
         else:
             current = self._guard(obs, current)
         self._before = None
-        # A rescale, an undone move or the guard's return brings back workers measured under
-        # other CPUs or buffers: the worst case must fit again with the buffers of today.
-        current = fit_memory(current, obs, self.memory)
         # What each channel cost to cross when it last was: inside a fused group nothing
         # measures it (a group that ends in a collate sends batches, its rows cost far more).
         self._hops = [
@@ -366,7 +354,8 @@ class InTuneTuner:
         ]
         # What each stage's workers hold, as measured when it last ran split (a fused stage
         # measures none: its host's workers hold it).
-        held, fixed = self.memory.per_stage(obs)
+        parts = memory_parts(obs)
+        held, fixed = parts.per_worker_bytes, parts.fixed_bytes
         self._held = [
             held[i] if not s.fused else (self._held[i] if i < len(self._held) else 0.0)
             for i, s in enumerate(obs.stages)
@@ -376,7 +365,7 @@ class InTuneTuner:
             fusion=self.fusion, known_hops=self._hops,
         )  # fmt: skip
         state = self.encoder.encode(obs, current, self._last, planned)
-        mask = mask_split_moves(self.actions.mask(obs, current, self.memory, planned), obs, current)
+        mask = mask_split_moves(self.actions.mask(obs, current, planned), obs, current)
         if not self.plan_action or (planned is not None and _grows_for_little(planned, current)):
             mask[self.actions.plan_index] = False
         if undone:

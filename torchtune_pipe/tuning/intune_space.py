@@ -10,15 +10,16 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Allocation, MiB, Observation, StageStats, fusion_host, memory_parts
+from .base import Allocation, MiB, Observation, StageStats, fusion_host
 from .calls_in_flight import settled_concurrency
 from .cluster import local_total, remote_of
 from .planner import Plan, cpu_saturated
-from .safety import MEMORY_SAFE_SHARE, is_io_bound, oversubscribe_factor
+from .safety import MEMORY_SAFE_SHARE, is_io_bound, memory_parts, oversubscribe_factor
 
 WORKER_DELTAS = (1, -1, 5, -5)
 ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
-# Buffer bytes per stage that fit_memory keeps while it can remove workers instead.
+# Buffer bytes per stage the network shrinks a buffer below only for memory or for a waiting
+# model (the mask).
 KEEP_BUFFER_BYTES = 64 * MiB
 # A stage gains workers by a small move only when its workers compute at least this share of
 # the time (or wait on I/O): the others wait on their neighbours, and more of them wait too.
@@ -121,7 +122,6 @@ class ActionSpace:
         self,
         obs: Observation,
         alloc: Allocation,
-        memory: MemoryModel | None = None,
         planned: Plan | None = None,
     ) -> torch.Tensor:
         """Bool mask of the actions that keep ``alloc`` within every hard limit.
@@ -129,14 +129,20 @@ class ActionSpace:
         The plan action is open when ``planned`` changes the workers or which stages run
         fused (the planner already kept the plan within the CPU and memory budgets). A stage
         whose workers run flat out (:func:`working_flat_out`) loses none but for memory.
+        Memory is the guard's worst case (:meth:`~.safety.MemoryParts.worst_case_bytes`):
+        a worker added to a stage costs what one of its workers holds now.
         """
         mask = torch.zeros(self.n, dtype=torch.bool)
         mask[0] = True
         mask[self.plan_index] = planned is not None and changes_workers(alloc, planned.allocation)
         total_w = local_total(alloc, obs)  # a remote worker holds no memory on the host
         limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE
-        per_worker, fixed = (memory or MemoryModel()).split(obs)
-        worst = sum(alloc.buffer_bytes) + fixed + per_worker * total_w
+        parts = memory_parts(obs)
+
+        def worst_case(a: Allocation) -> float:
+            return parts.worst_case_bytes(a.replace(remote=remote_of(a, obs)))
+
+        worst = worst_case(alloc)
         over_memory = worst > limit
         # When the consumer (the model) is the bottleneck every buffer fills, and a larger
         # one only holds more waiting items: no buffer may grow then.
@@ -159,7 +165,7 @@ class ActionSpace:
                     grown = local_total(new, obs) - total_w
                     if saturated and grown > 0:
                         continue
-                    fits_mem = worst + per_worker * grown <= limit
+                    fits_mem = worst_case(new) <= limit
                     fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
                     mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
             up = _buffer_step(b, True)
@@ -294,106 +300,9 @@ def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
     return alloc.replace(workers=tuple(workers))
 
 
-class MemoryModel:
-    """Memory outside the buffers, split into a per-worker cost and a fixed part.
-
-    Fitted from two observations with different worker counts (a worker's memory is the
-    slope; on a live pipeline ``memory_used_bytes`` counts every worker process, so the slope
-    is what a worker really holds). Until then a worker costs the mean of what the workers
-    hold where the observation measures it (``StageStats.memory_bytes``, read from every
-    worker live, modelled in the simulator; :func:`~.base.memory_parts`), else everything
-    outside the buffers spread over the workers; either overestimates what a new worker costs
-    when a stage holds resident state: the safe side for OOM checks. Whatever a worker does
-    not account for (the fork server, prefetched copies, memory grown since the fit) is the
-    fixed part, so the worst case always starts from the memory measured now.
-    """
-
-    def __init__(self) -> None:
-        self._last: tuple[int, float] | None = None
-        self.slope: float | None = None
-
-    @staticmethod
-    def _other(obs: Observation) -> float:
-        buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
-        return max(0.0, obs.memory_used_bytes - buffered)
-
-    def update(self, obs: Observation) -> None:
-        """Refine the per-worker cost from a new observation."""
-        if obs.oom:
-            return
-        w, other = _local_count(obs), self._other(obs)
-        if self._last is not None and self._last[0] != w:
-            slope = (other - self._last[1]) / (w - self._last[0])
-            self.slope = clip(slope, 0.0, other / max(1, w))
-        self._last = (w, other)
-
-    def split(self, obs: Observation) -> tuple[float, float]:
-        """(bytes per worker, fixed bytes) for ``obs``."""
-        w, other = max(1, _local_count(obs)), self._other(obs)
-        if self.slope is not None:
-            per_worker = self.slope
-        elif any(s.memory_bytes > 0 for s in obs.stages):
-            parts = memory_parts(obs)
-            local = [s.workers - s.remote_workers for s in obs.stages]
-            held = sum(n * p for n, p in zip(local, parts.per_worker_bytes, strict=True))
-            per_worker = held / w
-        else:
-            per_worker = other / w
-        return per_worker, max(0.0, other - per_worker * w)
-
-    def per_stage(self, obs: Observation) -> tuple[list[float], float]:
-        """(bytes one more worker of each stage costs, fixed bytes): what each stage's workers
-        hold where the observation measures it (``StageStats.memory_bytes``,
-        :func:`~.base.memory_parts`), else :meth:`split`'s cost for every stage. A stage whose
-        workers each build a cache costs what they hold, not the mean of every worker (nor a
-        slope fitted across a change of what the workers hold, which read a 380 MiB cache
-        moved from 15 workers to one as workers that cost nothing)."""
-        if any(s.memory_bytes > 0 for s in obs.stages):
-            parts = memory_parts(obs)
-            return list(parts.per_worker_bytes), parts.fixed_bytes
-        per_worker, fixed = self.split(obs)
-        return [per_worker] * len(obs.stages), fixed
-
-
-def _local_count(obs: Observation) -> int:
-    """Workers that run on the host (a remote worker holds no memory there)."""
-    return sum(obs.workers) - sum(obs.remote_workers)
-
-
 def distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
     return float(sum(abs(x - y) for x, y in zip(a, b, strict=True)))
 
 
 def clip(x: float, lo: float, hi: float) -> float:
     return lo if x < lo else hi if x > hi else x
-
-
-def fit_memory(
-    alloc: Allocation, obs: Observation, memory: MemoryModel | None = None, share: float = 1.0
-) -> Allocation:
-    """Shrink buffers, then the largest stages, until the worst case fits in memory.
-
-    Buffers go down to ``KEEP_BUFFER_BYTES`` each before any worker goes (small buffers make
-    neighbouring stages block each other, and where workers hold most of the memory they save
-    little), then down to 1 MiB.
-    """
-    per_worker, fixed = (memory or MemoryModel()).split(obs)
-    limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE * share
-    workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
-    remote = remote_of(alloc, obs)  # a remote worker holds no memory on the host
-
-    def local() -> list[int]:
-        return [w - min(r, w) for w, r in zip(workers, remote, strict=True)]
-
-    while sum(buffers) + fixed + per_worker * sum(local()) > limit:
-        if any(b > KEEP_BUFFER_BYTES for b in buffers):
-            buffers = [max(KEEP_BUFFER_BYTES, b // 2) if b > KEEP_BUFFER_BYTES else b
-                       for b in buffers]  # fmt: skip
-        elif sum(local()) > len(workers) - sum(1 for r in remote if r) and per_worker > 0:
-            i = max(range(len(workers)), key=local().__getitem__)
-            workers[i] -= 1
-        elif sum(buffers) > len(buffers) * MiB:
-            buffers = [max(MiB, b // 2) for b in buffers]
-        else:
-            break
-    return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))

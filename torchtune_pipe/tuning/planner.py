@@ -130,7 +130,7 @@ def plan(
     Args:
         obs: one measured interval (every stage must have emitted items or be idle).
         alloc: the allocation in force; its buffers are kept.
-        per_worker_bytes: memory one more worker costs (see ``intune.MemoryModel``), one
+        per_worker_bytes: memory one more worker costs (:func:`~.safety.memory_parts`), one
             number or one per stage (:func:`_worker_bytes`).
         fixed_bytes: memory outside buffers and workers.
         headroom: workers per unit of measured need (>= 1).

@@ -30,7 +30,8 @@ host.
 
 Memory (:func:`fit_memory`): an allocation's worst case is every buffer full and every worker
 holding what its stage's workers hold now, measured (``StageStats.memory_bytes``), plus the
-memory no worker holds (:func:`~.base.memory_parts`). It must stay within
+memory no worker holds (:func:`memory_parts`: the one memory model, which the tuners that weigh
+memory read too: InTune's action mask, the planner's worker costs). It must stay within
 ``MEMORY_SAFE_SHARE`` of the limit: growth (buffers, then workers) that would pass it is
 refused, and when the pipeline nears the limit anyway (a UDF cache that grows, bigger items)
 buffers are shed first, then workers, before the kernel acts.
@@ -39,6 +40,7 @@ buffers are shed first, then workers, before the kernel acts.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from multiproc.stats import MAX_FUSED
 
@@ -54,7 +56,6 @@ from .base import (
     is_io_bound,
     limits_of,
     local_workers,
-    memory_parts,
 )
 from .cluster import remote_of
 
@@ -180,18 +181,84 @@ def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> A
     return out
 
 
+@dataclass(frozen=True)
+class MemoryParts:
+    """:attr:`Observation.memory_used_bytes` split by what holds it.
+
+    Attributes:
+        buffered_bytes: bytes the buffers hold (budget times fill, per stage).
+        per_worker_bytes: per stage, what one of its workers holds now (its measured memory
+            over its workers; where a stage is not measured, the mean of the measured ones,
+            or, when none is, everything outside the buffers spread over every worker; a
+            fused stage at least what its host's workers hold).
+        fixed_bytes: the rest (the fork server, prefetched copies, arena pages a shrunk
+            budget still holds); never negative.
+        fused: which stages run fused now (empty: none).
+        lightest_bytes: what the lightest measured worker holds (a worker's own memory,
+            without what a stage keeps in it).
+    """
+
+    buffered_bytes: float
+    per_worker_bytes: tuple[float, ...]
+    fixed_bytes: float
+    fused: tuple[bool, ...] = ()
+    lightest_bytes: float = 0.0
+
+    def worst_case_bytes(self, alloc: Allocation) -> float:
+        """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
+        its stage's workers costs now, plus the fixed part. A fused stage runs no workers; a
+        stage that ``alloc`` fuses and that runs split now adds to each of its host's
+        workers what its own workers hold beyond the lightest worker (a cache moves with the
+        function)."""
+        own = local_workers(alloc)  # a remote worker holds no memory on the host
+        per = list(self.per_worker_bytes)
+        now = self.fused or (False,) * len(per)
+        fused = alloc.fused or now
+        for j, f in enumerate(fused):
+            if f and not now[j]:
+                per[fusion_host(fused, j)] += max(0.0, per[j] - self.lightest_bytes)
+        workers = sum(w * p for w, p in zip(own, per, strict=True))
+        return self.fixed_bytes + workers + sum(alloc.buffer_bytes)
+
+
+def memory_parts(obs: Observation) -> MemoryParts:
+    """Split ``obs.memory_used_bytes`` into buffers, workers per stage and the rest (a
+    stage's remote workers hold nothing on the host: its memory is its local workers')."""
+    buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
+    other = max(0.0, obs.memory_used_bytes - buffered)
+    local = [max(0, s.workers - s.remote_workers) for s in obs.stages]
+    measured = [i for i, s in enumerate(obs.stages) if s.memory_bytes > 0 and local[i] > 0]
+    if not measured:
+        each = other / max(1, sum(local))
+        return MemoryParts(buffered, (each,) * len(obs.stages), 0.0)
+    mean = sum(obs.stages[i].memory_bytes for i in measured) / sum(local[i] for i in measured)
+    own = [s.memory_bytes / local[i] if i in measured else mean for i, s in enumerate(obs.stages)]
+    # A fused stage's workers, once split, may hold all that its host's hold now (a cache of
+    # either): charged less, a split that started the cache's workers passed the limit.
+    fused = tuple(s.fused for s in obs.stages)
+    per_worker = tuple(
+        max(own[i], own[fusion_host(fused, i)]) if fused[i] else own[i] for i in range(len(own))
+    )
+    in_workers = sum(w * p for w, p in zip(local, per_worker, strict=True))
+    lightest = min(own[i] for i in measured)
+    return MemoryParts(buffered, per_worker, max(0.0, other - in_workers), fused, lightest)
+
+
 def fit_memory(
     alloc: Allocation,
     obs: Observation,
     share: float = MEMORY_SAFE_SHARE,
     min_buffer_bytes: int = 64 * 1024,
 ) -> Allocation:
-    """Keep ``alloc``'s worst-case memory within ``share`` of ``obs``'s limit (module docstring).
+    """Keep ``alloc``'s worst-case memory within ``share`` of ``obs``'s limit (module docstring):
+    the one memory fit, every tuner's decision through :class:`Guarded`.
 
-    In order, until the worst case fits: refuse buffer growth past what runs now, then worker
-    growth (stage by stage, the stage whose workers hold the most first); halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a worker from
-    the stage whose workers hold the most (never below its ``min_workers``); halve buffers down
-    to ``min_buffer_bytes``. An allocation that fits is returned unchanged.
+    In order, until the worst case (:meth:`MemoryParts.worst_case_bytes`) fits: refuse buffer
+    growth past what runs now, then worker growth (stage by stage, the stage whose workers hold
+    the most first); halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a
+    worker from the stage whose workers hold the most (never below its ``min_workers``); halve
+    the largest buffer down to ``min_buffer_bytes``. An allocation that fits is returned
+    unchanged.
 
     Raises:
         ValueError: when ``alloc`` does not have one entry per observed stage.
@@ -207,6 +274,15 @@ def fit_memory(
     def over() -> bool:
         return parts.worst_case_bytes(alloc.replace(workers=workers, buffer_bytes=buffers)) > limit
 
+    def shed_buffers(floor: int) -> None:
+        # The largest buffer halves first, never below floor (nor min_buffer_bytes).
+        floor = max(floor, min_buffer_bytes)
+        while over():
+            i = max(range(len(buffers)), key=buffers.__getitem__)
+            if buffers[i] <= floor:
+                return
+            buffers[i] = max(floor, buffers[i] // 2)
+
     buffers = [min(b, c) for b, c in zip(buffers, now.buffer_bytes, strict=True)]
     # Worker growth is refused stage by stage, the costliest workers first: one stage whose
     # workers hold a lot (a cache, a shuffle buffer) does not stop the others from growing.
@@ -221,29 +297,19 @@ def fit_memory(
         if not over():
             break
         workers[j] = remote[j] + was[j]
+    shed_buffers(SHED_BUFFER_FLOOR_BYTES)
     floors = [max(1, s.min_workers) for s in obs.stages]
-    for floor in (SHED_BUFFER_FLOOR_BYTES, None):
-        while over():
-            i = max(range(len(buffers)), key=buffers.__getitem__)
-            if floor is not None and buffers[i] > max(floor, min_buffer_bytes):
-                buffers[i] = max(floor, min_buffer_bytes, buffers[i] // 2)
-                continue
-            if floor is None and buffers[i] > min_buffer_bytes:
-                buffers[i] = max(min_buffer_bytes, buffers[i] // 2)
-                continue
+    while over():
+        costly = [
+            j
+            for j in range(len(workers))
+            if workers[j] > max(floors[j], remote[j]) and not fused[j]
+        ]
+        if not costly:
             break
-        if floor is None:
-            break
-        while over():
-            costly = [
-                j
-                for j in range(len(workers))
-                if workers[j] > max(floors[j], remote[j]) and not fused[j]
-            ]
-            if not costly:
-                break
-            j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
-            workers[j] -= 1
+        j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
+        workers[j] -= 1
+    shed_buffers(0)
     return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
 
 
