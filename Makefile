@@ -53,16 +53,16 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
 
 demo: $(STAMP)
-	$(PY) -m torchtune_pipe.cli demo
+	$(PY) -m torchtune_pipe.tools.cli demo
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.executor
 
 simulate: $(STAMP)
-	$(PY) -m torchtune_pipe.cli simulate --out out/simulate
+	$(PY) -m torchtune_pipe.tools.cli simulate --out out/simulate
 
 pretrain: $(STAMP)
-	$(PY) -m torchtune_pipe.cli pretrain
+	$(PY) -m torchtune_pipe.tools.cli pretrain
 
 # TensorFlow for the tf.data contenders of benchmarks/peers.py, in its own environment (never
 # in .venv). torch, psutil and cloudpickle let its tfdata-pyfunc variant import examples/dlrm.

@@ -30,7 +30,6 @@ import random
 from dataclasses import dataclass
 
 from torchtune_pipe.sim.model import Drift, StageModel, Workload
-from torchtune_pipe.sim.pretrain import CPU_CHOICES, _memory_for
 from torchtune_pipe.sim.workloads import (
     HOP_S_PER_ITEM,
     cpu_s_per_output,
@@ -41,6 +40,7 @@ from torchtune_pipe.sim.workloads import (
     with_frames,
 )
 from torchtune_pipe.tuning.base import MiB
+from torchtune_pipe.tuning.intune.pretrain import CPU_CHOICES, _memory_for
 
 US = 1e-6
 # Above every seed pre-training, the held-out evaluation and the studies draw (all < 20_000).
@@ -102,7 +102,7 @@ def _memory(wl: Workload, levels: tuple[int, ...], factor: float) -> int:
 
 
 def _generated(k: int, seed: int, rng: random.Random) -> Case:
-    """As pre-training samples an episode (:func:`~torchtune_pipe.sim.pretrain.sample_episode`):
+    """As pre-training samples an episode (:func:`~torchtune_pipe.tuning.intune.pretrain.sample_episode`):
     2-8 stages, another batch size half the time, 1-3 CPU levels, roomy or tight memory."""
     wl = generate(2 + k % 7, seed)
     if rng.random() < 0.5:

@@ -170,7 +170,7 @@ def _torchtune(spec: dict, ds: Rows, collate: Collate, steps: list[Step]) -> tup
             **kw,
         )  # fmt: skip
     elif tool == "torchtune_pipe-shape":
-        from torchtune_pipe.map_dataset import MapDatasetSource
+        from torchtune_pipe.sources.map_dataset import MapDatasetSource
 
         src = MapDatasetSource(ds, batch_size=bs, shuffle=spec.get("shuffle", True))
         loader = (

@@ -95,7 +95,7 @@ def child(name: str, n: int, consumer_ms: float, budget_mib: int, ready: str) ->
 
 
 def tree_bytes(pid: int) -> int:
-    from torchtune_pipe.memory import smaps_rollup
+    from torchtune_pipe.telemetry.memory import smaps_rollup
 
     try:
         procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]

@@ -67,7 +67,7 @@ from torchtune_pipe.sim.workloads import (  # noqa: E402
 from torchtune_pipe.tuning import run_episode  # noqa: E402
 from torchtune_pipe.tuning.autotune import AutotuneTuner  # noqa: E402
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, Tuner  # noqa: E402
-from torchtune_pipe.tuning.intune import InTuneTuner  # noqa: E402
+from torchtune_pipe.tuning.intune.agent import InTuneTuner  # noqa: E402
 from torchtune_pipe.tuning.oracle import best_static  # noqa: E402
 from torchtune_pipe.tuning.plumber import PlumberTuner  # noqa: E402
 from torchtune_pipe.tuning.split_search import split_search  # noqa: E402

@@ -73,7 +73,7 @@ TARGETS = {"steady_min": 0.90, "steady_median": 0.97, "vs_plumber_median": 1.0, 
 
 
 def _network_only() -> Tuner:
-    from torchtune_pipe.tuning.intune import InTuneTuner
+    from torchtune_pipe.tuning.intune.agent import InTuneTuner
 
     return InTuneTuner(plan_action=False)
 
@@ -141,7 +141,7 @@ def _init_worker(overrides: Sequence[tuple[str, str, object]]) -> None:
     import torch
 
     torch.set_num_threads(1)  # one process per core; the networks are tiny
-    importlib.import_module("torchtune_pipe.tuning.intune")  # every module the stack binds
+    importlib.import_module("torchtune_pipe.tuning.intune.agent")  # every module the stack binds
     apply_overrides(overrides)
 
 

@@ -182,7 +182,7 @@ class Watch:
 def pipeline_bytes(root: int) -> tuple[int, dict[int, int]]:
     """The pipeline's memory under ``root``: every descendant's PSS plus ``root``'s share of
     shared memory; and each descendant's PSS."""
-    from torchtune_pipe.memory import smaps_rollup
+    from torchtune_pipe.telemetry.memory import smaps_rollup
 
     try:
         kids = psutil.Process(root).children(recursive=True)

@@ -39,7 +39,7 @@ def _source(one_at_a_time: bool, seed: int = 0):
     import torch
 
     from benchmarks._mapstyle_fns import Rows
-    from torchtune_pipe.map_dataset import MapDatasetSource
+    from torchtune_pipe.sources.map_dataset import MapDatasetSource
 
     class OneAtATime(MapDatasetSource):
         """The same source, without ``calls_per_unit``: its batches are read one at a time."""

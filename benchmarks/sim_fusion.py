@@ -36,7 +36,7 @@ from torchtune_pipe.sim.workloads import fusion_like  # noqa: E402
 from torchtune_pipe.tuning import run_episode  # noqa: E402
 from torchtune_pipe.tuning.autotune import AutotuneTuner  # noqa: E402
 from torchtune_pipe.tuning.base import Allocation, MiB, Tuner  # noqa: E402
-from torchtune_pipe.tuning.intune import InTuneTuner  # noqa: E402
+from torchtune_pipe.tuning.intune.agent import InTuneTuner  # noqa: E402
 from torchtune_pipe.tuning.oracle import best_static, fusion_shapes  # noqa: E402
 from torchtune_pipe.tuning.plumber import PlumberTuner  # noqa: E402
 

@@ -199,7 +199,7 @@ def test_not_a_torch_dataloader_subclass_but_has_its_attributes():
 def test_any_tuner_with_an_integer_num_workers(tuner, caplog):
     # An integer num_workers is one stage; InTune ships no agent for one stage, so the
     # planner tunes it alone and says so once.
-    with caplog.at_level(logging.INFO, "torchtune_pipe.tuning.intune"):
+    with caplog.at_level(logging.INFO, "torchtune_pipe.tuning.intune.agent"):
         got = _compare(Squares(), 2, {"tuner": tuner, "tuning_interval_s": 0.01}, batch_size=4)
     assert len(got) == 6
     fallback = [r for r in caplog.records if "planner tunes" in r.getMessage()]
@@ -207,7 +207,7 @@ def test_any_tuner_with_an_integer_num_workers(tuner, caplog):
 
 
 def test_weights_and_tuner_options_reach_the_tuner(tmp_path):
-    from torchtune_pipe.tuning.intune import weights_path
+    from torchtune_pipe.tuning.intune.agent import weights_path
 
     with DataLoader(Squares(), batch_size=4, num_workers="auto", weights=weights_path(2),
                     tuner_options={"finetune": True}) as loader:  # fmt: skip
@@ -248,7 +248,7 @@ class _RemoteRows(Dataset):
 
 def _fetch_pipe(ds, concurrency, seed=5):
     from torchtune_pipe import Pipeline
-    from torchtune_pipe.map_dataset import MapDatasetSource
+    from torchtune_pipe.sources.map_dataset import MapDatasetSource
 
     g = torch.Generator().manual_seed(seed)
     src = MapDatasetSource(ds, batch_size=4, shuffle=True, generator=g, seed_units=True)

@@ -90,7 +90,7 @@ def test_seeding_a_batch_is_torch_manual_seed_on_the_cpu(monkeypatch):
     initialised (that cost a sixth of a worker's time per batch on cheap rows)."""
     import traceback
 
-    from torchtune_pipe._rng import rng_states, same_rng_states, seed_all
+    from torchtune_pipe.sources.rng import rng_states, same_rng_states, seed_all
 
     seed = (1 << 40) + 12345
     random.seed(seed)

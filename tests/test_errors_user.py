@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from torchtune_pipe import DataLoader, Pipeline
-from torchtune_pipe.map_dataset import IndexUnit, PackedEntries
+from torchtune_pipe.sources.map_dataset import IndexUnit, PackedEntries
 from torchtune_pipe.tuning import HeuristicTuner, TuningLoop
 
 from . import _subproc

@@ -99,7 +99,7 @@ def _is_package_parent(module: str, dep: str) -> bool:
 
 def test_no_import_cycle():
     graph = import_graph()
-    assert "torchtune_pipe.loader" in graph and "multiproc.executor" in graph
+    assert "torchtune_pipe.loader.core" in graph and "multiproc.executor" in graph
     # Parents import their submodules to re-export them; a submodule reading a name from its
     # own package's __init__ closes a cycle the interpreter survives only by import order.
     graph = {m: {d for d in ds if not _is_package_parent(m, d)} for m, ds in graph.items()}
@@ -121,6 +121,15 @@ def test_layers_import_downward():
     graph = import_graph()
     up = sorted((m, d) for m, ds in graph.items() if m.startswith("multiproc") for d in ds)
     assert [(m, d) for m, d in up if d.startswith("torchtune_pipe")] == []
+
+
+def test_no_tuner_imports_the_simulator():
+    graph = import_graph()
+    training = {"torchtune_pipe.tuning.intune.gym", "torchtune_pipe.tuning.intune.pretrain"}
+    assert "torchtune_pipe.sim.model" in graph["torchtune_pipe.tuning.intune.pretrain"]
+    tuners = [m for m in graph if m.startswith("torchtune_pipe.tuning") and m not in training]
+    bad = sorted((m, d) for m in tuners for d in graph[m] if d.startswith("torchtune_pipe.sim"))
+    assert bad == []
 
 
 def test_the_checker_finds_a_cycle_hidden_in_a_function():

@@ -15,8 +15,8 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from tests._compare import assert_same
 from torchtune_pipe import DataLoader
-from torchtune_pipe.sources import IterableDatasetSource, frame_items, max_readers
-from torchtune_pipe.telemetry import cpus_available
+from torchtune_pipe.sources.base import IterableDatasetSource, frame_items, max_readers
+from torchtune_pipe.telemetry.measure import cpus_available
 from torchtune_pipe.tuning.base import Allocation
 
 

@@ -9,15 +9,16 @@ import time
 import numpy as np
 import pytest
 
-from torchtune_pipe import Pipeline, telemetry
-from torchtune_pipe.memory import (
+from torchtune_pipe import Pipeline
+from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
+from torchtune_pipe.telemetry import measure as telemetry
+from torchtune_pipe.telemetry.memory import (
     CgroupMemory,
     MemoryProbe,
     cgroup_memory,
     memory_available_bytes,
     process_bytes,
 )
-from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
 from torchtune_pipe.tuning.base import Allocation, MiB
 from torchtune_pipe.tuning.safety import memory_parts
 

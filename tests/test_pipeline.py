@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from torchtune_pipe import Pipeline, PipelineError
-from torchtune_pipe._inline import run_inline
-from torchtune_pipe._tagging import Work
+from torchtune_pipe.loader.inline import run_inline
+from torchtune_pipe.loader.tagging import Work
 
 
 def _double(x):

@@ -1,4 +1,4 @@
-"""Batching moved into the source (torchtune_pipe._pushdown): the same batches as the pipeline
+"""Batching moved into the source (torchtune_pipe.loader.pushdown): the same batches as the pipeline
 as written, and the rewrite only where that holds."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtune_pipe import Pipeline
-from torchtune_pipe.map_dataset import MapDatasetSource
+from torchtune_pipe.sources.map_dataset import MapDatasetSource
 
 
 class Squares(Dataset):

@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from torchtune_pipe import Pipeline
-from torchtune_pipe.sources import MapDatasetSource
+from torchtune_pipe.sources.base import MapDatasetSource
 
 ITEMS = 70  # units of 8 entries: rank 0 gets units 0,2,...,8 (38 items), rank 1 32 items
 

@@ -17,8 +17,8 @@ import psutil
 import pytest
 
 from torchtune_pipe import Pipeline, PipelineError, RemoteStageError
-from torchtune_pipe import remote as remote_mod
-from torchtune_pipe.map_dataset import MapDatasetSource
+from torchtune_pipe.remote import stage as remote_mod
+from torchtune_pipe.sources.map_dataset import MapDatasetSource
 from torchtune_pipe.tuning.base import Allocation
 from torchtune_pipe.tuning.safety import Guarded
 

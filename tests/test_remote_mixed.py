@@ -12,7 +12,7 @@ import pytest
 from torchtune_pipe import Pipeline
 from torchtune_pipe.tuning import run_episode
 from torchtune_pipe.tuning.base import Allocation
-from torchtune_pipe.tuning.intune import InTuneTuner
+from torchtune_pipe.tuning.intune.agent import InTuneTuner
 from torchtune_pipe.tuning.safety import Guarded
 
 from . import _subproc

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtune_pipe.running import as_tuner
+from torchtune_pipe.loader.running import as_tuner
 from torchtune_pipe.tuning import HeuristicTuner, make_tuner
 
 

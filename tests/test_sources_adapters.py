@@ -16,7 +16,7 @@ from torchtune_pipe import (
     SourceError,
     as_source,
 )
-from torchtune_pipe.sources import read_indexed
+from torchtune_pipe.sources.base import read_indexed
 
 
 class Table(Dataset):
@@ -63,7 +63,7 @@ def test_map_source_units_hold_int_indices_packed_and_give_them_back_as_the_samp
 
     import numpy as np
 
-    from torchtune_pipe.map_dataset import PackedEntries
+    from torchtune_pipe.sources.map_dataset import PackedEntries
 
     batched = MapDatasetSource(Table(), batch_size=3, entries_per_unit=2).units()
     assert all(isinstance(u.entries, PackedEntries) for u in batched)

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from torchtune_pipe import linefiles as linefiles_module
 from torchtune_pipe.errors import BadLinesError, SourceError, TorchtunePipeError
-from torchtune_pipe.sources import FileRange, LineFileSource, SkippedLine, UnitStats
+from torchtune_pipe.sources import linefiles as linefiles_module
+from torchtune_pipe.sources.base import FileRange, LineFileSource, SkippedLine, UnitStats
 
 
 def read_all(source: LineFileSource, epoch: int = 0) -> list:

@@ -109,7 +109,7 @@ def _loader_at_epoch(epoch: int) -> DataLoader:
 
 
 def test_a_state_saved_before_fields_were_named_still_loads():
-    from torchtune_pipe._rng import rng_state_from_text
+    from torchtune_pipe.sources.rng import rng_state_from_text
 
     taken, state = _saved_mid_epoch(_loader())
     rest = _batches(_loader_then(state))

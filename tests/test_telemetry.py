@@ -11,10 +11,11 @@ import time
 import pytest
 
 from multiproc import Snapshot, StageSnapshot
-from torchtune_pipe import DataLoader, telemetry
-from torchtune_pipe.memory import MemoryReading
-from torchtune_pipe.telemetry import Bounds, ConsumerClock, Machine, Meter, observe
-from torchtune_pipe.watch import render, watch
+from torchtune_pipe import DataLoader
+from torchtune_pipe.telemetry import measure as telemetry
+from torchtune_pipe.telemetry.measure import Bounds, ConsumerClock, Machine, Meter, observe
+from torchtune_pipe.telemetry.memory import MemoryReading
+from torchtune_pipe.tools.watch import render, watch
 
 
 def _stage(name, workers, items_out, busy_ns, cpu_ns, blocked_in=0, used=0, budget=1 << 20):

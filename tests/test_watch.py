@@ -9,9 +9,9 @@ import threading
 import time
 
 from torchtune_pipe import DataLoader
+from torchtune_pipe.tools.watch import LogFollower, main, render_text
 from torchtune_pipe.tuning.base import Allocation, Observation, StageStats
 from torchtune_pipe.tuning.loop import observation, read_log
-from torchtune_pipe.watch import LogFollower, main, render_text
 
 OBS = Observation(
     (StageStats("fetch", 3, items_per_s=120.0, busy=0.5, buffer_bytes=2 << 20),

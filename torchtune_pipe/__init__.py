@@ -4,8 +4,8 @@ Build a :class:`Pipeline` from a source, iterate it with a :class:`Loader` (opti
 by a tuner), or swap ``torch.utils.data.DataLoader`` for :class:`DataLoader`.
 """
 
-from .dataloader import DataLoader
-from .errors import (
+from torchtune_pipe.dataloader import DataLoader
+from torchtune_pipe.errors import (
     BadLinesError,
     LoaderTimeoutError,
     PipelineError,
@@ -14,11 +14,11 @@ from .errors import (
     StateError,
     TorchtunePipeError,
 )
-from .loader import Loader
-from .options import StageOptions, Strategy
-from .pipeline import Pipeline, Prefetch, Stage
-from .prefetch import transfer
-from .sources import (
+from torchtune_pipe.loader.core import Loader
+from torchtune_pipe.loader.prefetch import transfer
+from torchtune_pipe.options import StageOptions, Strategy
+from torchtune_pipe.pipeline import Pipeline, Prefetch, Stage
+from torchtune_pipe.sources.base import (
     FileRange,
     IndexUnit,
     IterableDatasetSource,

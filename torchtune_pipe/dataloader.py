@@ -26,10 +26,10 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .loader import Loader
-from .options import Strategy
-from .pipeline import Pipeline
-from .sources import (
+from torchtune_pipe.loader.core import Loader
+from torchtune_pipe.options import Strategy
+from torchtune_pipe.pipeline import Pipeline
+from torchtune_pipe.sources.base import (
     IterableDatasetSource,
     MapDatasetSource,
     frame_items,
@@ -38,7 +38,7 @@ from .sources import (
     read_indexed,
     units_state,
 )
-from .telemetry import cpus_available
+from torchtune_pipe.telemetry.measure import cpus_available
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class _Collated:
 
     def fingerprint(self) -> str:
         """The wrapped source's: a state saved with the collate fused in loads without it."""
-        from ._state import source_fingerprint
+        from torchtune_pipe.loader.state import source_fingerprint
 
         return source_fingerprint(self.source)
 
@@ -203,7 +203,7 @@ def _tuner(tuner: Any, auto: bool, weights: Any, options: Mapping[str, Any] | No
     if options:
         if not isinstance(tuner, str):
             raise ValueError(f"DataLoader: tuner_options= needs the tuner by name, got {tuner!r}")
-        from .tuning.registry import make_tuner
+        from torchtune_pipe.tuning.registry import make_tuner
 
         return make_tuner(tuner, **options)
     return tuner
@@ -460,7 +460,7 @@ class DataLoader:
 
     @property
     def loader(self) -> Loader:
-        """The underlying :class:`~torchtune_pipe.loader.Loader` (tuning, telemetry)."""
+        """The underlying :class:`~torchtune_pipe.loader.core.Loader` (tuning, telemetry)."""
         return self._loader
 
     def set_epoch(self, epoch: int) -> None:

@@ -2,7 +2,7 @@
 
 :class:`StageOptions` holds the knobs of a worker stage that :meth:`Pipeline.from_source
 <torchtune_pipe.pipeline.Pipeline.from_source>` and :meth:`~torchtune_pipe.pipeline.Pipeline.map`
-both take; :class:`Strategy` holds the :class:`~torchtune_pipe.loader.Loader`'s switches for how
+both take; :class:`Strategy` holds the :class:`~torchtune_pipe.loader.core.Loader`'s switches for how
 an epoch is run, none of which changes what it delivers. Each can be passed whole
 (``options=``, ``strategy=``) or field by field as keyword arguments, which override the object's
 fields; a keyword that names no field is an error naming it.
@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from .stages import DEFAULT_BUFFER_BYTES, DEFAULT_MAX_ERRORS, DEFAULT_MAX_WORKERS
+from torchtune_pipe.stages import DEFAULT_BUFFER_BYTES, DEFAULT_MAX_ERRORS, DEFAULT_MAX_WORKERS
 
 __all__ = ["StageOptions", "Strategy"]
 
@@ -61,21 +61,21 @@ class StageOptions:
 
 @dataclass(frozen=True)
 class Strategy:
-    """How a :class:`~torchtune_pipe.loader.Loader` runs an epoch; the items are the same
+    """How a :class:`~torchtune_pipe.loader.core.Loader` runs an epoch; the items are the same
     under every combination (their order too, except with ``interleave``).
 
     Attributes:
         inline: run every stage in the calling thread (no worker processes).
         fast_start: read the first units of the first epoch in the calling thread while the
             workers start, so the first items come at once (see
-            :mod:`torchtune_pipe._faststart`); only for pipelines without shuffle or batch
+            :mod:`torchtune_pipe.loader.faststart`); only for pipelines without shuffle or batch
             stages, prefetch thread or timeout, whose items do not depend on where they are
             read (no ``init`` that a read needs).
         choose_shape: with ``fast_start``, compare the tuned workers with reading in the
             calling thread and keep whichever delivers faster; logged at INFO.
         batch_at_source: run a pipeline that maps a map-style dataset's samples and then
             batches them with the batching moved into its source, one item per batch, as
-            torch's DataLoader does (the same batches; see :mod:`torchtune_pipe._pushdown`);
+            torch's DataLoader does (the same batches; see :mod:`torchtune_pipe.loader.pushdown`);
             False runs it as written, a sample per item until the batch stage.
         interleave: deliver round-robin across units (torch's order for iterable datasets
             read by one worker per shard); needs a pipeline without shuffle or batch stages.

@@ -7,12 +7,12 @@ and the common ``load -> shuffle -> UDF -> batch`` are plain chains.
 
 Items travel tagged: the source wraps every item as ``(unit, k, item)`` and every unit ends
 with a marker ``(unit, -1 - count, None)``; maps keep the tag, batches carry the tags of their
-items as ``(-1, ids, batch)``. The :class:`~torchtune_pipe.loader.Loader` strips the tags at
+items as ``(-1, ids, batch)``. The :class:`~torchtune_pipe.loader.core.Loader` strips the tags at
 the consumer and uses them to know exactly which items were delivered, which is what makes
-resuming independent of worker counts (:mod:`torchtune_pipe._tagging`).
+resuming independent of worker counts (:mod:`torchtune_pipe.loader.tagging`).
 
 The stages themselves are :mod:`torchtune_pipe.stages`; running every stage in the calling
-thread is :mod:`torchtune_pipe._inline`.
+thread is :mod:`torchtune_pipe.loader.inline`.
 
 Example:
     >>> pipe = (Pipeline.from_source(LineFileSource("day_*.tsv"), workers=2)   # doctest: +SKIP
@@ -35,15 +35,26 @@ from torch.utils.data import default_collate
 
 from multiproc import ExecutorSpec, StageSpec, buffers
 from multiproc.spec import EXECUTOR_KIND, MAX_ERRORS_ARE, PipelineKind, valid_max_errors
-
-from ._tagging import MapTagged, ReadTagged, TaggedReducer, map_fn, reducer_factory
-from .errors import PipelineError
-from .loader import Loader
-from .options import StageOptions, with_fields
-from .remote import INSTALL_HINT, PLACEMENTS, RayMap, check_ray_options, ray_installed
-from .remote_mixed import auto_offload
-from .sources import as_source
-from .stages import (
+from torchtune_pipe.errors import PipelineError
+from torchtune_pipe.loader.core import Loader
+from torchtune_pipe.loader.tagging import (
+    MapTagged,
+    ReadTagged,
+    TaggedReducer,
+    map_fn,
+    reducer_factory,
+)
+from torchtune_pipe.options import StageOptions, with_fields
+from torchtune_pipe.remote.mixed import auto_offload
+from torchtune_pipe.remote.stage import (
+    INSTALL_HINT,
+    PLACEMENTS,
+    RayMap,
+    check_ray_options,
+    ray_installed,
+)
+from torchtune_pipe.sources.base import as_source
+from torchtune_pipe.stages import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_MAX_WORKERS,
     DEFAULT_PREFETCH_DEPTH,
@@ -86,13 +97,13 @@ class Pipeline:
         options: StageOptions | None = None,
         **knobs: Any,
     ) -> Pipeline:
-        """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.Source`, a
+        """Start a pipeline at ``source``: a :class:`~torchtune_pipe.sources.base.Source`, a
         map-style or iterable torch dataset, or a ``torchdata.nodes`` node.
 
         With ``on_error="skip"`` an item the source fails to produce is skipped: exactly that
         item for sources with ``read_from`` (map-style datasets), the rest of its unit for a
         plain ``read()`` generator (which cannot go on after raising); ``max_errors`` bounds
-        the skips. See :class:`~torchtune_pipe._tagging.ReadTagged`.
+        the skips. See :class:`~torchtune_pipe.loader.tagging.ReadTagged`.
 
         Args:
             source: the source.
@@ -145,13 +156,13 @@ class Pipeline:
                 forward each frame's items in one remote call; ``workers`` and resizing
                 count actors). Order, exactly-once delivery, resume and errors are as for
                 local stages; an actor that dies costs its frame one re-run on a new actor.
-                Needs ``pip install torchtune-pipe[ray]``; see :mod:`torchtune_pipe.remote`.
+                Needs ``pip install torchtune-pipe[ray]``; see :mod:`torchtune_pipe.remote.stage`.
                 Or ``auto``: the stage starts local (``workers`` of ``worker_type``) and the
                 tuner may move some of its workers onto the Ray cluster this process is
                 connected to and back (``Allocation.remote``), each remote one a thread
                 forwarding frames to an actor of its own; without Ray, or not connected when
                 the loader starts, it runs local only, with no error. See
-                :mod:`torchtune_pipe.remote_mixed`.
+                :mod:`torchtune_pipe.remote.mixed`.
             ray_options: the actors' ``ActorClass.options(...)`` (default ``{"num_cpus":
                 1}``), e.g. ``{"num_cpus": 2, "resources": {"feature_node": 1}}``.
 
@@ -238,7 +249,7 @@ class Pipeline:
 
     # ------------------------------------------------------------------------ using
     def loader(self, tuner: Any = None, **options: Any) -> Loader:
-        """A :class:`~torchtune_pipe.loader.Loader` running this pipeline; see its arguments."""
+        """A :class:`~torchtune_pipe.loader.core.Loader` running this pipeline; see its arguments."""
         return Loader(self, tuner=tuner, **options)
 
     def spec(self, ordered: bool = False, name: str = "pipe") -> ExecutorSpec:

@@ -3,7 +3,7 @@
 :class:`Stage` describes one stage of a :class:`~torchtune_pipe.pipeline.Pipeline` (built by
 its ``from_source``/``map``/``shuffle``/``batch`` methods, which validate the knobs);
 :class:`Prefetch` the consumer side; :class:`PipelineLike` is what a
-:class:`~torchtune_pipe.loader.Loader` needs of a pipeline to run it.
+:class:`~torchtune_pipe.loader.core.Loader` needs of a pipeline to run it.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class Stage:
             their outputs, with no hop between them; the tuner may split or fuse it while
             running (see :mod:`multiproc.fusion`).
         placement: (map stages) ``local``; ``ray``: ``fn`` runs on Ray actors, one per
-            worker (:mod:`torchtune_pipe.remote`); or ``auto``: local workers, some of which
-            the tuner may move onto a connected Ray cluster (:mod:`torchtune_pipe.remote_mixed`).
+            worker (:mod:`torchtune_pipe.remote.stage`); or ``auto``: local workers, some of which
+            the tuner may move onto a connected Ray cluster (:mod:`torchtune_pipe.remote.mixed`).
         ray_options: the actors' ``ActorClass.options(...)`` (``placement="ray"`` or
             ``"auto"``).
     """
@@ -110,7 +110,7 @@ class Prefetch:
 
 @runtime_checkable
 class PipelineLike(Protocol):
-    """What a :class:`~torchtune_pipe.loader.Loader` runs: a source, its stages in order, the
+    """What a :class:`~torchtune_pipe.loader.core.Loader` runs: a source, its stages in order, the
     consumer side, and the executor spec they make. :class:`~torchtune_pipe.pipeline.Pipeline`
     is the implementation; the loader depends on this seam, not on the builder, so the
     builder's ``loader()`` can make loaders without an import cycle."""

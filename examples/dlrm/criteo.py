@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from torchtune_pipe.errors import BadLinesError
-from torchtune_pipe.sources import LineFileSource
+from torchtune_pipe.sources.base import LineFileSource
 
 if TYPE_CHECKING:
     from torchrec.datasets.utils import Batch
@@ -304,7 +304,7 @@ class CriteoSource(LineFileSource):
     Args:
         paths: files or glob patterns, e.g. ``"criteo/day_*.gz"``.
         chunk_rows: rows per chunk (the last chunk of a unit may be shorter).
-        **kwargs: the other :class:`~torchtune_pipe.sources.LineFileSource` arguments
+        **kwargs: the other :class:`~torchtune_pipe.sources.base.LineFileSource` arguments
             (``chunk_bytes``, ``on_error``, ``on_skip``, ``rank``, ``world_size``, ...).
 
     Example:

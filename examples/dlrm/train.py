@@ -347,13 +347,13 @@ def _check_weights(tuner: str, n_stages: int) -> None:
     """Fail before training when InTune has no pre-trained weights for this pipeline length."""
     if tuner != "intune":
         return
-    from torchtune_pipe.tuning.intune import weights_path
+    from torchtune_pipe.tuning.intune.agent import weights_path
 
     path = weights_path(n_stages)
     if not path.is_file():
         raise SystemExit(
             f"no InTune weights for {n_stages} stages at {path}; pre-train them "
-            f"(`python -m torchtune_pipe.sim.pretrain --stages {n_stages} --out DIR`) or pick another --tuner"
+            f"(`python -m torchtune_pipe.tuning.intune.pretrain --stages {n_stages} --out DIR`) or pick another --tuner"
         )
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks import _peers_tf, _peers_watch, peers
 from examples.dlrm.pipeline import Features
-from torchtune_pipe.sources import LineFileSource
+from torchtune_pipe.sources.base import LineFileSource
 
 NO_TF_HERE = importlib.util.find_spec("tensorflow") is None
 ARGS = SimpleNamespace(extra_cost_ns=20_000, latency_s=0.02, mem_growth_mib=256)

@@ -105,7 +105,7 @@ def test_pipeline_and_model_shapes():
 
 
 def test_the_feature_stages_can_run_on_ray_actors():
-    from torchtune_pipe.remote import ray_installed
+    from torchtune_pipe.remote.stage import ray_installed
 
     if not ray_installed():
         pytest.skip("ray is not installed")

@@ -19,7 +19,7 @@ from torchtune_pipe.tuning.capacity import (
     station_capacity,
 )
 from torchtune_pipe.tuning.cluster import remote_cost, remote_of
-from torchtune_pipe.tuning.intune import InTuneTuner
+from torchtune_pipe.tuning.intune.agent import InTuneTuner
 from torchtune_pipe.tuning.oracle import best_static
 from torchtune_pipe.tuning.placement import local_headroom
 from torchtune_pipe.tuning.planner import plan

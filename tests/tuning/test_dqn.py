@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_pipe.tuning.dqn import DQNAgent, DQNConfig, EpsilonSchedule, q_network
+from torchtune_pipe.tuning.intune.dqn import DQNAgent, DQNConfig, EpsilonSchedule, q_network
 
 
 def test_q_network_is_three_relu_layers():

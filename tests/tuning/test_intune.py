@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, Tuner
-from torchtune_pipe.tuning.intune import (
+from torchtune_pipe.tuning.intune.agent import (
     ACTIONS_PER_STAGE,
     WORKER_DELTAS,
     ActionSpace,
@@ -109,7 +109,7 @@ def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
 
 
 def test_only_stages_that_can_use_workers_grow():
-    from torchtune_pipe.tuning.intune_space import can_use_workers
+    from torchtune_pipe.tuning.intune.space import can_use_workers
 
     # Plenty of CPUs: the UDF (busy) may grow, the source and parse (waiting on it) may not.
     obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 0.85), cpus=16)
@@ -162,7 +162,7 @@ def test_no_worker_is_added_while_the_workers_queue_for_a_cpu():
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():
-    from torchtune_pipe.tuning.intune_space import KEEP_BUFFER_BYTES
+    from torchtune_pipe.tuning.intune.space import KEEP_BUFFER_BYTES
 
     big, floor = KEEP_BUFFER_BYTES + 32 * MiB, KEEP_BUFFER_BYTES
     obs = _obs(buffers=(big, floor, 2 * MiB))
@@ -383,7 +383,7 @@ UDF_RUNS = Allocation((2, 0, 0, 1), (64 * MiB,) * 4, fused=(False, True, True, F
 
 
 def test_a_plan_that_moves_only_a_fused_stages_target_is_not_undone_by_a_dip():
-    from torchtune_pipe.tuning.intune_space import changes_processes, changes_workers
+    from torchtune_pipe.tuning.intune.space import changes_processes, changes_workers
 
     # Each step the plan asks for what runs now and moves only the fused UDF's target (1 -> 2,
     # the workers it would get if split again). That ran the same processes, so a dip of 6%
@@ -403,7 +403,7 @@ def test_a_plan_that_moves_only_a_fused_stages_target_is_not_undone_by_a_dip():
 
 
 def test_no_worker_is_taken_from_a_group_that_works_flat_out():
-    from torchtune_pipe.tuning.intune_space import group_busy
+    from torchtune_pipe.tuning.intune.space import group_busy
 
     # The readers spend a fifth of their time reading and the rest in the fused UDFs: the
     # group is busy 0.995 of the time and waited for a CPU 0.06 of it. Read alone (0.18),
@@ -454,7 +454,7 @@ def test_an_undo_is_the_steps_only_worker_move():
 
 
 def test_a_plan_that_adds_a_process_for_a_sliver_of_throughput_is_shut():
-    from torchtune_pipe.tuning.intune import GROW_MIN_GAIN, _grows_for_little
+    from torchtune_pipe.tuning.intune.agent import GROW_MIN_GAIN, _grows_for_little
     from torchtune_pipe.tuning.planner import Plan
 
     # A third reader (~60 MiB of parse buffers) for 0.2% more rows/s by the plan's model.

@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from torchtune_pipe.tuning.base import Allocation
-from torchtune_pipe.tuning.intune import InTuneTuner
-from torchtune_pipe.tuning.intune_cluster import has_cluster, mask_split_moves, moves_split
-from torchtune_pipe.tuning.intune_space import ACTIONS_PER_STAGE, WORKER_DELTAS, ActionSpace
+from torchtune_pipe.tuning.intune.agent import InTuneTuner
+from torchtune_pipe.tuning.intune.cluster import has_cluster, mask_split_moves, moves_split
+from torchtune_pipe.tuning.intune.space import ACTIONS_PER_STAGE, WORKER_DELTAS, ActionSpace
 from torchtune_pipe.tuning.safety import Guarded
 
 from .test_cluster import BUF, _measured, _sim

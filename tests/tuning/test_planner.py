@@ -5,7 +5,7 @@ import pytest
 from torchtune_pipe.tuning import MiB, Observation, StageStats
 from torchtune_pipe.tuning.base import Allocation, fusion_host
 from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
-from torchtune_pipe.tuning.intune import ActionSpace
+from torchtune_pipe.tuning.intune.agent import ActionSpace
 from torchtune_pipe.tuning.planner import plan
 
 
@@ -472,7 +472,7 @@ def test_store_lookups_fused_into_their_reader_are_split_for_workers_of_their_ow
     # is charged the feature map's core. The plan from that interval splits the lookups (the
     # fused channels carry rows, not batches) and gives them the workers that wait.
     from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload
-    from torchtune_pipe.tuning.intune import InTuneTuner
+    from torchtune_pipe.tuning.intune.agent import InTuneTuner
     from torchtune_pipe.tuning.loop import run_episode
 
     us, row, batch = 1e-6, 1024, 4096

@@ -13,10 +13,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..loader import Loader
-from ..running import consumer_labels
-from ..tuning.base import Allocation, Observation, Tunable, Tuner
-from ..tuning.loop import TuningLoop
+from torchtune_pipe.loader.core import Loader
+from torchtune_pipe.loader.running import consumer_labels
+from torchtune_pipe.tuning.base import Allocation, Observation, Tunable, Tuner
+from torchtune_pipe.tuning.loop import TuningLoop
 
 log = logging.getLogger(__name__)
 

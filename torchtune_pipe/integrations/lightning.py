@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ..loader import Loader
-from ..tuning.base import Allocation, Observation, Tuner
-from ..tuning.registry import make_tuner
-from ._steering import Session, Steering
+from torchtune_pipe.integrations._steering import Session, Steering
+from torchtune_pipe.loader.core import Loader
+from torchtune_pipe.tuning.base import Allocation, Observation, Tuner
+from torchtune_pipe.tuning.registry import make_tuner
 
 log = logging.getLogger(__name__)
 

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 from multiproc.spec import EXECUTOR_KIND, FUSABLE_INTO, FUSION_HOSTS
 from multiproc.stats import MAX_FUSED
+from torchtune_pipe.sim.workload import StageModel
 from torchtune_pipe.tuning.base import fusion_host
-
-from .workload import StageModel
 
 
 class FusionRule:

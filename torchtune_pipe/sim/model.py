@@ -64,6 +64,17 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from torchtune_pipe.sim.fused import FusionRule
+from torchtune_pipe.sim.remote import RemoteModel
+from torchtune_pipe.sim.solve import Solver, overlapped
+from torchtune_pipe.sim.workload import (
+    STAGE_KINDS,
+    Coefficients,
+    Drift,
+    StageModel,
+    SteadyState,
+    Workload,
+)
 from torchtune_pipe.tuning.base import (
     Allocation,
     Observation,
@@ -73,11 +84,6 @@ from torchtune_pipe.tuning.base import (
     waits_on_io,
 )
 from torchtune_pipe.tuning.calls_in_flight import plan_concurrency
-
-from .fused import FusionRule
-from .remote import RemoteModel
-from .solve import Solver, overlapped
-from .workload import STAGE_KINDS, Coefficients, Drift, StageModel, SteadyState, Workload
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
 

@@ -27,10 +27,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from torchtune_pipe.sim.solve import Solver
+from torchtune_pipe.sim.workload import Coefficients, StageModel, SteadyState, Workload
 from torchtune_pipe.tuning.base import Allocation
-
-from .solve import Solver
-from .workload import Coefficients, StageModel, SteadyState, Workload
 
 # Bisection steps for the CPU rate local and remote workers share (``RemoteModel.solve``).
 _PHI_STEPS = 14

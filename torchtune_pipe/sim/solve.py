@@ -10,10 +10,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from torchtune_pipe.sim.fused import FusionRule
+from torchtune_pipe.sim.workload import Coefficients, SteadyState, Workload
 from torchtune_pipe.tuning.base import fusion_host
-
-from .fused import FusionRule
-from .workload import Coefficients, SteadyState, Workload
 
 _CONSUMER_CV2 = 0.01  # a training step's time varies little (cv ~0.1)
 _MIN_CV2 = 0.01

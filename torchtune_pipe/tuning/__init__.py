@@ -5,8 +5,8 @@ training; :func:`run_episode` runs one against a simulator without waiting. Both
 decision through :class:`Guarded`, the one place the hard limits are enforced.
 """
 
-from .autotune import AutotuneConfig, AutotuneTuner
-from .base import (
+from torchtune_pipe.tuning.autotune import AutotuneConfig, AutotuneTuner
+from torchtune_pipe.tuning.base import (
     Allocation,
     Limits,
     MiB,
@@ -15,12 +15,17 @@ from .base import (
     Tunable,
     Tuner,
 )
-from .baselines import HeuristicTuner, StaticTuner, UnoptimizedTuner, even_split
-from .loop import TuningLoop, run_episode
-from .oracle import OracleTuner, oracle_search
-from .plumber import PlumberPlan, PlumberTuner
-from .registry import TUNERS, make_tuner
-from .safety import Guarded, is_io_bound, oversubscribe_factor
+from torchtune_pipe.tuning.baselines import (
+    HeuristicTuner,
+    StaticTuner,
+    UnoptimizedTuner,
+    even_split,
+)
+from torchtune_pipe.tuning.loop import TuningLoop, run_episode
+from torchtune_pipe.tuning.oracle import OracleTuner, oracle_search
+from torchtune_pipe.tuning.plumber import PlumberPlan, PlumberTuner
+from torchtune_pipe.tuning.registry import TUNERS, make_tuner
+from torchtune_pipe.tuning.safety import Guarded, is_io_bound, oversubscribe_factor
 
 __all__ = [
     "Allocation",

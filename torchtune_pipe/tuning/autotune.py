@@ -36,8 +36,8 @@ import statistics
 from collections import deque
 from dataclasses import dataclass
 
-from .base import Allocation, MiB, Observation, fuse_fusable, fusion_host
-from .tfdata_model import ChainModel, hill_climb, stage_based
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, fuse_fusable, fusion_host
+from torchtune_pipe.tuning.tfdata_model import ChainModel, hill_climb, stage_based
 
 log = logging.getLogger(__name__)
 

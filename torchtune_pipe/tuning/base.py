@@ -26,7 +26,7 @@ IO_CPU_SHARE = 0.5
 class StageStats:
     """One stage's state over the last observation interval.
 
-    Every field means the same on a live pipeline (:mod:`torchtune_pipe.telemetry`) and in
+    Every field means the same on a live pipeline (:mod:`torchtune_pipe.telemetry.measure`) and in
     the simulator (:mod:`torchtune_pipe.sim.model`), in the units given here. Fractions of wall
     time are per worker, averaged over the stage's workers. Three fields are measured live
     only and keep their default in the simulator: ``items_in_per_s`` (0), ``runqueue``

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Allocation, MiB, Observation
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation
 
 
 def even_split(total: int, n: int) -> tuple[int, ...]:

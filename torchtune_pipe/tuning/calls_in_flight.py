@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from .base import Allocation, Observation, StageStats
+from torchtune_pipe.tuning.base import Allocation, Observation, StageStats
 
 # Wall time per CPU time a worker settles at: a little waiting left over keeps its core busy
 # when call times vary.

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Allocation, Observation, StageStats
+from torchtune_pipe.tuning.base import Allocation, Observation, StageStats
 
 # Seconds one remote call costs besides its bytes (benchmarks/remote.py: 1.3-1.5 ms).
 RPC_S = 1.4e-3

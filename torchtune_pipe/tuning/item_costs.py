@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Observation, fusion_host
+from torchtune_pipe.tuning.base import Observation, fusion_host
 
 # CPU seconds an item costs to cross a channel between two stages, the planner's prior where no
 # stage measures it (StageStats.hop_s_per_item) and the least it prices a hop at: ~2.5 us per

@@ -18,8 +18,15 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from .base import Allocation, ExecutorClosedError, Observation, StageStats, Tunable, Tuner
-from .safety import Guarded, LimitsFn
+from torchtune_pipe.tuning.base import (
+    Allocation,
+    ExecutorClosedError,
+    Observation,
+    StageStats,
+    Tunable,
+    Tuner,
+)
+from torchtune_pipe.tuning.safety import Guarded, LimitsFn
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,10 @@ import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 
-from .base import Allocation, MiB, Observation
-from .baselines import even_split
-from .safety import MAX_OVERSUBSCRIBE
-from .split_search import split_search
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation
+from torchtune_pipe.tuning.baselines import even_split
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE
+from torchtune_pipe.tuning.split_search import split_search
 
 log = logging.getLogger(__name__)
 

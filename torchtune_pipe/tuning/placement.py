@@ -48,10 +48,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .base import Observation, waits_on_io
-from .capacity import Station, remote_headroom, served_share, station_capacity, workers_for
-from .cluster import network_of, remote_cost
-from .safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE, SPARE_CORES
+from torchtune_pipe.tuning.base import Observation, waits_on_io
+from torchtune_pipe.tuning.capacity import (
+    Station,
+    remote_headroom,
+    served_share,
+    station_capacity,
+    workers_for,
+)
+from torchtune_pipe.tuning.cluster import network_of, remote_cost
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, REMOTE_MIN_CHARGE, SPARE_CORES
 
 # A stage moves only where its host CPU per item falls by more than this share.
 MOVE_MIN_GAIN = 0.1

@@ -35,13 +35,9 @@ than the consumer takes items. The budget is ``cpus`` while the busy stages' wor
 whenever they can run, and only the CPU they use now (``X * sum g``) once they wait for one a
 fifth of their runnable time (``sum q >= (1 - SATURATED) * sum (g + q)``), in between in
 proportion (:func:`cpu_budget`), and never below what the running workers use at the rate the
-model gives them (it holds back processes, it does not take away those that run; a start whose
-workers queue behind the fork server's imports is not a reason to trim them): workers that
-queue for a CPU run on cores that are taken,
-by the pipeline's own threads in their bursts, the consumer or other processes, and another
-process would take its CPU from them. (A map-style loader on 2 cores whose two workers used
-1.3 cores and waited for a CPU a quarter of their time was promised 15% by a third worker,
-which made none.) In the simulator ``q`` comes from ``phi``, below 1 only when the machine is
+model gives them (it holds back processes, it does not take away those that run): workers that queue for a
+CPU run on cores that are taken, by the pipeline's own threads in their bursts, the consumer
+or other processes, and another process would take its CPU from them. In the simulator ``q`` comes from ``phi``, below 1 only when the machine is
 oversubscribed, where ``X * sum g`` is ``cpus`` already.
 
 Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host and
@@ -54,20 +50,13 @@ crossing one (its next stage fused) saves it, and one that starts crossing pays 
 stage split, in pipeline order, a stage that may be fused (``StageStats.fusable``, or fused now)
 is fused when the model gains more than ``FUSE_MIN_GAIN`` by it, or when it is cheap (its own
 CPU per item at most ``CHEAP_HOPS`` hops) or fused now and loses nothing; else it runs split (a
-channel inside a fused group is priced at what it cost when last crossed, ``known_hops``). So
-cheap stages are fused (the hop is a third or more of their cost, and on a few cores each split
-stage keeps a worker charged at least its floor), expensive ones split (the hop is noise next to
-their cost, and a split stage keeps its own workers, calls in flight and buffer). Stages that
+channel inside a fused group is priced at what it cost when last crossed, ``known_hops``). Stages that
 wait on I/O or keep calls in flight stay split, and nothing is fused into a host that waits on
 I/O (a stage fused now stays fused while its host's calls in flight are rising: the wait
-measured is what the host's threads are about to take, and in a map-style loader's first seconds
-the plan split the collate from the fetch workers that way, then bought readers for the split
-shape): a fused stage runs one call at a time in its host's workers, and a group that both waits
-and computes is one the plan's per-stage split of wait and CPU time misjudges (in the held-out
-simulations, fusing a UDF into a remote read made the plan split it again from the fused
-measurement, and back). The shape running now is kept when the shape so built is slower by the
-same model (a fused stage's share of its host's wall time can flag it as waiting by noise, and a
-shape built from every stage split would then leave it apart).
+measured is what the host's threads are about to take): a fused stage runs one call at a time
+in its host's workers, and a group that both waits and computes is one the plan's per-stage
+split of wait and CPU time misjudges. The shape running now is kept when the shape so built is slower by the
+same model.
 """
 
 from __future__ import annotations
@@ -77,13 +66,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from multiproc.stats import MAX_FUSED
-
-from .base import Allocation, Observation, fusion_host
-from .calls_in_flight import settled_concurrency
-from .capacity import Station, capacity, rate_of, station_capacity, workers_for
-from .item_costs import channel_hops, cpu_and_idle, per_delivered, worker_seconds
-from .placement import local_headroom, local_wall, movable, place, remote_terms
-from .safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
+from torchtune_pipe.tuning.base import Allocation, Observation, fusion_host
+from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
+from torchtune_pipe.tuning.capacity import Station, capacity, rate_of, station_capacity, workers_for
+from torchtune_pipe.tuning.item_costs import (
+    channel_hops,
+    cpu_and_idle,
+    per_delivered,
+    worker_seconds,
+)
+from torchtune_pipe.tuning.placement import local_headroom, local_wall, movable, place, remote_terms
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
 HEADROOM = 1.2

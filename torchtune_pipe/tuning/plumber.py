@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .base import Allocation, MiB, Observation, fusion_host, is_io_bound
-from .cluster import network_of, remote_cost
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, fusion_host, is_io_bound
+from torchtune_pipe.tuning.cluster import network_of, remote_cost
 
 log = logging.getLogger(__name__)
 

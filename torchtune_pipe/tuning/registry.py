@@ -4,30 +4,30 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .base import Tuner
+from torchtune_pipe.tuning.base import Tuner
 
 
 def _static(**kw) -> Tuner:
-    from .baselines import StaticTuner
+    from torchtune_pipe.tuning.baselines import StaticTuner
 
     return StaticTuner(**kw)
 
 
 def _unoptimized(**kw) -> Tuner:
-    from .baselines import UnoptimizedTuner
+    from torchtune_pipe.tuning.baselines import UnoptimizedTuner
 
     return UnoptimizedTuner(**kw)
 
 
 def _heuristic(**kw) -> Tuner:
-    from .baselines import HeuristicTuner
+    from torchtune_pipe.tuning.baselines import HeuristicTuner
 
     return HeuristicTuner(**kw)
 
 
 def _autotune(adaptive: bool) -> Callable[..., Tuner]:
     def make(**kw) -> Tuner:
-        from .autotune import AutotuneTuner
+        from torchtune_pipe.tuning.autotune import AutotuneTuner
 
         return AutotuneTuner(adaptive=adaptive, **kw)
 
@@ -36,7 +36,7 @@ def _autotune(adaptive: bool) -> Callable[..., Tuner]:
 
 def _plumber(adaptive: bool) -> Callable[..., Tuner]:
     def make(**kw) -> Tuner:
-        from .plumber import PlumberTuner
+        from torchtune_pipe.tuning.plumber import PlumberTuner
 
         return PlumberTuner(adaptive=adaptive, **kw)
 
@@ -44,14 +44,14 @@ def _plumber(adaptive: bool) -> Callable[..., Tuner]:
 
 
 def _oracle(**kw) -> Tuner:
-    from .oracle import OracleTuner
+    from torchtune_pipe.tuning.oracle import OracleTuner
 
     return OracleTuner(**kw)
 
 
 def _intune(**kw) -> Tuner:
     # Imported here: the DQN tuner pulls in torch, which the other tuners do not need.
-    from .intune import InTuneTuner
+    from torchtune_pipe.tuning.intune.agent import InTuneTuner
 
     return InTuneTuner(**kw)
 
@@ -59,7 +59,7 @@ def _intune(**kw) -> Tuner:
 def _planner(**kw) -> Tuner:
     # The InTune tuner with the planner in the network's place (its ablation): each step the
     # plan (tuning/planner.py) when it promises more, under the same undo, guard and rescale.
-    from .intune import InTuneTuner
+    from torchtune_pipe.tuning.intune.agent import InTuneTuner
 
     return InTuneTuner(plan_only=True, **kw)
 

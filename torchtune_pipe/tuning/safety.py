@@ -43,8 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from multiproc.stats import MAX_FUSED
-
-from .base import (
+from torchtune_pipe.tuning.base import (
     Allocation,
     Limits,
     MiB,
@@ -57,7 +56,7 @@ from .base import (
     limits_of,
     local_workers,
 )
-from .cluster import remote_of
+from torchtune_pipe.tuning.cluster import remote_of
 
 LimitsFn = Callable[[Observation], Limits]
 

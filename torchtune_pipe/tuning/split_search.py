@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 
-from .base import Allocation, MiB
-from .baselines import even_split
+from torchtune_pipe.tuning.base import Allocation, MiB
+from torchtune_pipe.tuning.baselines import even_split
 
 
 def split_search(

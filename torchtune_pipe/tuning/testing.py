@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .base import Allocation, MiB, Observation, StageStats
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
 
 
 class LinearTunable:

@@ -1,0 +1,315 @@
+"""Fast start: an epoch's first units run in the calling thread while the workers start.
+
+Starting worker processes costs about a second or more (the fork server imports torch, every
+worker unpickles the dataset), and torch's DataLoader hands out its first batch long before
+that. So the first units of an epoch are read inline, one at a time, in the consumer's thread,
+while the executor starts in a background thread; once every worker has said hello, the units
+not yet taken go to the executor. Units are taken in order and an inline unit is read whole
+before it is delivered, so the order, the batch boundaries and the exactly-once bookkeeping are
+those of a run on workers alone.
+
+Per-unit seeds make an inline unit draw the numbers a worker would draw; the global generators
+of the calling thread are saved around each inline read and restored, so the training loop's
+own random draws are not disturbed.
+
+Where the loader may choose its shape (``num_workers="auto"``), the inline phase doubles as a
+measurement. Rows that cost less than a hop between processes (a few microseconds of CPU) are
+faster read in the calling thread than on workers; torch's best setting for them is
+``num_workers=0``. Once the tuner has had time to settle the workers, the delivered rate of the
+workers is compared, window by window, with the rate the inline reads would give with the
+consumer's measured step time. When inline is clearly faster twice in a row, the executor is
+closed and the rest of the epoch (and every later one) is read inline; the items the workers
+had in flight are read again, and the bookkeeping of what was delivered keeps it exactly once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from torchtune_pipe.loader.inline import run_inline
+from torchtune_pipe.loader.tagging import Work
+from torchtune_pipe.sources.rng import rng_states, set_rng_states
+from torchtune_pipe.stages import PipelineLike
+
+log = logging.getLogger(__name__)
+
+# How long a consumer that stops during the inline phase waits for the executor being built
+# (so that it can be closed rather than leaked).
+_JOIN_S = 120.0
+# Shape choice: tuning intervals given to the tuner before the workers are measured, windows
+# measured at most, and how much faster inline must be (twice in a row) to be chosen.
+SETTLE_INTERVALS = 2
+SETTLE_MIN_S = 1.0
+WINDOW_MIN_ITEMS = 16
+MAX_WINDOWS = 8
+INLINE_GAIN = 1.25
+# Inline reads that wait (wall time well past their CPU time) cannot overlap their waits in the
+# calling thread, while workers and calls in flight can: such reads are never chosen inline.
+INLINE_MAX_WAIT_RATIO = 1.5
+# Wall time of inline reads below which their waits are not judged: a few reads at a start
+# share the interpreter with the threads starting the workers, which reads as waiting.
+WAIT_EVIDENCE_S = 0.1
+
+
+@dataclass
+class ShapeProbe:
+    """What the shape choice has measured so far; kept by the loader from epoch to epoch (an
+    epoch may end before a choice is made, and the next goes on from where it stopped).
+
+    Attributes:
+        inline_s: time reading inline units, less the waits for a CPU.
+        inline_cpu_s: CPU time of those reads.
+        inline_items: items they gave.
+        settle_until: ``perf_counter`` time from which the workers are measured (None: they
+            have not run yet).
+        windows: windows measured; wins: consecutive windows inline won.
+        decided: ``"inline"`` or ``"workers"`` once chosen.
+    """
+
+    inline_s: float = 0.0
+    inline_cpu_s: float = 0.0
+    inline_items: int = 0
+    settle_until: float | None = None
+    windows: int = 0
+    wins: int = 0
+    decided: str | None = None
+
+
+def _runq_s() -> float:
+    """This thread's time runnable but waiting for a CPU (the kernel's run-queue delay), in
+    seconds; 0 where ``/proc/thread-self/schedstat`` is not exported."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+@contextlib.contextmanager
+def _isolated_rng() -> Iterator[None]:
+    saved = rng_states()
+    try:
+        yield
+    finally:
+        set_rng_states(saved)
+
+
+def fast_start_fits(pipeline: PipelineLike, interleave: bool, timeout_s: float) -> bool:
+    """Whether a pipeline's first units may be read in the calling thread: no shuffle or batch
+    stage (they group items across units), no interleaving, no prefetch thread (inline reads
+    reseed the global generators, which only the consumer's own thread may touch) and no
+    timeout, no remote stage, and a source stage whose ``init`` (if any) can stand in
+    inline."""
+    init = pipeline.stages[0].init
+    return (
+        (init is None or hasattr(init, "inline"))  # an init a read may need
+        and not interleave
+        and pipeline.prefetch_spec is None
+        and not timeout_s
+        and not any(st.stateful for st in pipeline.stages)
+        # Inline reads would run a remote stage's function here, not on its actors.
+        and all(st.placement == "local" for st in pipeline.stages)
+    )
+
+
+def inline_context(pipeline: PipelineLike) -> Any:
+    """What makes the calling thread stand in for a source worker during a fast start: the
+    source stage's ``init.inline`` where its init has one (the DataLoader's sets torch's
+    worker info), else nothing."""
+    return getattr(pipeline.stages[0].init, "inline", contextlib.nullcontext)
+
+
+class FastStart:
+    """The stream of one epoch: inline units until the executor is ready, then the executor
+    (and, where ``choose_shape``, back inline when that measures clearly faster).
+
+    Args:
+        pipeline: the pipeline (no shuffle or batch stages: those group items across units).
+        works: the epoch's work, in order.
+        epoch: the epoch.
+        start: builds the executor (called once, on a background thread).
+        on_started: called in the consumer's thread when the executor takes over (the loader
+            starts its tuner there).
+        choose_shape: compare the workers with inline reads and keep the faster.
+        may_go_inline: asked before going inline (False: keep the workers, e.g. a training
+            callback tunes them now).
+        on_inline: called when inline was chosen, with the reason in words: the loader stops
+            its tuner and closes the executor (the run is closed after it).
+        delivered: the epoch's delivered positions by unit (``done`` units and ``seen``
+            items of partial ones), to know what is left when going back inline.
+        interval_s: the tuner's interval (measurement windows are this long).
+        probe: the shape choice's measurements so far (updated in place).
+        on_built: called on the background thread once the executor is built (the loader
+            starts its progress display there).
+        inline_context: a context manager factory entered around every inline read, to make
+            the calling thread look like a worker to the source (``get_worker_info()``).
+    """
+
+    def __init__(
+        self,
+        pipeline: PipelineLike,
+        works: list[Work],
+        epoch: int,
+        start: Callable[[], Any],
+        on_started: Callable[[], None],
+        *,
+        choose_shape: bool = False,
+        may_go_inline: Callable[[], bool] = lambda: True,
+        on_inline: Callable[[str], None] | None = None,
+        delivered: Any = None,
+        interval_s: float = 1.0,
+        probe: ShapeProbe | None = None,
+        on_built: Callable[[], None] | None = None,
+        inline_context: Callable[[], Any] = contextlib.nullcontext,
+    ):
+        self.pipeline = pipeline
+        self.works = works
+        self.epoch = epoch
+        self.on_started = on_started
+        self.choose_shape = choose_shape and on_inline is not None and delivered is not None
+        self.on_inline = on_inline
+        self.may_go_inline = may_go_inline
+        self.on_built = on_built
+        self.inline_context = inline_context
+        self.delivered = delivered
+        self.interval_s = max(0.05, float(interval_s))
+        self.inline_units = 0
+        self.probe = probe if probe is not None else ShapeProbe()
+        self._executor: Any = None
+        self._error: BaseException | None = None
+        self._built = threading.Event()
+        self._thread = threading.Thread(
+            target=self._build, args=(start,), name="torchtune_pipe-start", daemon=True
+        )
+        self._thread.start()
+
+    def _build(self, start: Callable[[], Any]) -> None:
+        try:
+            self._executor = start()
+            if self.on_built is not None:
+                self.on_built()
+        except BaseException as e:  # raised in the consumer's thread by stream()
+            self._error = e
+        finally:
+            self._built.set()
+
+    def _ready(self) -> bool:
+        """Built, and serving (its first workers have started; the rest start while it
+        runs), or building failed."""
+        if not self._built.is_set():
+            return False
+        ex = self._executor
+        if ex is None:
+            return True
+        return ex.serving()
+
+    def _read_inline(self, work: Work) -> list:
+        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
+        with _isolated_rng(), self.inline_context():
+            items = list(run_inline(self.pipeline, [work], self.epoch))
+        # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
+        # fork server and the workers' imports take the cores from this thread.
+        p = self.probe
+        p.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+        p.inline_cpu_s += time.thread_time() - c0
+        p.inline_items += sum(1 for t in items if t[1] >= 0)
+        self.inline_units += 1
+        return items
+
+    def stream(self) -> Iterator[tuple]:
+        """The tagged items of the epoch (as ``Executor.run`` yields them)."""
+        i = 0
+        while i < len(self.works) and not self._ready():
+            items = self._read_inline(self.works[i])
+            i += 1
+            yield from items
+        self.join()
+        if self._error is not None:
+            raise self._error
+        log.debug("fast start: %d unit(s) read inline", i)
+        self.on_started()
+        p = self.probe
+        if self.choose_shape and p.decided is None and p.inline_items:
+            if (
+                p.inline_s >= WAIT_EVIDENCE_S
+                and p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s
+            ):
+                p.decided = "workers"  # the reads wait: only workers overlap their waits
+        if i >= len(self.works):
+            return
+        run = self._executor.run(self.works[i:], self.epoch)
+        if p.settle_until is None:  # the tuner's first moves are not the workers' measure
+            p.settle_until = time.perf_counter() + max(
+                SETTLE_MIN_S, SETTLE_INTERVALS * self.interval_s
+            )
+        if not self.choose_shape or p.decided is not None or not p.inline_items:
+            yield from run
+            return
+        yield from self._measured(run)
+        if p.decided == "inline":
+            for w in self._left():
+                yield from self._read_inline(w)
+
+    def _measured(self, run: Iterator[tuple]) -> Iterator[tuple]:
+        """The executor's stream, timed window by window until a shape is chosen; ends early
+        (closing the run) when inline is chosen."""
+        p = self.probe
+        in_s_per_item = p.inline_s / p.inline_items
+        t_start: float | None = None
+        items, waited_s = 0, 0.0
+        while True:
+            t0 = time.perf_counter()
+            try:
+                t = next(run)
+            except StopIteration:
+                return
+            now = time.perf_counter()
+            if p.decided is None and p.settle_until is not None and now >= p.settle_until:
+                if t_start is None:
+                    t_start, items, waited_s = t0, 0, 0.0
+                waited_s += now - t0  # in here, waiting for the workers; the rest is the consumer's
+                items += t[1] >= 0
+                span = now - t_start
+                if span >= self.interval_s and items >= WINDOW_MIN_ITEMS:
+                    consumer_s = max(0.0, span - waited_s)
+                    workers_rate = items / span
+                    inline_rate = items / (consumer_s + items * in_s_per_item)
+                    p.windows += 1
+                    p.wins = p.wins + 1 if inline_rate > INLINE_GAIN * workers_rate else 0
+                    log.debug("shape: workers %.1f items/s, inline %.1f", workers_rate, inline_rate)
+                    if p.wins >= 2 and self.may_go_inline():
+                        yield t
+                        p.decided = "inline"
+                        # The tuner stops before the executor closes (a tick must not observe
+                        # a closed executor); what the workers had in flight is read again.
+                        self.on_inline(
+                            f"inline reads ({inline_rate:.0f} items/s with the consumer's "
+                            f"{consumer_s / items * 1e3:.2f} ms per item) beat the workers "
+                            f"({workers_rate:.0f} items/s)"
+                        )
+                        run.close()
+                        return
+                    if inline_rate * INLINE_GAIN < workers_rate or p.windows >= MAX_WINDOWS:
+                        p.decided = "workers"  # faster, or as fast: keep them
+                    t_start = None
+            yield t
+
+    def _left(self) -> list[Work]:
+        """The works not delivered yet, skipping the items of partial units already given."""
+        done, seen = self.delivered()
+        return [
+            Work(w.pos, w.unit, frozenset(w.skip) | frozenset(seen.get(w.pos, ())))
+            for w in self.works
+            if w.pos not in done
+        ]
+
+    def join(self) -> None:
+        """Wait until the executor is built (or failed), so that nothing is left half made."""
+        if not self._built.wait(_JOIN_S):
+            log.warning("fast start: the executor did not start within %.0f s", _JOIN_S)

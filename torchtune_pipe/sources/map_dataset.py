@@ -1,0 +1,402 @@
+"""Map-style datasets as sources: torch's samplers and batching, units of sampler entries."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import accumulate, chain
+from typing import Any
+
+from multiproc import concurrency
+from torchtune_pipe.errors import StateError
+from torchtune_pipe.loader.state import map_source_fingerprint
+from torchtune_pipe.sources.rng import (
+    rng_state_from_text,
+    rng_state_text,
+    rng_states,
+    same_rng_states,
+    seed_all,
+)
+
+__all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
+
+
+@dataclass(frozen=True, repr=False)
+class IndexUnit:
+    """A work unit of a map-style dataset: consecutive entries of the sampler's order.
+
+    Attributes:
+        id: position in the epoch's (unsharded) unit list.
+        entries: one entry per item: an index, or a list of indices (one batch); a
+            :class:`PackedEntries` where every index is an ``int``, else a tuple.
+        seed: seed of the random generators while the unit is read (None: not seeded).
+    """
+
+    id: int
+    entries: Sequence[Any]
+    seed: int | None = None
+
+    def __repr__(self) -> str:
+        # Bounded, for error notes: an epoch's unit may hold thousands of indices.
+        return f"IndexUnit(id={self.id}, entries={_brief(self.entries)})"
+
+
+def _brief(values: Any, head: int = 3) -> str:
+    """A bounded repr of a sequence of indices (or of batches of them): its first ``head``
+    values, the last and the count when it holds more than ``2 * head``."""
+    values = list(values)
+    shown = values if len(values) <= 2 * head else values[:head]
+    parts = [_brief(v, head) if isinstance(v, (list, tuple)) else repr(v) for v in shown]
+    if len(shown) < len(values):
+        last = values[-1]
+        parts += ["...", _brief(last, head) if isinstance(last, (list, tuple)) else repr(last)]
+        return f"[{', '.join(parts)}] ({len(values)})"
+    return f"[{', '.join(parts)}]"
+
+
+class PackedEntries(Sequence):
+    """A unit's entries with their indices held as int64 (``array('q')``), not as Python ints.
+
+    The consumer holds an epoch's whole order: 200,000 samples as lists of Python ints are
+    ~5.5 MB of its own memory (pages no worker shares), and twice that while the next epoch's
+    order is drawn before the last one's units are let go; packed, ~1.6 MB. An entry reads
+    back as the sampler gave it: an ``int``, or a ``list`` of ints (one batch, the list
+    ``__getitems__`` receives, as from torch's ``BatchSampler``).
+    """
+
+    __slots__ = ("_flat", "_ends")
+
+    def __init__(self, flat: array, ends: array | None = None):
+        self._flat = flat
+        self._ends = ends  # None: one index per entry; else each batch's end in ``flat``
+
+    @staticmethod
+    def pack(entries: list, batched: bool) -> Sequence[Any]:
+        """``entries`` packed when every index is an ``int`` that fits in int64; else as a
+        tuple, unchanged (a sampler may yield any key its dataset takes: ``numpy`` ints,
+        strings)."""
+        try:
+            if not batched:
+                if all(type(e) is int for e in entries):
+                    return PackedEntries(array("q", entries))
+            elif all(type(i) is int for e in entries for i in e):
+                return PackedEntries(
+                    array("q", chain.from_iterable(entries)),
+                    array("q", accumulate(map(len, entries))),
+                )
+        except OverflowError:
+            pass
+        return tuple(entries)
+
+    def __len__(self) -> int:
+        return len(self._flat) if self._ends is None else len(self._ends)
+
+    def __getitem__(self, k: Any) -> Any:
+        if isinstance(k, slice):
+            return tuple(self)[k]
+        if self._ends is None:
+            return self._flat[k]
+        k = range(len(self._ends))[k]  # negative indices, IndexError
+        return self._flat[self._ends[k - 1] if k else 0 : self._ends[k]].tolist()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._ends is None:
+            return iter(self._flat)
+        return (
+            self._flat[a:b].tolist()
+            for a, b in zip(chain((0,), self._ends), self._ends, strict=False)
+        )
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str | bytes):
+            return NotImplemented
+        return list(self) == list(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self) if self._ends is None else tuple(map(tuple, self)))
+
+    def __reduce__(self) -> tuple:
+        return PackedEntries, (self._flat, self._ends)
+
+    def __repr__(self) -> str:
+        return f"PackedEntries({_brief(self)})"
+
+
+# Samples per work unit of an unbatched map-style dataset, by default: as many as a frame holds
+# (multiproc.StageSpec.frame_items), so samples travel between stages a frame at a time.
+SAMPLES_PER_UNIT = 64
+
+
+class MapDatasetSource:
+    """A map-style ``Dataset`` as a source, with torch's samplers and batching semantics.
+
+    The order comes from the sampler, drawn in the main process exactly as
+    ``torch.utils.data.DataLoader`` draws it (a base seed from ``generator`` first, then the
+    sampler), so shuffling is torch's. Units are chunks of ``entries_per_unit`` consecutive
+    entries. With ``batch_size`` (or ``batch_sampler``) an item is the list of samples of one
+    batch, fetched with ``__getitems__`` when the dataset has it; otherwise an item is one
+    sample.
+
+    Args:
+        dataset: anything with ``__getitem__`` (and ``__len__`` for the default samplers).
+        batch_size: samples per item; None for one sample per item.
+        shuffle: use a ``RandomSampler`` (with ``generator``) instead of a sequential one.
+        sampler: a sampler of indices (excludes ``shuffle``).
+        batch_sampler: a sampler of index lists (excludes the four arguments above).
+        drop_last: drop the last incomplete batch.
+        generator: the ``torch.Generator`` of the sampler and the base seed.
+        entries_per_unit: sampler entries per work unit (the unit of load balancing and of
+            resume bookkeeping, and what travels together between stages). Default: 1 batch
+            when batched, else :data:`SAMPLES_PER_UNIT` samples (a unit of one sample would
+            make every sample a frame of its own, paying a hop per sample).
+        seed_units: seed ``random``, ``numpy`` and ``torch`` with ``base_seed + unit.id``
+            before reading a unit, so random transforms in ``__getitem__`` do not depend on
+            which worker reads which unit.
+        rank: this process's rank; units are sharded ``units[rank::world_size]``.
+        world_size: number of ranks.
+
+    Example:
+        >>> src = MapDatasetSource(ds, batch_size=32, shuffle=True)   # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        batch_size: int | None = None,
+        shuffle: bool = False,
+        sampler: Any = None,
+        batch_sampler: Any = None,
+        drop_last: bool = False,
+        generator: Any = None,
+        entries_per_unit: int | None = None,
+        seed_units: bool = False,
+        rank: int = 0,
+        world_size: int = 1,
+    ):
+        from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
+
+        name = type(self).__name__
+        if not hasattr(dataset, "__getitem__"):
+            raise TypeError(
+                f"{name}(): dataset must have __getitem__, got {type(dataset).__name__}"
+            )
+        if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+            raise ValueError(
+                f"{name}(): batch_size must be a positive int or None, got {batch_size!r}"
+            )
+        if entries_per_unit is None:
+            entries_per_unit = (
+                1 if (batch_size is not None or batch_sampler is not None) else (SAMPLES_PER_UNIT)
+            )
+        if not isinstance(entries_per_unit, int) or entries_per_unit < 1:
+            raise ValueError(
+                f"{name}(): entries_per_unit must be a positive int, got {entries_per_unit!r}"
+            )
+        if sampler is not None and shuffle:
+            raise ValueError(f"{name}(): sampler is mutually exclusive with shuffle")
+        if batch_sampler is not None and (
+            batch_size is not None or shuffle or sampler is not None or drop_last
+        ):
+            raise ValueError(
+                f"{name}(): batch_sampler is mutually exclusive with batch_size, shuffle, "
+                "sampler and drop_last"
+            )
+        if not isinstance(world_size, int) or world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"{name}(): need 0 <= rank < world_size, got {rank}, {world_size}")
+        if sampler is None:
+            sampler = (
+                RandomSampler(dataset, generator=generator)
+                if shuffle
+                else SequentialSampler(dataset)
+            )
+        if batch_sampler is None and batch_size is not None:
+            batch_sampler = BatchSampler(sampler, batch_size, drop_last)
+        self.dataset = dataset
+        self.sampler = sampler
+        self.batch_sampler = batch_sampler
+        self.batched = batch_sampler is not None
+        self.generator = generator
+        self.entries_per_unit = entries_per_unit
+        self.seed_units = seed_units
+        self.rank = rank
+        self.world_size = world_size
+        self.base_seed = 0
+        self._rng_state: dict | None = None
+        self._replay: dict | None = None
+        self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
+
+    def __len__(self) -> int:
+        """This rank's items per epoch (batches when batched), as ``len(DataLoader)`` counts
+        them."""
+        return self.rank_lengths()[self.rank]
+
+    def rank_lengths(self) -> list[int]:
+        """Items per epoch of every rank (units of ``entries_per_unit`` dealt round-robin)."""
+        total = len(self.batch_sampler if self.batched else self.sampler)
+        n = self.entries_per_unit
+        sizes = [min(n, total - i) for i in range(0, total, n)]
+        return [sum(sizes[r :: self.world_size]) for r in range(self.world_size)]
+
+    def units(self, epoch: int = 0) -> list[IndexUnit]:
+        """The epoch's units. Draws the base seed, then the sampler order, like torch."""
+        import torch
+
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        index_sampler = self.batch_sampler if self.batched else self.sampler
+        replay, self._replay = self._replay, None
+        with torch.random.fork_rng(devices=[], enabled=replay is not None):
+            if replay is not None:
+                torch.set_rng_state(replay["torch"])
+                if self.generator is not None and replay["generator"] is not None:
+                    self.generator.set_state(replay["generator"])
+            self._rng_state = {
+                "torch": torch.get_rng_state(),
+                "generator": None if self.generator is None else self.generator.get_state(),
+            }
+            it = iter(index_sampler)
+            self.base_seed = int(
+                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            )
+            units = [
+                IndexUnit(j, entries, self.base_seed + j if self.seed_units else None)
+                for j, entries in enumerate(self._chunks(it))
+            ]
+        return units[self.rank :: self.world_size]
+
+    def _chunks(self, it: Iterator[Any]) -> Iterator[Sequence[Any]]:
+        """The sampler's entries, ``entries_per_unit`` at a time, packed
+        (:class:`PackedEntries`) as they are drawn: the epoch's order is never held as Python
+        ints."""
+        n, batched, buf = self.entries_per_unit, self.batched, []
+        for e in it:
+            buf.append(list(e) if batched else e)
+            if len(buf) == n:
+                yield PackedEntries.pack(buf, batched)
+                buf = []
+        if buf:
+            yield PackedEntries.pack(buf, batched)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What decides which samples an epoch yields, by field, for a saved state to match:
+        see :func:`torchtune_pipe.loader.state.map_source_fingerprint`."""
+        return map_source_fingerprint(self)
+
+    def units_state(self) -> dict | None:
+        """The random state the last ``units()`` call started from (to replay its order), as
+        plain data: each generator's state in base64."""
+        if self._rng_state is None:
+            return None
+        return {k: None if v is None else rng_state_text(v) for k, v in self._rng_state.items()}
+
+    def load_units_state(self, state: Mapping | None) -> None:
+        """Make the next ``units()`` call draw the same order as the one ``state`` came from
+        (what :meth:`units_state` returned; states that hold the generators' states as
+        tensors load too).
+
+        Raises:
+            StateError: ``state`` is not such a state (the message names the field).
+        """
+        if state is None:
+            self._replay = None
+            return
+        if not isinstance(state, Mapping) or "torch" not in state:
+            raise StateError(
+                "Loader: state['units_state'] must map 'torch' and 'generator' to generator "
+                f"states, got {type(state).__name__}"
+            )
+        self._replay = {
+            k: None
+            if state.get(k) is None
+            else rng_state_from_text(state[k], f"state['units_state'][{k!r}]")
+            for k in ("torch", "generator")
+        }
+
+    def calls_per_unit(self, unit: IndexUnit) -> int | None:
+        """The ``__getitem__`` calls a read of ``unit`` runs at once on its worker's threads
+        (its samples), so that a worker may read several units side by side
+        (:mod:`multiproc.readahead`); None when units must be read one at a time: unbatched,
+        fetched with ``__getitems__``, or ``__getitem__`` draws from the global random
+        generators (or this process has not read a batch yet to find that out)."""
+        if not self.batched or self._draws is not False:
+            return None
+        if getattr(self.dataset, "__getitems__", None) is not None:
+            return None
+        return sum(len(e) for e in unit.entries)
+
+    def read(self, unit: IndexUnit) -> Iterator[Any]:
+        """The unit's items: samples, or lists of samples (one per batch)."""
+        for _, item in self.read_from(unit, frozenset()):
+            yield item
+
+    def read_from(self, unit: IndexUnit, skip: frozenset) -> Iterator[tuple[int, Any]]:
+        """``(k, item)`` for the unit's entries not in ``skip``, fetching only those.
+
+        What ``__getitem__`` (or ``__getitems__``) raises gets a note naming the index and
+        the item's place in the epoch (the batch and its samples)."""
+        if unit.seed is not None:
+            seed_all(unit.seed)
+        ds = self.dataset
+        getitems = getattr(ds, "__getitems__", None) if self.batched else None
+        for k, entry in enumerate(unit.entries):
+            if k in skip:
+                continue
+            n = unit.id * self.entries_per_unit + k  # the item's place in the epoch's order
+            try:
+                if not self.batched:
+                    item = ds[entry]
+                elif getitems:
+                    item = getitems(entry)
+                else:
+                    item = self._fetch_batch(entry, n)
+            except Exception as e:
+                if not self.batched:
+                    _note(e, f"dataset[{entry!r}] raised it: sample {n} of the epoch")
+                elif getitems:
+                    _note(e, f"dataset.__getitems__() raised it: {_batch(n, entry)}")
+                raise
+            yield k, item
+
+    def _fetch_batch(self, entry: list, n: int) -> list:
+        """Batch ``n``'s samples; on the worker's threads when its stage's concurrency is
+        above 1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
+        generators: threads would interleave the draws, and batches would differ run to run.
+        The first batch a process reads is read serially to find that out."""
+        ds = self.dataset
+        if self._draws is None:
+            before = rng_states()
+            out = _read_each(ds, entry, n)
+            self._draws = not same_rng_states(before, rng_states())
+            return out
+        pool = concurrency.current()
+        if pool.width <= 1 or self._draws:
+            return _read_each(ds, entry, n)
+        outs = pool.map(ds.__getitem__, entry)
+        for i, o in zip(entry, outs, strict=True):
+            if o.error is not None:
+                _note(o.error, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
+                raise o.error
+        return [o.value for o in outs]
+
+
+def _read_each(ds: Any, entry: list, n: int) -> list:
+    """``[ds[i] for i in entry]``, the failing index noted."""
+    out = []
+    for i in entry:
+        try:
+            out.append(ds[i])
+        except Exception as e:
+            _note(e, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
+            raise
+    return out
+
+
+def _batch(n: int, entry: list) -> str:
+    return f"batch {n} of the epoch, samples {_brief(entry)}"
+
+
+def _note(e: BaseException, text: str) -> None:
+    if hasattr(e, "add_note"):  # Python 3.11+
+        e.add_note(text)

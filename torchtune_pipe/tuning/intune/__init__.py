@@ -1,0 +1,46 @@
+"""InTune: the DQN agent, its state and action spaces, its weights, and its training in the
+simulator."""
+
+from torchtune_pipe.tuning.intune.agent import (
+    ACTIONS_PER_STAGE,
+    BUFFER_GROW_MIN_FILL,
+    CHANGE_COST,
+    GLOBAL_FEATURES,
+    MEMORY_KNEE,
+    MEMORY_SAFE_SHARE,
+    STAGE_FEATURES,
+    WEIGHTS_DIR,
+    WORKER_DELTAS,
+    Action,
+    ActionSpace,
+    InTuneTuner,
+    StateEncoder,
+    cpu_cap,
+    memory_factor,
+    rescale,
+    reward,
+    shipped_lengths,
+    weights_path,
+)
+
+__all__ = [
+    "ACTIONS_PER_STAGE",
+    "Action",
+    "ActionSpace",
+    "BUFFER_GROW_MIN_FILL",
+    "CHANGE_COST",
+    "GLOBAL_FEATURES",
+    "InTuneTuner",
+    "MEMORY_KNEE",
+    "MEMORY_SAFE_SHARE",
+    "STAGE_FEATURES",
+    "StateEncoder",
+    "WEIGHTS_DIR",
+    "WORKER_DELTAS",
+    "cpu_cap",
+    "memory_factor",
+    "rescale",
+    "reward",
+    "shipped_lengths",
+    "weights_path",
+]

@@ -1,0 +1,313 @@
+"""What the InTune agent can do: its actions, their masks, and how allocations carry over.
+
+See :mod:`torchtune_pipe.tuning.intune.agent` for the action set and the masking rules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, fusion_host
+from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
+from torchtune_pipe.tuning.cluster import local_total, remote_of
+from torchtune_pipe.tuning.planner import Plan, cpu_saturated
+from torchtune_pipe.tuning.safety import (
+    MEMORY_SAFE_SHARE,
+    is_io_bound,
+    memory_parts,
+    oversubscribe_factor,
+)
+
+WORKER_DELTAS = (1, -1, 5, -5)
+ACTIONS_PER_STAGE = len(WORKER_DELTAS) + 2
+# Buffer bytes per stage the network shrinks a buffer below only for memory or for a waiting
+# model (the mask).
+KEEP_BUFFER_BYTES = 64 * MiB
+# A stage gains workers by a small move only when its workers compute at least this share of
+# the time (or wait on I/O): the others wait on their neighbours, and more of them wait too.
+GROW_MIN_BUSY = 0.5
+
+
+@dataclass(frozen=True)
+class Action:
+    """One decoded action: ``stage`` None is the no-op."""
+
+    stage: int | None
+    workers: int = 0
+    buffer: int = 0
+    plan: bool = False
+
+
+def _buffer_step(b: int, up: bool) -> int:
+    if up:
+        return max(MiB, round(b * 1.5 / MiB) * MiB, b + MiB)
+    return max(MiB, min(b - MiB, round(b / 1.5 / MiB) * MiB))
+
+
+class ActionSpace:
+    """The discrete actions of an ``n_stages`` pipeline, their masks and their effect."""
+
+    def __init__(self, n_stages: int) -> None:
+        if n_stages < 1:
+            raise ValueError(f"ActionSpace: n_stages must be >= 1, got {n_stages}")
+        self.n_stages = n_stages
+        self.n = 2 + ACTIONS_PER_STAGE * n_stages
+        self.plan_index = self.n - 1
+
+    def worker_moves(self) -> torch.Tensor:
+        """Bool mask of the actions that change workers: every stage's worker deltas and the
+        plan."""
+        moves = torch.zeros(self.n, dtype=torch.bool)
+        for i in range(self.n_stages):
+            base = 1 + ACTIONS_PER_STAGE * i
+            moves[base : base + len(WORKER_DELTAS)] = True
+        moves[self.plan_index] = True
+        return moves
+
+    def decode(self, index: int) -> Action:
+        """The action with number ``index`` (0 is the no-op)."""
+        if not 0 <= index < self.n:
+            raise ValueError(f"ActionSpace.decode: index must be in [0, {self.n}), got {index}")
+        if index == 0:
+            return Action(None)
+        if index == self.plan_index:
+            return Action(None, plan=True)
+        stage, k = divmod(index - 1, ACTIONS_PER_STAGE)
+        if k < len(WORKER_DELTAS):
+            return Action(stage, workers=WORKER_DELTAS[k])
+        return Action(stage, buffer=1 if k == len(WORKER_DELTAS) else -1)
+
+    def apply(
+        self,
+        alloc: Allocation,
+        index: int,
+        obs: Observation | None = None,
+        planned: Plan | None = None,
+    ) -> Allocation:
+        """The allocation after taking action ``index``.
+
+        The plan action takes the workers of ``planned`` (no change without one). With
+        ``obs``, a worker increase that does not fit in the CPU budget takes the missing workers
+        from the other stages with the most idle workers (:func:`idlest_donor`), one at a time,
+        and only from stages less busy than the one growing: growing a stage on a full machine
+        is a move, not an overdraft, and a move from a busier stage to an idler one cannot
+        raise throughput (it is masked).
+        """
+        act = self.decode(index)
+        if act.plan:
+            return (
+                alloc
+                if planned is None
+                else planned.allocation.replace(buffer_bytes=alloc.buffer_bytes)
+            )
+        if act.stage is None:
+            return alloc
+        workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
+        # A stage fused now runs no workers of its own: an unmasked removal leaves it at 0.
+        workers[act.stage] = max(0, workers[act.stage] + act.workers)
+        if act.buffer:
+            buffers[act.stage] = _buffer_step(buffers[act.stage], act.buffer > 0)
+        if obs is not None and act.workers > 0:
+            need = sum(workers) - cpu_cap(
+                obs, alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
+            )
+            below = group_busy(obs)[act.stage]
+            for _ in range(max(0, need)):
+                j = idlest_donor(workers, obs, keep=act.stage, below=below)
+                if j is None:
+                    break
+                workers[j] -= 1
+        # The stages keep the shape they run in (only the plan changes fusion).
+        return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
+
+    def mask(
+        self,
+        obs: Observation,
+        alloc: Allocation,
+        planned: Plan | None = None,
+    ) -> torch.Tensor:
+        """Bool mask of the actions that keep ``alloc`` within every hard limit.
+
+        The plan action is open when ``planned`` changes the workers or which stages run
+        fused (the planner already kept the plan within the CPU and memory budgets). A stage
+        whose workers run flat out (:func:`working_flat_out`) loses none but for memory.
+        Memory is the guard's worst case (:meth:`~.safety.MemoryParts.worst_case_bytes`):
+        a worker added to a stage costs what one of its workers holds now.
+        """
+        mask = torch.zeros(self.n, dtype=torch.bool)
+        mask[0] = True
+        mask[self.plan_index] = planned is not None and changes_workers(alloc, planned.allocation)
+        total_w = local_total(alloc, obs)  # a remote worker holds no memory on the host
+        limit = obs.memory_limit_bytes * MEMORY_SAFE_SHARE
+        parts = memory_parts(obs)
+
+        def worst_case(a: Allocation) -> float:
+            return parts.worst_case_bytes(a.replace(remote=remote_of(a, obs)))
+
+        worst = worst_case(alloc)
+        over_memory = worst > limit
+        # When the consumer (the model) is the bottleneck every buffer fills, and a larger
+        # one only holds more waiting items: no buffer may grow then.
+        consumer_bound = obs.consumer_step_s * obs.throughput >= CONSUMER_BOUND
+        # Workers that queue for a CPU: another process would take its CPU from them (the
+        # plan's budget, planner.cpu_saturated); workers only move or go.
+        saturated = cpu_saturated(obs)
+        flat_out = working_flat_out(obs)
+        for i, st in enumerate(obs.stages):
+            base = 1 + ACTIONS_PER_STAGE * i
+            if st.fused:
+                continue  # no workers and no buffer of its own: nothing to move
+            w, b = alloc.workers[i], alloc.buffer_bytes[i]
+            for k, dw in enumerate(WORKER_DELTAS):
+                if dw < 0:
+                    keep = flat_out[i] and not over_memory
+                    mask[base + k] = w + dw >= max(1, st.min_workers) and not keep
+                elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
+                    new = self.apply(alloc, base + k, obs)
+                    grown = local_total(new, obs) - total_w
+                    if saturated and grown > 0:
+                        continue
+                    fits_mem = worst_case(new) <= limit
+                    fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
+                    mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
+            up = _buffer_step(b, True)
+            # More room only helps a buffer that fills: growing an idle one reserves memory
+            # (the budget other stages and the model could use) for nothing.
+            mask[base + 4] = (
+                not over_memory
+                and not consumer_bound
+                and worst + (up - b) <= limit
+                and st.buffer_fill >= BUFFER_GROW_MIN_FILL
+            )
+            # Below KEEP_BUFFER_BYTES a buffer shrinks only for memory or when every buffer
+            # just holds items waiting for the model: a small buffer between two busy stages
+            # makes them wait on each other, and the workers hold most of the memory anyway.
+            mask[base + 5] = b > MiB and (over_memory or consumer_bound or b > KEEP_BUFFER_BYTES)
+        return mask
+
+
+# Workers busy at least this share of the time, less the time they waited for a CPU, work
+# flat out: one fewer slows their stage by its share (unless for memory, none is removed).
+FLAT_OUT_BUSY = 0.9
+
+
+def group_busy(obs: Observation, less_runqueue: bool = False) -> list[float]:
+    """Each stage's busy share, a stage that hosts fused stages busy for the whole group its
+    workers run: its own share plus theirs (each a share of the host's workers), at most 1.
+    ``less_runqueue``: less the time the workers waited for a CPU (where measured)."""
+    fused = tuple(st.fused for st in obs.stages)
+    busy = [st.busy - ((st.runqueue or 0.0) if less_runqueue else 0.0) for st in obs.stages]
+    for j in range(len(busy)):
+        h = fusion_host(fused, j)
+        if h != j:
+            busy[h] += busy[j]
+    return [clip(b, 0.0, 1.0) for b in busy]
+
+
+def working_flat_out(obs: Observation) -> list[bool]:
+    """Which stages' workers run flat out (:data:`FLAT_OUT_BUSY`, by :func:`group_busy` less
+    the run queue): two Criteo readers that spend a fifth of their time reading and the rest
+    in a fused UDF work flat out, not as idle readers to take away."""
+    return [b >= FLAT_OUT_BUSY for b in group_busy(obs, less_runqueue=True)]
+
+
+# The consumer is the bottleneck when it is busy at least this share of the time.
+CONSUMER_BOUND = 0.9
+# A buffer may grow only when at least this share of it is in use.
+BUFFER_GROW_MIN_FILL = 0.5
+
+
+def changes_workers(old: Allocation, new: Allocation) -> bool:
+    """Whether ``new`` runs other workers than ``old``: other counts, other stages fused, or
+    other workers remote (``remote`` empty: as now)."""
+    n = len(old.workers)
+    if new.remote and (old.remote or (0,) * n) != new.remote:
+        return True
+    return old.workers != new.workers or (old.fused or (False,) * n) != (new.fused or (False,) * n)
+
+
+def changes_processes(old: Allocation, new: Allocation) -> bool:
+    """Whether ``new`` runs other worker processes than ``old``: other counts on the stages
+    that run their own, other stages fused, or other workers remote. Unlike
+    :func:`changes_workers`, a fused stage's count (only its target for when it is split
+    again) does not count: the undo judges what ran, and a plan that only moves such a target
+    ran the same processes (``fused`` empty: as in ``old``)."""
+    n = len(old.workers)
+    if new.remote and (old.remote or (0,) * n) != new.remote:
+        return True
+    was = old.fused or (False,) * n
+    now = new.fused or was
+    return was != now or [w for w, f in zip(old.workers, was, strict=True) if not f] != [
+        w for w, f in zip(new.workers, now, strict=True) if not f
+    ]
+
+
+def can_use_workers(st: StageStats) -> bool:
+    """Whether more workers could raise ``st``'s rate: it is not measured yet, its workers are
+    busy at least ``GROW_MIN_BUSY`` of the time, or it waits on I/O. A stage whose workers
+    mostly wait for input or for output space (or that had nothing to do) is held back by its
+    neighbours; one whose calls in flight the concurrency rule is still raising waits for
+    reads its threads are about to take (the plan keeps its workers too,
+    :mod:`~.planner`)."""
+    if st.idle or st.concurrency < settled_concurrency(st):
+        return False
+    if st.items_per_s <= 0.0:
+        return True
+    return st.busy >= GROW_MIN_BUSY or is_io_bound(st)
+
+
+def cpu_cap(obs: Observation, alloc: Allocation) -> int:
+    """Workers ``alloc`` may run in total: cores times the I/O oversubscription factor, plus
+    its remote workers (they take the cluster's CPUs, not the host's: the guard keeps them
+    within those)."""
+    local = max(len(alloc.workers), int(obs.cpus * oversubscribe_factor(obs, alloc) + 0.5))
+    return local + sum(remote_of(alloc, obs))
+
+
+def idlest_donor(
+    workers: list[int], obs: Observation, keep: int | None = None, below: float = math.inf
+) -> int | None:
+    """The stage that can best give up a worker: the most idle workers (``workers * (1 -
+    busy)``, a stage hosting fused stages busy for its group, :func:`group_busy`) among
+    stages above their minimum and busy less than ``below``, ``keep`` excepted; None when
+    none can."""
+    busy = group_busy(obs)
+    donors = [
+        j
+        for j, st in enumerate(obs.stages)
+        if j != keep and workers[j] > max(1, st.min_workers) and busy[j] < below
+    ]
+    if not donors:
+        return None
+    return max(donors, key=lambda j: workers[j] * (1.0 - busy[j]))
+
+
+def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
+    """Carry an allocation over to a new CPU count: scale every stage, then trim to the cap.
+
+    Keeping the learned proportions means a resized machine starts near its new optimum; the
+    agent then corrects the rest one action at a time. Trimming removes workers from the
+    stages with the most idle workers first.
+    """
+    f = obs.cpus / max(old_cpus, 1e-9)
+    workers = [
+        w if st.fused else min(st.max_workers, max(max(1, st.min_workers), round(w * f)))
+        for w, st in zip(alloc.workers, obs.stages, strict=True)
+    ]  # a fused stage runs in its host's workers: it has none to rescale
+    while sum(workers) > cpu_cap(obs, alloc.replace(workers=tuple(workers))):
+        j = idlest_donor(workers, obs)
+        if j is None:
+            break
+        workers[j] -= 1
+    return alloc.replace(workers=tuple(workers))
+
+
+def distance(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    return float(sum(abs(x - y) for x, y in zip(a, b, strict=True)))
+
+
+def clip(x: float, lo: float, hi: float) -> float:
+    return lo if x < lo else hi if x > hi else x
