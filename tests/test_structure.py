@@ -3,7 +3,10 @@ hold one concept."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
+import pkgutil
 from pathlib import Path
 
 import pytest
@@ -74,3 +77,60 @@ def test_over_limit_exceptions_are_current():
     lines = _module_lines()
     stale = {p: lines.get(p) for p in OVER_LIMIT if lines.get(p, 0) <= MODULE_MAX_LINES}
     assert stale == {}, f"within {MODULE_MAX_LINES} lines now: remove from OVER_LIMIT: {stale}"
+
+
+# ---------------------------------------------------------------------------- classes
+# Packages whose classes hold their state themselves: a collaborator gets what it uses in its
+# __init__, never attributes another class's __init__ made on a shared ``self``.
+COMPOSED_PACKAGES = ("multiproc", "torchtune_pipe.sim")
+
+
+def _classes_of(package: str):
+    pkg = importlib.import_module(package)
+    names = [package] + [m.name for m in pkgutil.walk_packages(pkg.__path__, package + ".")]
+    for name in names:
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if inspect.isclass(cls) and cls.__module__ == name:
+                yield cls
+
+
+def _is_mixin(base: type) -> bool:
+    """A class of this project with no base but ``object`` and no ``__init__``: whatever
+    state its methods use, another class's ``__init__`` made."""
+    return (
+        base.__module__.split(".")[0] in ("multiproc", "torchtune_pipe")
+        and base.__bases__ == (object,)
+        and "__init__" not in vars(base)
+        and not getattr(base, "_is_protocol", False)
+    )
+
+
+@pytest.mark.parametrize("package", COMPOSED_PACKAGES)
+def test_no_class_is_assembled_from_mixins(package):
+    assembled = {
+        f"{cls.__module__}.{cls.__qualname__}": [b.__qualname__ for b in cls.__bases__]
+        for cls in _classes_of(package)
+        if any(_is_mixin(b) for b in cls.__bases__)
+    }
+    assert assembled == {}, f"classes built from mixins sharing state: {assembled}"
+
+
+# ---------------------------------------------------------------------------- one model of each
+ONE_DEFINITION = {
+    # name: the one module that defines it
+    "fit_memory": "torchtune_pipe/tuning/safety.py",
+    "make_tuner": "torchtune_pipe/tuning/registry.py",
+    "is_io_bound": "torchtune_pipe/tuning/base.py",
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_DEFINITION))
+def test_one_definition_of_each_model(name):
+    where = []
+    for path in (ROOT / "torchtune_pipe").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                where.append(path.relative_to(ROOT).as_posix())
+    assert where == [ONE_DEFINITION[name]]
