@@ -60,7 +60,8 @@ class Chain:
     """The stages fused into a worker's own (see the module docstring).
 
     Args:
-        specs: the pickled specs of the next stages, in order, that the worker may run too.
+        specs: the specs of the next stages, in order, that the worker may run too: each
+            pickled, or the spec itself (:func:`multiproc.inherit.resolve`).
         index: the worker's index in its stage, passed to each stage's ``init``.
         row: the worker's counter row; each fused stage counts in its own columns.
         calls: the worker's call pool; its not-an-item marks are not counted as items.
@@ -74,7 +75,7 @@ class Chain:
 
     def __init__(
         self,
-        specs: tuple[bytes, ...],
+        specs: tuple[Any, ...],
         index: int,
         row: np.ndarray,
         calls: concurrency.CallPool,
@@ -86,6 +87,7 @@ class Chain:
         self.calls = calls
         self.on_error = on_error
         self.stages: list[Any] = []
+        self._owned: list[bool] = []  # per stage in ``stages``: the worker's own copy
         self.depth = 0
         self._ns = self._cpu_ns = 0  # time in their functions since take_time()
 
@@ -102,11 +104,16 @@ class Chain:
     def stage(self, d: int) -> Any:
         """The spec of the stage ``d`` after the worker's own, ready to run here."""
         while len(self.stages) < d:
-            st = inherit.loads(self.specs[len(self.stages)])
+            st, own = inherit.resolve(self.specs[len(self.stages)])
             if st.init is not None:
                 st.init(st.name, self.index)
             self.stages.append(st)
+            self._owned.append(own)
         return self.stages[d - 1]
+
+    def owned(self) -> list[Any]:
+        """The stages used so far whose specs are the worker's own copies (unpickled)."""
+        return [st for st, own in zip(self.stages, self._owned, strict=True) if own]
 
     def run(self, work_id: Any, items: list[Any], depth: int, where: str) -> list[Any] | None:
         """Run the next ``depth`` stages' functions over ``items`` (one call at a time), each

@@ -88,7 +88,7 @@ class Executor:
                 self._snapshot.stop()
             raise
         try:
-            stage_bytes = pickle_stages(spec, self._snapshot, self._buffers)
+            process_stages, thread_stages = pickle_stages(spec, self._snapshot, self._buffers)
             offload_bytes = {
                 i: check_picklable(offload.offload_spec(s), self._buffers)
                 for i, s in enumerate(spec.stages)
@@ -109,8 +109,11 @@ class Executor:
             if stale:
                 log.info("removed %d shared-memory segments of dead processes", len(stale))
         self._names = [s.name for s in spec.stages]
-        chains = chain_pickles(stage_bytes, chain_lengths(spec.stages))
-        launch = Launch(self._snapshot, preload, stage_bytes, offload_bytes, chains)
+        chain = chain_lengths(spec.stages)
+        launch = Launch(
+            self._snapshot, preload, process_stages, thread_stages, offload_bytes,
+            chain_pickles(process_stages, chain), chain_pickles(thread_stages, chain),
+        )  # fmt: skip
         workers: dict[int, handles.WorkerHandle] = {}
         segments = {self._buffers.name} if self._buffers.created else set()
         cache = arena.MappingCache()
@@ -156,16 +159,13 @@ class Executor:
                 shm.usage(self._room.path)[1] >> 20,
                 [round(b / (1 << 20), 1) for b in budgets],
             )
-        stages = [
-            StageState(
-                i,
-                s.workers,
-                budgets[i],
-                s.concurrency,
-                remote=s.offload.workers if s.offload else 0,
-            )  # fmt: skip
-            for i, s in enumerate(spec.stages)
-        ]
+        stages = []
+        for i, s in enumerate(spec.stages):
+            remote = s.offload.workers if s.offload else 0
+            threads = s.workers - remote if s.starts_as_threads else 0
+            stages.append(
+                StageState(i, s.workers, budgets[i], s.concurrency, remote=remote, threads=threads)
+            )
         state = ExecutorState(
             spec=spec,
             tag=self._tag,
@@ -230,16 +230,27 @@ class Executor:
         self._res.wake()
         return self._iterate(run)
 
-    def resize(self, stage: str | int, n: int, remote: int | None = None) -> None:
-        """Set a stage's worker count (within its bounds) while running.
+    def resize(
+        self, stage: str | int, n: int, remote: int | None = None, threads: int | None = None
+    ) -> None:
+        """Set a stage's worker count (within its bounds), and its workers' kinds, while
+        running. Each kind starts or retires its own workers; what a retiring one holds it
+        finishes: nothing is lost or run twice, and an ordered executor keeps its order.
 
         Args:
             stage: the stage's name or index.
-            n: its workers, of both kinds.
+            n: its workers, of every kind.
             remote: of ``n``, how many are offload workers (a stage with an ``offload``,
                 :mod:`multiproc.offload`; at most ``offload.max_workers``). None keeps the
-                current count (at most ``n``). Each kind starts or retires its own workers;
-                what a retiring one holds it finishes, nothing is lost or run twice.
+                current count (at most ``n``).
+            threads: of the ``n - remote`` local workers, how many run as threads of this
+                process (the rest as processes). None keeps as many as now of the kind the
+                stage does not start as (``StageSpec.worker_type``; at most the local
+                count), and the starting kind takes the rest.
+
+        Example:
+            >>> ex.resize("udf", 4, threads=4)  # all four of its workers threads
+            >>> ex.resize("udf", 4, threads=0)  # and back to processes
         """
         i = self._stage_index(stage)
         s = self.spec.stages[i]
@@ -250,9 +261,12 @@ class Executor:
                 f"resize(): stage {s.name!r}: n must be in [{s.min_workers}, {s.max_workers}], got {n}"
             )
         why = offload.remote_problem(s.offload, n, remote)
+        if why is None:
+            far = min(n, self.remote_workers(i)) if remote is None else remote
+            why = policy.threads_problem(n, far, threads)
         if why is not None:
             raise SpecError(f"resize(): stage {s.name!r}: {why}")
-        self._command(("resize", i, n, remote))
+        self._command(("resize", i, n, remote, threads))
 
     def set_budget(self, stage: str | int, budget_bytes: int) -> None:
         """Set the byte budget of a stage's outbound channel while running."""
@@ -293,6 +307,11 @@ class Executor:
         0 for a stage without an offload)."""
         st = self._state.stages[self._stage_index(stage)]
         return min(st.remote, st.target)
+
+    def threads(self, stage: str | int) -> int:
+        """Of the stage's target worker count, its local workers that run as threads of this
+        process (the rest of the local ones run as processes)."""
+        return self._pool.want(self._stage_index(stage)).threads
 
     def budget(self, stage: str | int) -> int:
         """The byte budget of the stage's outbound channel."""
@@ -365,17 +384,22 @@ class Executor:
             fusable = self._fusion.fusable()
             for st in state.stages:
                 live = [h for h in state.workers.values() if h.stage == st.index and h.alive()]
-                far_slots = {h.slot for h in live if h.remote}
+                kinds = {h.slot: h.kind for h in live}
                 name = self._names[st.index]
                 rows = [
-                    stats.read_row(name, slot, state.counters.row(slot), now, slot in far_slots)
+                    stats.read_row(
+                        name, slot, state.counters.row(slot), now, kinds.get(slot, "process")
+                    )
                     for slot in sorted(st.slots)
                 ]
                 if st.retired is not None:
                     rows.append(stats.read_row(name, -1, st.retired, now))
                 far = [r for r in rows if r.remote]
-                if st.retired_remote is not None:
-                    far.append(stats.read_row(name, -1, st.retired_remote, now, True))
+                near = [r for r in rows if r.thread]
+                for part, retired, kind in ((far, st.retired_remote, "remote"),
+                                            (near, st.retired_threads, "thread")):  # fmt: skip
+                    if retired is not None:
+                        part.append(stats.read_row(name, -1, retired, now, kind))
                 rows += self._fusion.fused_rows(st.index, now)
                 used = sum(state.seg_refs[h.seg_name] for h in live)
                 queued = len(st.ready)
@@ -407,7 +431,8 @@ class Executor:
                         placement=self.spec.stages[st.index].placement,
                         remote_workers=sum(h.remote and h.state != WS.RETIRING for h in live),
                         remotable=self.spec.stages[st.index].offload is not None,
-                        **stats.remote_totals(far, rows),
+                        threads=sum(h.kind == "thread" and h.state != WS.RETIRING for h in live),
+                        **stats.kind_totals(far, near, rows),
                     )
                 )
             return stats.Snapshot(now, tuple(stages), self._delivered_items, self._delivered_frames)

@@ -155,7 +155,9 @@ class StageState:
     slots: set = field(default_factory=set)
     retired: Any = None  # counters of workers that are gone, summed
     remote: int = 0  # of ``target``, offload workers (multiproc.offload)
+    threads: int = 0  # of ``target``, local workers that run as threads
     retired_remote: Any = None  # the part of ``retired`` that offload workers counted
+    retired_threads: Any = None  # the part of ``retired`` that local thread workers counted
     skipped: int = 0  # items dropped under on_error="skip"
     last_errors: collections.deque = field(default_factory=lambda: collections.deque(maxlen=3))
 

@@ -1,15 +1,17 @@
 """Fusion: a stage's function runs in the previous stage's workers, with no hop between them.
 
-A *host* stage's worker is given, when spawned, the pickled specs of the stages after it that
-may run in it (:func:`~multiproc.spec.fuse_blocker`: stateless, same worker type, at most
-``stats.MAX_FUSED``). :meth:`FusionControl.switch` (``Executor.set_fused``) marks a stage as fused into the one
-before it;
-the router then tells each host's workers how many of the next stages to run too
-(``protocol.Fuse``). A worker reports with every output which stage made it (its depth), and
-the router delivers the frame past the stages it went through. So each frame is run by each
-stage's function exactly once whether the switch happens before, during or after it: a frame
-already queued for a stage that is now fused still runs there; a stage that is split again
-gets its workers back before its host stops running its function.
+A *host* stage's worker is given, when spawned, the specs of the stages after it that may run
+in it (:func:`~multiproc.spec.fuse_blocker`: stateless, starting as the same worker type, at
+most ``stats.MAX_FUSED``), each in the form its own kind of worker takes (process or thread,
+:func:`~multiproc.lifecycle.pickle_stages`): the fused stages run in the host's workers of
+whatever kind they are now. :meth:`FusionControl.switch` (``Executor.set_fused``) marks a
+stage as fused into the one before it; the router then tells each host's workers how many of
+the next stages to run too (``protocol.Fuse``). A worker reports with every output which
+stage made it (its depth), and the router delivers the frame past the stages it went through.
+So each frame is run by each stage's function exactly once whether the switch happens
+before, during or after it: a frame already queued for a stage that is now fused still runs
+there; a stage that is split again gets its workers back before its host stops running its
+function.
 
 A fused stage keeps no workers of its own once nothing is queued for it; its worker target is
 kept for when it is split again. Each stage's time, items and errors stay its own (the host's
@@ -18,14 +20,18 @@ worker counts them in separate columns, ``stats.fused_col``), so tuners see ever
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TypeVar
+
 from . import protocol as P
 from . import stats
 from .errors import SpecError
-from .frames import WorkerState as WS
 from .lifecycle import WorkerPool
 from .mail import Mail
 from .spec import FUSABLE_INTO, StageSpec, fuse_blocker, fused_depth, fusion_host
 from .state import ExecutorState
+
+T = TypeVar("T")
 
 
 def chain_lengths(stages: list[StageSpec] | tuple[StageSpec, ...]) -> list[int]:
@@ -44,10 +50,11 @@ def chain_lengths(stages: list[StageSpec] | tuple[StageSpec, ...]) -> list[int]:
     return out
 
 
-def chain_pickles(stage_bytes: list[bytes], chain: list[int]) -> list[tuple[bytes, ...]]:
-    """Per stage, the pickles of the stages after it that its workers can run (``chain``,
-    :func:`chain_lengths`), out of every stage's pickle ``stage_bytes``."""
-    return [tuple(stage_bytes[i + 1 : i + 1 + k]) for i, k in enumerate(chain)]
+def chain_pickles(forms: Sequence[T], chain: list[int]) -> list[tuple[T, ...]]:
+    """Per stage, the forms of the stages after it that its workers can run (``chain``,
+    :func:`chain_lengths`), out of every stage's form for one kind of worker ``forms``
+    (:func:`multiproc.lifecycle.pickle_stages`)."""
+    return [tuple(forms[i + 1 : i + 1 + k]) for i, k in enumerate(chain)]
 
 
 def fuse_error(
@@ -143,10 +150,9 @@ class FusionControl:
     def apply(self) -> None:
         """Tell hosts' workers their depth; give split stages their workers back first."""
         state, pool = self.state, self.pool
-        for j, st in enumerate(state.stages):
+        for j in range(len(state.stages)):
             if not state.fused[j]:
-                for _ in range(st.target - pool.n_active(j)):
-                    pool.spawn(j)
+                pool.fill(j)
         for i in range(len(state.stages)):
             d = fused_depth(state.fused, i)
             if d != self.depth_sent[i]:
@@ -163,10 +169,8 @@ class FusionControl:
                 continue
             active = pool.active(j)
             if st.ready:
-                if not active and not any(
-                    h.stage == j and h.state == WS.RETIRING for h in state.workers.values()
-                ):
-                    pool.spawn(j)
+                if not active and not pool.retiring(j):
+                    pool.spawn(j, pool.next_kind(j))
             elif active and not any(h.inflight for h in active):
                 for h in active:
                     pool.retire(h)

@@ -50,6 +50,7 @@ from . import protocol as P
 from . import worker as _worker
 from .frames import WorkerState
 from .outbox import Outbox
+from .policy import WorkerKind
 from .poller import pipe_poller
 
 # numpy.random: every worker seeds numpy's global generator per batch; imported in the server,
@@ -327,7 +328,7 @@ class WorkerHandle:
     index: int
     slot: int
     seg_name: str
-    thread: bool
+    thread: bool  # a thread of this process (local or offload), else a process
     remote: bool = False  # an offload worker (multiproc.offload)
     conn: Any = None  # the router's end of its pipe (a multiprocessing Connection), once started
     proc: Any = None  # its process (a multiprocessing process), or its thread
@@ -354,6 +355,12 @@ class WorkerHandle:
         """Post nothing more, after what is queued has been sent (or the pipe broke)."""
         if self.outbox is not None:
             self.outbox.close(timeout_s)
+
+    @property
+    def kind(self) -> WorkerKind:
+        """``"process"``, ``"thread"`` (a local thread) or ``"remote"`` (an offload worker):
+        :data:`multiproc.policy.WORKER_KINDS`."""
+        return "remote" if self.remote else "thread" if self.thread else "process"
 
     @property
     def sentinel(self):

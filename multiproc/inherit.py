@@ -1,5 +1,7 @@
 """Objects a worker inherits from its fork server instead of unpickling them.
 
+A thread worker may instead be handed a stage spec itself, unpickled by nobody (:func:`resolve`).
+
 A snapshot (:mod:`multiproc.snapshot`) publishes objects here just before it forks its server,
 and pickles stage specs with :class:`RefPickler`, which writes each published object as a
 reference. A worker forked from that server resolves them in :func:`loads` from its own copy
@@ -49,3 +51,12 @@ class _RefUnpickler(pickle.Unpickler):
 def loads(data: bytes) -> Any:
     """Unpickle a stage spec made by :class:`RefPickler` (or by plain cloudpickle)."""
     return _RefUnpickler(io.BytesIO(data)).load()
+
+
+def resolve(form: Any) -> tuple[Any, bool]:
+    """A stage spec as a worker is handed it: pickled (``bytes``, unpickled here into the
+    worker's own copy, by :func:`loads`), or, for a thread worker, the spec itself, shared with
+    the executor's process. Returns the spec and whether it is the worker's own copy."""
+    if isinstance(form, bytes):
+        return loads(form), True
+    return form, False

@@ -13,6 +13,9 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 from . import arena, buffers, handles, offload, policy, shm, stats
 from . import protocol as P
@@ -24,7 +27,7 @@ from .frames import WorkerState as WS
 from .ledger import Ledger
 from .mail import Mail
 from .snapshot import Snapshot, forks
-from .spec import ExecutorSpec, check_picklable, fused_depth, imported_modules
+from .spec import ExecutorSpec, StageSpec, check_picklable, fused_depth, imported_modules
 from .state import ExecutorState
 
 log = logging.getLogger("multiproc.executor")
@@ -52,7 +55,7 @@ def start_server(
         return (snapshot if snapshot is not None else Snapshot.take(stages)), ()
     if snapshot is not None:
         snapshot.stop()
-    if not any(s.worker_type == "process" for s in stages):
+    if all(s.starts_as_threads for s in stages):
         return None, ()
     try:
         light = [buffers.dumps_light(s) for s in stages]
@@ -65,29 +68,55 @@ def start_server(
 
 def pickle_stages(
     spec: ExecutorSpec, snapshot: Snapshot | None, shared: buffers.BufferFile
-) -> list[bytes]:
-    """Each stage pickled for its local workers (a stage with an offload: its local workers'
-    spec): with references to the snapshot's copy of its functions for process workers of a
-    snapshot, by value otherwise (large arrays in ``shared``, :mod:`multiproc.buffers`)."""
-    out = []
+) -> tuple[list[bytes], list[bytes | StageSpec]]:
+    """Each stage as its local workers get it (a stage with an offload: its local workers'
+    spec), for process workers and for thread workers.
+
+    Process workers of a snapshot get references to the snapshot's copy of the stage's
+    functions, others a pickle by value (large arrays in ``shared``, :mod:`multiproc.buffers`).
+    Thread workers of a thread stage get a pickle by value (each its own copy); those of a
+    process or ``auto`` stage the spec itself, this process's own (nothing pickled: what does
+    not pickle works, as in a forked worker).
+
+    Returns:
+        Per stage, its process workers' pickle and its thread workers' form.
+    """
+    procs: list[bytes] = []
+    threads: list[bytes | StageSpec] = []
     for s in spec.stages:
         local = offload.local_spec(s) if s.offload else s
-        if snapshot is not None and s.worker_type == "process":
-            out.append(check_picklable(local, dumps=snapshot.dumps))
+        by_ref = None if snapshot is None else check_picklable(local, dumps=snapshot.dumps)
+        if s.starts_as_threads:
+            by_value = check_picklable(local, shared)
+            procs.append(by_value if by_ref is None else by_ref)
+            threads.append(by_value)
         else:
-            out.append(check_picklable(local, shared))
-    return out
+            procs.append(check_picklable(local, shared) if by_ref is None else by_ref)
+            threads.append(local)
+    return procs, threads
 
 
 @dataclass(frozen=True)
 class Launch:
-    """What every worker of the executor starts from, fixed for the executor's life."""
+    """What every worker of the executor starts from, fixed for the executor's life: kept
+    whole while it runs, so a worker of any kind can start at any time (the snapshot's
+    server, each stage's forms)."""
 
     snapshot: Snapshot | None  # process workers fork from its server (None: spawned server)
     preload: tuple[str, ...]  # modules the spawned server imports (start_server)
-    stage_bytes: list[bytes]  # per stage, its pickle for local workers (pickle_stages)
+    process_stages: list[bytes]  # per stage, its local process workers' pickle (pickle_stages)
+    thread_stages: list[bytes | StageSpec]  # per stage, its local thread workers' form
     offload_bytes: dict[int, bytes]  # per stage with an offload, its offload workers' pickle
-    chains: list[tuple[bytes, ...]]  # per stage, the pickles of the stages it may run too
+    process_chains: list[tuple[bytes, ...]]  # per stage, the stages it may run too, as above
+    thread_chains: list[tuple[bytes | StageSpec, ...]]
+
+    def worker_args(self, stage: int, kind: policy.WorkerKind) -> tuple[Any, tuple[Any, ...]]:
+        """What a worker of ``kind`` of ``stage`` runs: its stage's form, and its chain's."""
+        if kind == "process":
+            return self.process_stages[stage], self.process_chains[stage]
+        if kind == "remote":
+            return self.offload_bytes[stage], ()  # an offload stage hosts no fused stage
+        return self.thread_stages[stage], self.thread_chains[stage]
 
 
 class WorkerPool:
@@ -100,8 +129,9 @@ class WorkerPool:
         self.ledger = ledger
         self.launch = launch
 
-    def spawn(self, stage: int, remote: bool = False) -> None:
-        """Start a worker of ``stage`` (an offload worker when ``remote``)."""
+    def spawn(self, stage: int, kind: policy.WorkerKind = "process") -> None:
+        """Start a worker of ``stage`` of ``kind``: a local process or thread, or an offload
+        worker (``"remote"``)."""
         state = self.state
         s = state.spec.stages[stage]
         st = state.stages[stage]
@@ -116,21 +146,21 @@ class WorkerPool:
         arena.create_segment(seg_name, size)
         index = sum(1 for h in state.workers.values() if h.stage == stage)
         h = handles.WorkerHandle(
-            wid, stage, index, slot, seg_name, thread=remote or s.worker_type == "thread",
-            remote=remote,
-        )  # fmt: skip
+            wid, stage, index, slot, seg_name, thread=kind != "process", remote=kind == "remote"
+        )
         state.by_seg[seg_name] = wid
         state.workers[wid] = h
         st.slots.add(slot)
         n_alive = max(1, self.n_active(stage) + 1)
         launch = self.launch
 
+        form, chain = launch.worker_args(stage, kind)
+
         def start_it() -> None:
             if not h.thread:
                 self._check_server()
             args = (
-                # In a list the worker empties (worker._Worker).
-                [launch.offload_bytes[stage] if remote else launch.stage_bytes[stage]],
+                [form],  # in a list the worker empties (worker._Worker)
                 wid,
                 slot,
                 index,
@@ -139,7 +169,7 @@ class WorkerPool:
                 seg_name,
                 size,
                 policy.budget_share(st.budget, n_alive),
-                launch.chains[stage],
+                chain,
             )
             h.start_ns = time.monotonic_ns()
             server = None if launch.snapshot is None else launch.snapshot.server
@@ -178,36 +208,73 @@ class WorkerPool:
         snap.renew()
 
     def _ramps(self, stage: int) -> bool:
-        """Whether the stage's workers start a few at first and the rest while it runs (local
-        process workers: each is a fork of the snapshot, ~10-20 ms for a process of a GB,
-        made one at a time by its server)."""
-        s = self.state.spec.stages[stage]
-        return s.worker_type == "process" and s.offload is None
+        """Whether the stage's process workers start a few at first and the rest while it
+        runs (each is a fork of the snapshot, ~10-20 ms for a process of a GB, made one at a
+        time by its server); its other workers start at once, as do a stage's with an offload."""
+        return self.state.spec.stages[stage].offload is None
+
+    def want(self, stage: int) -> policy.Mix:
+        """The workers the stage is to run, by kind."""
+        st = self.state.stages[stage]
+        remote = min(st.remote, st.target)
+        threads = min(st.threads, st.target - remote)
+        return policy.Mix(st.target - remote - threads, threads, remote)
+
+    def have(self, stage: int) -> policy.Mix:
+        """The stage's active workers (starting or ready), by kind."""
+        got = {k: len(self.active(stage, k)) for k in policy.WORKER_KINDS}
+        return policy.Mix(got["process"], got["thread"], got["remote"])
 
     def first_workers(self, stage: int) -> int:
         """How many workers the stage starts with (see :meth:`ramp`)."""
-        target = self.state.stages[stage].target
-        return min(target, START_WORKERS) if self._ramps(stage) else target
+        want = self.want(stage)
+        if not self._ramps(stage):
+            return want.total
+        return want.total - want.processes + min(want.processes, START_WORKERS)
 
     def start(self) -> None:
         """Start every stage's first workers (of its own, not fused), each kind as wanted."""
         for st in self.state.stages:
-            if not self.state.fused[st.index]:
-                for k in range(self.first_workers(st.index)):
-                    self.spawn(st.index, remote=k >= st.target - st.remote)
+            i = st.index
+            if self.state.fused[i]:
+                continue
+            want = self.want(i)
+            first = {k: want.of(k) for k in policy.WORKER_KINDS}
+            first["process"] = self.first_workers(i) - want.threads - want.remote
+            for kind in policy.WORKER_KINDS:
+                for _ in range(first[kind]):
+                    self.spawn(i, kind)
 
     def ramp(self) -> None:
-        """On a router turn: start one more worker of the first stage short of its target.
-        The executor starts with :data:`START_WORKERS` per stage, and those serve while the
-        others fork, one per turn, with the router handling events in between (instead of
-        every worker forked before the first one gets work)."""
+        """On a router turn: start one more process worker of the first stage short of its
+        target. The executor starts with :data:`START_WORKERS` per stage, and those serve
+        while the others fork, one per turn, with the router handling events in between
+        (instead of every worker forked before the first one gets work)."""
         for st in self.state.stages:
             i = st.index
-            if self.state.fused[i] or not self._ramps(i) or self.n_active(i) >= st.target:
+            if self.state.fused[i] or not self._ramps(i):
                 continue
-            self.spawn(i)
+            if self.have(i).processes >= self.want(i).processes:
+                continue
+            self.spawn(i, "process")
             self.state.res.wake()  # another turn soon, for the next one
             return
+
+    def fill(self, stage: int) -> None:
+        """Start the workers ``stage`` is short of, each kind as wanted (it runs its own
+        workers again after it was fused)."""
+        plan = policy.resize_plan(self.have(stage), self.want(stage))
+        for kind in policy.WORKER_KINDS:
+            for _ in range(plan[kind].start):
+                self.spawn(stage, kind)
+
+    def next_kind(self, stage: int) -> policy.WorkerKind:
+        """The kind of the next worker of ``stage`` to start: one it is short of, else its
+        starting kind."""
+        starts: policy.WorkerKind = (
+            "thread" if self.state.spec.stages[stage].starts_as_threads else "process"
+        )
+        return policy.next_kind(self.have(stage), self.want(stage), starts)
 
     def serving(self) -> bool:
         """Whether every stage that runs its own workers has as many started (said hello)
@@ -221,16 +288,22 @@ class WorkerPool:
                 return False
         return True
 
-    def active(self, stage: int, remote: bool | None = None) -> list[handles.WorkerHandle]:
+    def active(
+        self, stage: int, kind: policy.WorkerKind | None = None
+    ) -> list[handles.WorkerHandle]:
         """The stage's workers that take work (starting or ready; not retiring): all, or
-        only its offload workers (``remote`` True) or only its local ones (False)."""
+        only those of ``kind``."""
         return [
             h
             for h in self.state.workers.values()
             if h.stage == stage
             and h.state in (WS.STARTING, WS.READY)
-            and (remote is None or h.remote == remote)
+            and (kind is None or h.kind == kind)
         ]
+
+    def retiring(self, stage: int) -> bool:
+        """Whether a worker of ``stage`` is retiring (finishing what it holds)."""
+        return any(h.stage == stage and h.state == WS.RETIRING for h in self.state.workers.values())
 
     def n_active(self, stage: int) -> int:
         return len(self.active(stage))
@@ -279,27 +352,30 @@ class WorkerPool:
                 st.budget = b
                 self.rebudget(st.index)
 
-    def resize(self, stage: int, n: int, remote: int | None = None) -> None:
+    def resize(
+        self, stage: int, n: int, remote: int | None = None, threads: int | None = None
+    ) -> None:
         """Start or retire workers of ``stage`` toward ``n``, ``remote`` of them offload
-        workers (None: as many as now, at most ``n``)."""
+        workers (None: as many as now, at most ``n``) and ``threads`` of the local ones
+        threads (None: :func:`multiproc.policy.worker_mix`)."""
         st = self.state.stages[stage]
-        st.target = n
-        if remote is not None:
-            st.remote = remote
-        st.remote = min(st.remote, n)
+        far = min(st.remote if remote is None else remote, n)
+        starts = self.state.spec.stages[stage].starts_as_threads
+        want = policy.worker_mix(n, far, threads, self.want(stage), starts)
+        st.target, st.remote, st.threads = n, want.remote, want.threads
         if self.state.fused[stage]:
             return  # its host runs it; the target is kept for when it is split again
-        local, far = self.active(stage, False), self.active(stage, True)
-        plan = offload.split(len(local), len(far), n, st.remote)
+        plan = policy.resize_plan(self.have(stage), want)
         retired = False
-        for active, kind, is_remote in ((local, plan[0], False), (far, plan[1], True)):
-            for _ in range(kind.start):
-                self.spawn(stage, remote=is_remote)
-            if kind.retire:
+        for kind in policy.WORKER_KINDS:
+            active = self.active(stage, kind)
+            for _ in range(plan[kind].start):
+                self.spawn(stage, kind)
+            if plan[kind].retire:
                 retired = True
                 # Each kind retires its own: a frame a retiring worker holds is finished by
                 # it, and the frames queued go to whichever worker of the stage is free.
-                for h in policy.to_retire(active, kind.retire):
+                for h in policy.to_retire(active, plan[kind].retire):
                     self.retire(h)
         if retired:
             self.rebudget(stage)
@@ -392,29 +468,28 @@ class WorkerPool:
                     f"deaths in this stage exceed max_restarts={state.spec.max_restarts}"
                 )
             if prev != WS.RETIRING and not state.closed:
-                self.spawn(h.stage, remote=h.remote)
+                self.spawn(h.stage, h.kind)
 
     def _retire_slot(self, h: handles.WorkerHandle) -> None:
-        """Fold a finished worker's counters into its stage's totals and reuse its slot."""
+        """Fold a finished worker's counters into its stage's totals (and its kind's: offload
+        or local thread workers) and reuse its slot."""
         st = self.state.stages[h.stage]
         if h.slot not in st.slots:
             return
         row = self.state.counters.row(h.slot)
-        if st.retired is None:
-            st.retired = row.copy()
-            st.retired[stats.STARTED_NS] = 0
-        else:
-            add = row.copy()
-            for c in (stats.PID, stats.STARTED_NS):
-                add[c] = 0
-            st.retired += add
-        st.retired[stats.PID] = 0
-        if h.remote:
-            if st.retired_remote is None:
-                st.retired_remote = row.copy()
-            else:
-                st.retired_remote += row
-            st.retired_remote[stats.PID] = st.retired_remote[stats.STARTED_NS] = 0
+        st.retired = _fold(st.retired, row)
+        if h.kind == "remote":
+            st.retired_remote = _fold(st.retired_remote, row)
+        elif h.kind == "thread":
+            st.retired_threads = _fold(st.retired_threads, row)
         row[:] = 0
         st.slots.discard(h.slot)
         self.state.free_slots.append(h.slot)
+
+
+def _fold(total: np.ndarray | None, row: np.ndarray) -> np.ndarray:
+    """``row``'s counters added to ``total`` (None: none yet); its pid and start are no
+    sum's."""
+    out = row.copy() if total is None else total + row
+    out[stats.PID] = out[stats.STARTED_NS] = 0
+    return out

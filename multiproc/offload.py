@@ -7,9 +7,9 @@ function that sends each frame's items somewhere else (a cluster's actor, say) a
 came back. Both kinds take frames from the stage's one queue and commit their outputs with one
 message, so order, exactly-once delivery, recovery, retiring and the error contract are the
 same for both; ``Executor.resize(stage, n, remote=m)`` sets how many of the stage's ``n``
-workers are offload workers (the router starts and retires each kind apart), and the stage's
-snapshot counts the offload workers' items and time apart
-(:class:`~multiproc.stats.StageSnapshot` ``remote_*``).
+workers are offload workers (the router starts and retires each kind apart,
+:func:`multiproc.policy.resize_plan`), and the stage's snapshot counts the offload workers'
+items and time apart (:class:`~multiproc.stats.StageSnapshot` ``remote_*``).
 
 The executor knows nothing of the runtime: the function is an ordinary stage function run by a
 thread worker (its ``init`` starts what it needs, its ``on_worker_exit()`` stops it). It may
@@ -109,24 +109,6 @@ def local_spec(stage: S) -> S:
 
 
 @dataclass(frozen=True)
-class Split:
-    """What a resize does to one kind of a stage's workers."""
-
-    start: int  # workers to start
-    retire: int  # workers to retire
-
-
-def split(local_now: int, remote_now: int, n: int, remote: int) -> tuple[Split, Split]:
-    """How to go from ``local_now`` local and ``remote_now`` offload workers to ``n`` in all,
-    ``remote`` of them offload workers: (local, offload)."""
-    want_local = n - remote
-    return (
-        Split(max(0, want_local - local_now), max(0, local_now - want_local)),
-        Split(max(0, remote - remote_now), max(0, remote_now - remote)),
-    )
-
-
-@dataclass(frozen=True)
 class CallSums:
     """Sums over remote calls for a least-squares line of each call's wait over its bytes.
 
@@ -190,4 +172,4 @@ def call_point(nbytes: int, wait_ns: int) -> tuple[int, int]:
     return max(0, nbytes) // CALL_BYTES_UNIT, max(0, wait_ns) // 1000
 
 
-__all__ = ["CallSums", "Offload", "Split", "call_point", "local_spec", "offload_spec", "split"]
+__all__ = ["CallSums", "Offload", "call_point", "local_spec", "offload_spec"]

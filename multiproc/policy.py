@@ -2,8 +2,9 @@
 
 Which worker gets each frame or unit queued for a stage (:func:`assign`, one at a time
 :func:`pick_worker` and :func:`pick_unit_worker`), how a stage's budget splits
-(:func:`budget_share`), which workers retire on a shrink (:func:`to_retire`), how many items a
-frame holds (:func:`frame_items`), when a stage is done or flushed and a run finished
+(:func:`budget_share`), which workers retire on a shrink (:func:`to_retire`), how a resize
+moves a stage's workers between kinds (:func:`worker_mix`, :func:`resize_plan`), how many
+items a frame holds (:func:`frame_items`), when a stage is done or flushed and a run finished
 (:func:`progress`), when a worker passes its stage's ``timeout_s`` (:func:`overdue`,
 :func:`next_deadline_s`), and backpressure. The router gathers the plain data they read and
 applies what they return (messages, state).
@@ -28,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol, TypeVar
+from typing import Literal, NamedTuple, Protocol, TypeVar
 
 from .frames import WorkerState as WS
 
@@ -131,6 +132,85 @@ def to_retire(active: Sequence[W], n: int) -> list[W]:
     """The ``n`` workers to retire on a shrink: the least loaded, then the newest (they finish
     what they hold before they go, so the least held means the least waited for)."""
     return sorted(active, key=lambda h: (len(h.inflight), -h.wid))[:n]
+
+
+# A stage's worker kinds: local processes, local threads (of the executor's process) and
+# offload workers (threads forwarding to a remote runtime, multiproc.offload).
+WorkerKind = Literal["process", "thread", "remote"]
+WORKER_KINDS: tuple[WorkerKind, ...] = ("process", "thread", "remote")
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A stage's workers by kind (:data:`WORKER_KINDS`)."""
+
+    processes: int = 0
+    threads: int = 0
+    remote: int = 0
+
+    def of(self, kind: WorkerKind) -> int:
+        """How many workers of ``kind``."""
+        return {"process": self.processes, "thread": self.threads, "remote": self.remote}[kind]
+
+    @property
+    def total(self) -> int:
+        return self.processes + self.threads + self.remote
+
+
+def threads_problem(n: int, remote: int, threads: int | None) -> str | None:
+    """What is wrong with ``threads`` thread workers of a stage resized to ``n`` workers,
+    ``remote`` of them offload workers (``Executor.resize``), or None."""
+    if threads is None:
+        return None
+    local = n - remote
+    if not isinstance(threads, int) or isinstance(threads, bool) or not 0 <= threads <= local:
+        return f"threads must be an int in [0, {local}] (the local workers of {n}), got {threads!r}"
+    return None
+
+
+def worker_mix(n: int, remote: int, threads: int | None, now: Mix, starts_as_threads: bool) -> Mix:
+    """The mix a stage resized to ``n`` workers, ``remote`` of them offload workers, runs.
+
+    Args:
+        threads: of the ``n - remote`` local workers, how many run as threads. None: as many
+            workers as in ``now`` stay of the kind the stage does not start as (at most the
+            local count), and its starting kind takes the rest: a process stage that runs
+            ``t`` threads keeps ``t``, a thread stage that runs ``p`` processes keeps ``p``.
+        now: the mix it was asked for before.
+        starts_as_threads: the stage's workers start as threads (``worker_type="thread"``).
+    """
+    local = max(0, n - remote)
+    if threads is None:
+        threads = local - min(now.processes, local) if starts_as_threads else now.threads
+    threads = min(threads, local)
+    return Mix(local - threads, threads, remote)
+
+
+@dataclass(frozen=True)
+class Split:
+    """What a resize does to one kind of a stage's workers."""
+
+    start: int  # workers to start
+    retire: int  # workers to retire
+
+
+def resize_plan(have: Mix, want: Mix) -> dict[WorkerKind, Split]:
+    """Per kind, the workers to start and to retire to go from the active workers ``have``
+    to ``want``: each kind apart, so a move between kinds starts the new ones while the
+    old ones finish what they hold."""
+    return {
+        k: Split(max(0, want.of(k) - have.of(k)), max(0, have.of(k) - want.of(k)))
+        for k in WORKER_KINDS
+    }
+
+
+def next_kind(have: Mix, want: Mix, default: WorkerKind) -> WorkerKind:
+    """The kind of the next worker to start toward ``want``: the first kind short of it (in
+    :data:`WORKER_KINDS` order), else ``default``."""
+    for k in WORKER_KINDS:
+        if have.of(k) < want.of(k):
+            return k
+    return default
 
 
 # A source's frames hold at most this many bytes of items (and at least one item).

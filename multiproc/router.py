@@ -110,6 +110,10 @@ class Router:
                     h.inflight[u.id] = u
                     self.mail.send(h, P.Unit(u.id, u.unit, u.committed))
                 continue
+            if s.stateful and state.spec.ordered and self.pool.retiring(i):
+                # Ordered, a reducer takes its items in order, in one worker: a new one (its
+                # kind moved) waits for the retiring one's items handed back (P.Handoff).
+                continue
             for k in policy.assign(loads, credits, len(st.ready)):
                 h = ready[k]
                 f = st.ready.popleft()
@@ -349,7 +353,7 @@ class Router:
         while state.commands:
             cmd = state.commands.popleft()
             if cmd[0] == "resize":
-                pool.resize(cmd[1], cmd[2], cmd[3])
+                pool.resize(cmd[1], cmd[2], cmd[3], cmd[4])
             elif cmd[0] == "budget":
                 pool.set_budget(cmd[1], cmd[2])
             elif cmd[0] == "fusion":

@@ -85,9 +85,10 @@ class Snapshot:
 def forks(spec: Any) -> bool:
     """Whether executor spec ``spec``'s process workers fork from a snapshot (else from
     multiprocessing's spawned server: ``start_method="spawn"``, ``MULTIPROC_FORKSERVER=spawn``,
-    or a process that must not be forked, :func:`multiproc.handles.fork_unsafe`)."""
+    or a process that must not be forked, :func:`multiproc.handles.fork_unsafe`). Not when
+    every stage starts as threads: one moved to processes later spawns them."""
     return (
-        any(s.worker_type == "process" for s in spec.stages)
+        not all(s.starts_as_threads for s in spec.stages)
         and spec.start_method == "fork"
         and not handles.spawn_requested()
         and handles.fork_unsafe() is None

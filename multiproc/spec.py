@@ -119,7 +119,15 @@ class StageSpec:
             memory is used only when written).
         frame_items: items grouped per frame (the unit of transfer and of recovery) by
             source and stateful stages; map stages keep their input's framing.
-        worker_type: ``process`` or ``thread``.
+        worker_type: the kind of the stage's local workers at the start: ``process``,
+            ``thread`` (threads of the executor's process) or ``auto`` (processes, which a
+            tuner may move to threads). ``Executor.resize(stage, n, threads=t)`` moves any
+            stage's local workers between the kinds while running. A thread stage's thread
+            workers each unpickle their own copy of the stage; the thread workers of a
+            ``process`` or ``auto`` stage all call this process's own ``fn`` (as torchdata's
+            thread workers do: nothing is pickled, an open file works as in a forked worker;
+            ``fn`` must then be safe to call from several threads, and its
+            ``on_worker_exit()`` is not called, the function being no worker's own).
         on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop, count, log
             the first; a source that raises loses the rest of its unit, see :class:`Skipped`).
         max_errors: the most items ``skip`` may drop before the executor raises
@@ -155,7 +163,7 @@ class StageSpec:
     buffer_bytes: int = 64 * MiB
     max_buffer_bytes: int | None = None
     frame_items: int = 64
-    worker_type: Literal["process", "thread"] = "process"
+    worker_type: Literal["process", "thread", "auto"] = "process"
     on_error: Literal["raise", "skip"] = "raise"
     init: Callable[[str, int], None] | None = None
     torch_threads: int = 1
@@ -204,9 +212,10 @@ class StageSpec:
             raise SpecError(
                 f"{where}: max_buffer_bytes ({self.max_buffer_bytes}) < buffer_bytes ({self.buffer_bytes})"
             )
-        if self.worker_type not in ("process", "thread"):
+        if self.worker_type not in ("process", "thread", "auto"):
             raise SpecError(
-                f"{where}: worker_type must be 'process' or 'thread', got {self.worker_type!r}"
+                f"{where}: worker_type must be 'process', 'thread' or 'auto', got "
+                f"{self.worker_type!r}"
             )
         if self.on_error not in ("raise", "skip"):
             raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
@@ -238,6 +247,11 @@ class StageSpec:
     @property
     def stateful(self) -> bool:
         return self.kind == "stateful"
+
+    @property
+    def starts_as_threads(self) -> bool:
+        """Whether its local workers start as threads (else as processes)."""
+        return self.worker_type == "thread"
 
 
 @dataclass(frozen=True)
@@ -321,7 +335,9 @@ def fuse_blocker(host: StageSpec, stage: StageSpec) -> str | None:
     """Why ``stage`` cannot run in the workers of ``host`` (the stage before it), or None.
 
     A fused stage's function runs in the host's worker on the host's outputs, one call at a
-    time, with no channel hop; it must hold nothing across calls, and run where the host does.
+    time, with no channel hop; it must hold nothing across calls, and start as the host's
+    workers do (``auto`` counting as ``process``): it then runs in the host's workers, of
+    whatever kind they are moved to.
     """
     if host.kind not in FUSION_HOSTS:
         return f"stage {host.name!r} is {host.kind}: only stateless stages host others"
@@ -330,7 +346,7 @@ def fuse_blocker(host: StageSpec, stage: StageSpec) -> str | None:
     for s in (host, stage):
         if s.offload is not None:
             return f"stage {s.name!r} offloads workers (a fused group runs on the host)"
-    if host.worker_type != stage.worker_type:
+    if host.starts_as_threads != stage.starts_as_threads:
         return (
             f"stages {host.name!r} and {stage.name!r} run in different worker types "
             f"({host.worker_type}, {stage.worker_type})"

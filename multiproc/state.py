@@ -27,7 +27,7 @@ from . import arena, handles, shm, stats
 from .frames import Run, StageState
 from .spec import ExecutorSpec
 
-# A request of the front end for the router thread: ("resize", stage, n, remote),
+# A request of the front end for the router thread: ("resize", stage, n, remote, threads),
 # ("budget", stage, bytes), ("fusion",) or ("concurrency", stage, n).
 Command = tuple[Any, ...]
 

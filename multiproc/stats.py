@@ -101,6 +101,9 @@ class WorkerStats:
     hop_ns: int = 0
     remote: bool = False  # an offload worker (multiproc.offload); its retired sum, slot -1
     calls: CallSums = CallSums()  # the remote calls it made
+    # A local thread worker: a thread of the executor's process, whose pid it reports (its
+    # memory is that process's, no worker process's); the retired ones' sum, slot -1.
+    thread: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,12 @@ class StageSnapshot:
     workers' own counters apart (``remote_items_in``, ``remote_items_out``,
     ``remote_busy_ns``, ``remote_blocked_out_ns``, ``remote_cpu_ns``: parts of the totals);
     ``calls`` sums the remote calls any of its workers reported.
+
+    Of its local workers, ``threads`` run as threads of the executor's process now (the rest
+    as processes; ``Executor.resize(stage, n, threads=t)``), with their own counters apart
+    (``thread_items_in``, ``thread_items_out``, ``thread_busy_ns``, ``thread_blocked_out_ns``,
+    ``thread_cpu_ns``: parts of the totals, retired thread workers' included). Their CPU is
+    the executor's process's, and so is their memory: no worker process holds it.
     """
 
     name: str
@@ -158,6 +167,12 @@ class StageSnapshot:
     remote_blocked_out_ns: int = 0
     remote_cpu_ns: int = 0
     calls: CallSums = CallSums()
+    threads: int = 0
+    thread_items_in: int = 0
+    thread_items_out: int = 0
+    thread_busy_ns: int = 0
+    thread_blocked_out_ns: int = 0
+    thread_cpu_ns: int = 0
 
 
 @dataclass(frozen=True)
@@ -181,8 +196,10 @@ class Snapshot:
 
 
 def read_row(
-    stage: str, slot: int, row: np.ndarray, now_ns: int, remote: bool = False
+    stage: str, slot: int, row: np.ndarray, now_ns: int, kind: str = "process"
 ) -> WorkerStats:
+    """The counters of the worker in ``slot`` (-1: a sum of retired ones) of ``kind``
+    (:data:`multiproc.policy.WORKER_KINDS`)."""
     r = row.copy()
     return WorkerStats(
         stage=stage,
@@ -204,22 +221,21 @@ def read_row(
         cpu_ns=int(r[CPU_NS]),
         runq_ns=int(r[RUNQ_NS]),
         hop_ns=int(r[HOP_NS]),
-        remote=remote,
+        remote=kind == "remote",
         calls=CallSums(*(int(r[c]) for c in range(CALL_N, CALL_SXY + 1))),
+        thread=kind == "thread",
     )
 
 
-def remote_totals(far: list[WorkerStats], rows: list[WorkerStats]) -> dict:
-    """A stage snapshot's offload fields: the offload workers' rows ``far`` summed, and the
+def kind_totals(far: list[WorkerStats], near: list[WorkerStats], rows: list[WorkerStats]) -> dict:
+    """A stage snapshot's fields by worker kind: the offload workers' rows ``far`` summed
+    (``remote_*``), the local thread workers' rows ``near`` summed (``thread_*``), and the
     remote calls of all its ``rows``."""
-    return {
-        "remote_items_in": sum(r.items_in for r in far),
-        "remote_items_out": sum(r.items_out for r in far),
-        "remote_busy_ns": sum(r.busy_ns for r in far),
-        "remote_blocked_out_ns": sum(r.blocked_out_ns for r in far),
-        "remote_cpu_ns": sum(r.cpu_ns for r in far),
-        "calls": CallSums.total([r.calls for r in rows]),
-    }
+    out: dict = {"calls": CallSums.total([r.calls for r in rows])}
+    for prefix, part in (("remote", far), ("thread", near)):
+        for f in ("items_in", "items_out", "busy_ns", "blocked_out_ns", "cpu_ns"):
+            out[f"{prefix}_{f}"] = sum(getattr(r, f) for r in part)
+    return out
 
 
 def read_fused(stage: str, row: np.ndarray, d: int) -> WorkerStats:

@@ -58,7 +58,7 @@ class _Worker:
     def __init__(
         self,
         conn: Connection,
-        stage_box: list[bytes],
+        stage_box: list[Any],
         wid: int,
         slot: int,
         index: int,
@@ -67,12 +67,13 @@ class _Worker:
         seg_name: str,
         seg_size: int,
         budget: int,
-        chain: tuple[bytes, ...] = (),
+        chain: tuple[Any, ...] = (),
     ) -> None:
         # The stage's pickle comes in a list emptied here: a tuple of arguments stays alive on
         # the stack of the process's run() for the worker's whole life, and a map-style
-        # dataset's pickle can be as large as the dataset.
-        self.stage = inherit.loads(stage_box.pop())
+        # dataset's pickle can be as large as the dataset. A thread worker may get the spec
+        # itself, shared with the executor's process (inherit.resolve): not its own.
+        self.stage, self.owns_stage = inherit.resolve(stage_box.pop())
         self.wid = wid
         self.index = index
         self.counters = stats.CounterTable(stats_name, n_slots, create=False)
@@ -97,7 +98,7 @@ class _Worker:
         self.emitter = Emitter(
             self.link, self.alloc, self.seg, self.row, self.cell, self._handle_control, self._error
         )
-        # Fusion: the pickled specs of the next stages this worker may run too.
+        # Fusion: the specs of the next stages this worker may run too (as its own is given).
         self.chain = Chain(chain, index, self.row, self.calls, self._error)
         # A source's units read side by side.
         self.readahead = ReadAhead(
@@ -450,8 +451,10 @@ class _Worker:
 
     def close(self) -> None:
         # A stage function that holds something per worker (a remote actor) lets it go when
-        # the worker ends: retired, replaced or stopped (StageSpec: on_worker_exit).
-        for st in (self.stage, *self.chain.stages):
+        # the worker ends: retired, replaced or stopped (StageSpec: on_worker_exit). A
+        # function shared with the executor's process is no worker's to let go of.
+        own = [self.stage] if self.owns_stage else []
+        for st in own + self.chain.owned():
             hook = getattr(st.fn, "on_worker_exit", None)
             if callable(hook):
                 try:

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from multiproc import Executor, ExecutorSpec, SpecError, StageSpec
-from multiproc.offload import CALL_BYTES_UNIT, CallSums, Offload, call_point, split
+from multiproc.offload import CALL_BYTES_UNIT, CallSums, Offload, call_point
 
 from . import _fns
 
@@ -119,13 +119,6 @@ def test_offload_is_checked_at_the_spec_and_at_resize():
         with pytest.raises(SpecError, match=r"\[0, 4\]"):  # offload.max_workers
             ex.resize("udf", 6, remote=5)
         assert not ex.fusable()[1]  # a fused group runs on the host
-
-
-def test_split_plans_each_kind_apart():
-    local, far = split(2, 1, 4, 3)
-    assert (local.start, local.retire, far.start, far.retire) == (0, 1, 2, 0)
-    local, far = split(1, 3, 2, 0)
-    assert (local.start, local.retire, far.start, far.retire) == (1, 0, 0, 3)
 
 
 def test_call_sums_fit_the_round_trip_and_the_bandwidth():

@@ -187,3 +187,53 @@ def test_a_deadline_passed_is_looked_at_again_shortly():
 
 def test_no_deadline_without_workers_to_time():
     assert policy.next_deadline_s(10**9, []) is None
+
+
+# ---------------------------------------------------------------- worker kinds
+
+Mix = policy.Mix
+
+
+def _plan(have, want):
+    got = policy.resize_plan(have, want)
+    return {k: (s.start, s.retire) for k, s in got.items() if s.start or s.retire}
+
+
+def test_a_resize_starts_and_retires_each_kind_apart():
+    # Local and offload workers, as offload.split planned them.
+    assert _plan(Mix(2, 0, 1), Mix(1, 0, 3)) == {"process": (0, 1), "remote": (2, 0)}
+    assert _plan(Mix(1, 0, 3), Mix(2, 0, 0)) == {"process": (1, 0), "remote": (0, 3)}
+    # A move between processes and threads starts the new kind, retires the old one.
+    assert _plan(Mix(3, 0, 0), Mix(0, 3, 0)) == {"process": (0, 3), "thread": (3, 0)}
+    assert _plan(Mix(1, 2, 1), Mix(2, 1, 1)) == {"process": (1, 0), "thread": (0, 1)}
+    assert _plan(Mix(2, 1, 0), Mix(2, 1, 0)) == {}
+
+
+def test_threads_none_keeps_the_kind_a_stage_does_not_start_as():
+    # A process stage running one thread keeps it, and its processes take the rest.
+    assert policy.worker_mix(5, 0, None, Mix(2, 1, 0), starts_as_threads=False) == Mix(4, 1, 0)
+    # A thread stage keeps its processes (none: it stays all threads as it grows).
+    assert policy.worker_mix(4, 0, None, Mix(0, 2, 0), starts_as_threads=True) == Mix(0, 4, 0)
+    assert policy.worker_mix(4, 0, None, Mix(1, 1, 0), starts_as_threads=True) == Mix(1, 3, 0)
+    # At most the local count: offload workers take their part first.
+    assert policy.worker_mix(3, 2, None, Mix(0, 3, 0), starts_as_threads=False) == Mix(0, 1, 2)
+    assert policy.worker_mix(2, 0, None, Mix(3, 0, 0), starts_as_threads=True) == Mix(2, 0, 0)
+
+
+def test_threads_given_split_the_local_workers():
+    assert policy.worker_mix(4, 1, 2, Mix(4, 0, 0), starts_as_threads=False) == Mix(1, 2, 1)
+    assert policy.worker_mix(4, 0, 0, Mix(0, 4, 0), starts_as_threads=True) == Mix(4, 0, 0)
+
+
+def test_threads_are_checked_against_the_local_workers():
+    assert policy.threads_problem(4, 1, None) is None
+    assert policy.threads_problem(4, 1, 3) is None
+    assert "[0, 3]" in (policy.threads_problem(4, 1, 4) or "")
+    assert policy.threads_problem(4, 0, -1) is not None
+    assert policy.threads_problem(4, 0, True) is not None  # type: ignore[arg-type]
+
+
+def test_the_next_worker_is_of_a_kind_the_stage_is_short_of():
+    assert policy.next_kind(Mix(1, 0, 0), Mix(1, 2, 0), "process") == "thread"
+    assert policy.next_kind(Mix(0, 0, 0), Mix(1, 1, 0), "thread") == "process"
+    assert policy.next_kind(Mix(1, 1, 0), Mix(1, 1, 0), "thread") == "thread"
