@@ -105,6 +105,14 @@ class StageStats:
             local.
         remote_items_per_s: items the stage's remote workers emitted per second (items/s,
             part of ``items_per_s``; 0 without remote workers).
+        threads: of ``workers``, how many run as threads of the consumer's process (count,
+            0..workers less ``remote_workers``); the rest of its local workers are processes.
+            A thread worker uses CPU as a process does but holds no process of its own
+            (``memory_bytes`` is the process workers'); its Python work shares the
+            consumer's interpreter lock with the consumer and the other thread workers.
+        threadable: the tuner may move the stage's local workers between processes and
+            threads (a stage built with ``worker_type="auto"``, not fused). Else the stage
+            keeps the kind it runs.
         bytes_per_item: bytes of one item the stage emits, as it crosses a channel or the
             network (B/item; 0: not measured). An item sent to a remote worker of stage ``i``
             costs stage ``i - 1``'s ``bytes_per_item`` in, its own out.
@@ -145,6 +153,8 @@ class StageStats:
     hop_s_per_item: float = 0.0
     remote_workers: int = 0
     remotable: bool = False
+    threads: int = 0
+    threadable: bool = False
     remote_items_per_s: float = 0.0
     bytes_per_item: float = 0.0
     net_s_per_item: float = 0.0
@@ -290,7 +300,14 @@ class Allocation:
     another keeps its remote count (at most its workers); ``remote[j]`` is how many of
     ``workers[j]`` run on the cluster (:attr:`StageStats.remote_workers`; more than
     ``workers[j]`` reads as all of them). Local workers count against ``cpus``, remote ones
-    against ``Observation.cluster_cpus`` (:func:`~.safety.placed`).
+    against ``Observation.cluster_cpus`` (:func:`~.safety.placed`). ``threads`` empty means
+    "not decided by the tuner": the pipeline's kind rule moves a ``threadable`` stage's local
+    workers between processes and threads from its own measurements
+    (:class:`torchtune_pipe.tuning.worker_kind.KindRule`), live and in the simulator alike;
+    ``threads[j]`` is how many of stage ``j``'s local workers run as threads
+    (:attr:`StageStats.threads`; more than its local workers reads as all of them), the rest
+    as processes. Thread workers count against ``cpus`` as processes do; only process
+    workers hold memory of their own (:func:`process_workers`).
     """
 
     workers: tuple[int, ...]
@@ -298,6 +315,7 @@ class Allocation:
     concurrency: tuple[int, ...] = ()
     fused: tuple[bool, ...] = ()
     remote: tuple[int, ...] = ()
+    threads: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
@@ -329,6 +347,13 @@ class Allocation:
             )
         if any(r < 0 for r in self.remote):
             raise ValueError(f"Allocation: remote must be >= 0, got {self.remote}")
+        object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
+        if self.threads and len(self.threads) != len(self.workers):
+            raise ValueError(
+                f"Allocation: threads has {len(self.threads)} stages, workers {len(self.workers)}"
+            )
+        if any(t < 0 for t in self.threads):
+            raise ValueError(f"Allocation: threads must be >= 0, got {self.threads}")
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
@@ -340,6 +365,16 @@ def running_workers(alloc: Allocation) -> tuple[int, ...]:
     if not alloc.fused:
         return alloc.workers
     return tuple(0 if f else w for w, f in zip(alloc.workers, alloc.fused, strict=True))
+
+
+def process_workers(alloc: Allocation) -> tuple[int, ...]:
+    """Worker processes each stage of ``alloc`` runs on the host: its local workers
+    (:func:`local_workers`) less those that run as threads (``alloc.threads`` taken as given).
+    What a worker holds of its own is a process's: a thread worker's is the consumer's."""
+    own = local_workers(alloc)
+    if not alloc.threads:
+        return own
+    return tuple(max(0, w - t) for w, t in zip(own, alloc.threads, strict=True))
 
 
 def local_workers(alloc: Allocation) -> tuple[int, ...]:

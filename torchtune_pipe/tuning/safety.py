@@ -55,6 +55,7 @@ from torchtune_pipe.tuning.base import (
     is_io_bound,
     limits_of,
     local_workers,
+    process_workers,
 )
 from torchtune_pipe.tuning.cluster import remote_of
 
@@ -195,6 +196,8 @@ class MemoryParts:
         fused: which stages run fused now (empty: none).
         lightest_bytes: what the lightest measured worker holds (a worker's own memory,
             without what a stage keeps in it).
+        threads: thread workers per stage now (``Allocation.threads`` where an allocation
+            leaves them open; empty: none).
     """
 
     buffered_bytes: float
@@ -202,6 +205,7 @@ class MemoryParts:
     fixed_bytes: float
     fused: tuple[bool, ...] = ()
     lightest_bytes: float = 0.0
+    threads: tuple[int, ...] = ()
 
     def worst_case_bytes(self, alloc: Allocation) -> float:
         """Memory ``alloc`` may reach: every buffer full, every worker costing what one of
@@ -209,7 +213,8 @@ class MemoryParts:
         stage that ``alloc`` fuses and that runs split now adds to each of its host's
         workers what its own workers hold beyond the lightest worker (a cache moves with the
         function)."""
-        own = local_workers(alloc)  # a remote worker holds no memory on the host
+        # A remote worker holds no memory on the host, a thread worker none of its own.
+        own = process_workers(alloc if alloc.threads else alloc.replace(threads=self.threads))
         per = list(self.per_worker_bytes)
         now = self.fused or (False,) * len(per)
         fused = alloc.fused or now
@@ -225,11 +230,12 @@ def memory_parts(obs: Observation) -> MemoryParts:
     stage's remote workers hold nothing on the host: its memory is its local workers')."""
     buffered = sum(s.buffer_bytes * s.buffer_fill for s in obs.stages)
     other = max(0.0, obs.memory_used_bytes - buffered)
-    local = [max(0, s.workers - s.remote_workers) for s in obs.stages]
+    threads = tuple(s.threads for s in obs.stages)
+    local = [max(0, s.workers - s.remote_workers - s.threads) for s in obs.stages]
     measured = [i for i, s in enumerate(obs.stages) if s.memory_bytes > 0 and local[i] > 0]
     if not measured:
         each = other / max(1, sum(local))
-        return MemoryParts(buffered, (each,) * len(obs.stages), 0.0)
+        return MemoryParts(buffered, (each,) * len(obs.stages), 0.0, threads=threads)
     mean = sum(obs.stages[i].memory_bytes for i in measured) / sum(local[i] for i in measured)
     own = [s.memory_bytes / local[i] if i in measured else mean for i, s in enumerate(obs.stages)]
     # A fused stage's workers, once split, may hold all that its host's hold now (a cache of
@@ -240,7 +246,9 @@ def memory_parts(obs: Observation) -> MemoryParts:
     )
     in_workers = sum(w * p for w, p in zip(local, per_worker, strict=True))
     lightest = min(own[i] for i in measured)
-    return MemoryParts(buffered, per_worker, max(0.0, other - in_workers), fused, lightest)
+    return MemoryParts(
+        buffered, per_worker, max(0.0, other - in_workers), fused, lightest, threads=threads
+    )
 
 
 def fit_memory(
@@ -320,7 +328,7 @@ def within_limits(alloc: Allocation, obs: Observation, limits: Limits | None = N
         ValueError: when ``alloc`` does not have one entry per observed stage.
     """
     limits = limits or limits_of(obs)
-    alloc = placed(fusable_only(alloc, obs), obs)
+    alloc = kinds(placed(fusable_only(alloc, obs), obs), obs)
     return fit_memory(safe(alloc, obs, limits), obs, min_buffer_bytes=limits.min_buffer_bytes)
 
 
@@ -359,6 +367,26 @@ def placed(alloc: Allocation, obs: Observation) -> Allocation:
             workers[j] -= 1
     remote = tuple(want) if any(want) or any(obs.remote_workers) else ()
     return alloc.replace(workers=tuple(workers), remote=remote)
+
+
+def kinds(alloc: Allocation, obs: Observation) -> Allocation:
+    """``alloc`` with its thread workers where the pipeline can run them: a stage that is not
+    ``threadable`` keeps the thread workers it runs now, and no stage runs more than its local
+    workers. An allocation that leaves the kind open (``threads`` empty: the pipeline's kind
+    rule decides) is returned unchanged.
+
+    Raises:
+        ValueError: when ``alloc`` does not have one entry per observed stage.
+    """
+    if not alloc.threads:
+        return alloc
+    _check_stages(alloc, obs, "")
+    local = local_workers(alloc)
+    threads = tuple(
+        min(t if st.threadable else st.threads, n)
+        for t, st, n in zip(alloc.threads, obs.stages, local, strict=True)
+    )
+    return alloc.replace(threads=threads)
 
 
 def fusable_only(alloc: Allocation, obs: Observation) -> Allocation:

@@ -1,0 +1,86 @@
+"""The kind rule: a threadable stage's workers tried on the other kind, kept where measured
+no slower (threads) or clearly faster (processes), without processes or a clock."""
+
+from __future__ import annotations
+
+from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
+from torchtune_pipe.tuning.worker_kind import PROBE, SETTLE, KindRule
+
+
+def _obs(threads: tuple[int, ...], rate: float, threadable=(False, True), cpus=8.0):
+    stages = tuple(
+        StageStats(f"s{i}", workers=4, min_workers=1, max_workers=8, items_per_s=rate,
+                   busy=0.9, blocked_in=0.0, blocked_out=0.0, buffer_bytes=64 * MiB,
+                   buffer_fill=0.5, cpu_s_per_item=0.001, threads=t, threadable=ok)
+        for i, (t, ok) in enumerate(zip(threads, threadable, strict=True))
+    )  # fmt: skip
+    return Observation(stages, rate, cpus, 8 << 30, 1 << 30)
+
+
+def _run(rule: KindRule, speed, steps: int, workers=(4, 4), moves_at=None, cpus=8.0):
+    """Drive ``rule`` as a pipeline would: what it plans runs in the next interval, which
+    delivers ``speed(threads of stage 1)``."""
+    threads = (0, 0)
+    seen = []
+    for step in range(steps):
+        w = workers if moves_at is None or step < moves_at else (workers[0], workers[1] - 1)
+        obs = _obs(threads, speed(threads[1]), cpus=cpus)
+        plan = rule.plan(obs, Allocation(w, (64 * MiB,) * 2))
+        threads = plan.threads
+        seen.append(threads)
+    return seen
+
+
+def test_threads_that_deliver_as_much_stay():
+    rule = KindRule(threads_first=False)
+    seen = _run(rule, lambda t: 1000.0, steps=4 * (SETTLE + PROBE))
+    assert seen[0] == (0, 0)  # it starts on processes
+    assert seen[-1] == (0, 4)  # all four of stage 1's workers, stage 0 not threadable
+    assert [d[0] for d in rule.decisions] == ["try", "keep"]
+
+
+def test_threads_clearly_slower_go_back_to_processes_and_stay_there():
+    rule = KindRule(threads_first=False)
+    seen = _run(rule, lambda t: 600.0 if t else 1000.0, steps=6 * (SETTLE + PROBE))
+    assert (0, 4) in seen  # tried
+    assert seen[-1] == (0, 0)
+    what, stage, threads, ratio = rule.decisions[-1]
+    assert (what, stage, threads) == ("undo", 1, True) and abs(ratio - 0.6) < 1e-9
+    assert len(rule.decisions) == 2  # not tried again at the same CPUs
+
+
+def test_a_free_threaded_interpreter_starts_on_threads_and_keeps_them_unless_beaten():
+    rule = KindRule(threads_first=True)
+    seen = _run(rule, lambda t: 1000.0, steps=4 * (SETTLE + PROBE))
+    assert seen[0] == (0, 4)
+    assert seen[-1] == (0, 4)  # processes as fast: not clearly faster, threads stay
+    rule = KindRule(threads_first=True)
+    seen = _run(rule, lambda t: 500.0 if t else 1000.0, steps=4 * (SETTLE + PROBE))
+    assert seen[-1] == (0, 0)
+
+
+def test_a_trial_the_tuner_interrupts_is_undone_and_tried_again():
+    rule = KindRule(threads_first=False)
+    # The tuner takes a worker away while the trial measures.
+    _run(rule, lambda t: 1000.0, steps=SETTLE + PROBE + 3, moves_at=SETTLE + PROBE + 2)
+    assert [d[0] for d in rule.decisions] == ["try", "abort"]
+    assert rule.kind[1] is False and 1 not in rule.tried
+
+
+def test_an_allocation_that_sets_threads_and_stages_not_threadable_keep_theirs():
+    rule = KindRule(threads_first=True)
+    obs = _obs((2, 0), 1000.0, threadable=(False, True))
+    given = Allocation((4, 4), (64 * MiB,) * 2, threads=(1, 3))
+    assert rule.plan(obs, given) is given
+    planned = rule.plan(obs, Allocation((4, 4), (64 * MiB,) * 2))
+    assert planned.threads == (2, 4)  # stage 0 as it runs; stage 1 the rule's (threads first)
+
+
+def test_the_guard_keeps_a_stage_that_is_not_threadable_on_its_kind():
+    from torchtune_pipe.tuning.safety import kinds
+
+    obs = _obs((1, 0), 1000.0, threadable=(False, True))
+    asked = Allocation((4, 2), (64 * MiB,) * 2, threads=(4, 9))
+    assert kinds(asked, obs).threads == (1, 2)  # stage 0 as it runs; stage 1 at most its 2
+    open_ = Allocation((4, 2), (64 * MiB,) * 2)
+    assert kinds(open_, obs) is open_

@@ -1,0 +1,145 @@
+"""Threads or processes for a stage's workers: a measured rule below every tuner.
+
+A stage built with ``worker_type="auto"`` (:attr:`~.base.StageStats.threadable`) may run its
+local workers as processes or as threads of the consumer's process. A thread worker holds no
+process of its own (no interpreter, no copy of the dataset's pages it writes, no fork), and its
+items skip nothing a process's would not; but its Python work shares one interpreter lock with
+the consumer and the other thread workers. Which kind is faster for a stage is not known from
+its code (a decode in C releases the lock, a tokenizer in Python holds it), so the rule tries
+it: once a stage's allocation has held for ``SETTLE`` observations, it moves the stage's local
+workers to the other kind for ``PROBE`` observations and compares what the pipeline delivered
+(:attr:`~.base.Observation.throughput`, what the consumer took: it includes a consumer slowed
+by the lock) with the ``PROBE`` observations before the move. The kind that holds less memory
+(threads) stays when it delivered at least ``1 - TOLERANCE`` of the other; else the workers go
+back. One stage is tried at a time, in pipeline order; a stage is tried again when the
+machine's CPUs change. On an interpreter without a GIL (``sys._is_gil_enabled()`` false,
+free-threaded CPython) threads are the first candidate: a threadable stage starts on threads
+and processes are what is tried.
+
+The rule is the same object live (:class:`~torchtune_pipe.loader.running.RunningPipeline`) and
+in the simulator (:class:`~torchtune_pipe.sim.model.SimPipeline`): it reads an
+:class:`~.base.Observation` and fills ``Allocation.threads`` where a tuner left it empty.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from dataclasses import dataclass, field
+
+from torchtune_pipe.tuning.base import Allocation, Observation, local_workers
+
+SETTLE = 3  # observations an allocation holds before a stage's kind is tried
+PROBE = 3  # observations each kind is measured over
+TOLERANCE = 0.05  # threads stay at >= 95% of what processes delivered (noise of one interval)
+
+
+def gil_enabled() -> bool:
+    """Whether this interpreter has a GIL (every CPython but a free-threaded build)."""
+    probe = getattr(sys, "_is_gil_enabled", None)
+    return True if probe is None else bool(probe())
+
+
+@dataclass
+class _Trial:
+    """A stage being tried on the other kind."""
+
+    stage: int
+    threads: bool  # the kind tried
+    before: list[float]  # what the pipeline delivered on the kind it ran
+    under: tuple  # the workers and CPUs both kinds are measured under
+    after: list[float] = field(default_factory=list)  # on the kind tried, once all moved
+
+
+class KindRule:
+    """Chooses threads or processes for the threadable stages (module docstring).
+
+    Args:
+        threads_first: start threadable stages on threads (default: where the interpreter has
+            no GIL).
+    """
+
+    def __init__(self, threads_first: bool | None = None) -> None:
+        self.threads_first = (not gil_enabled()) if threads_first is None else threads_first
+        self.kind: dict[int, bool] = {}  # stage -> runs on threads (decided or starting kind)
+        self.tried: dict[int, float] = {}  # stage -> the CPUs it was last tried at
+        self.trial: _Trial | None = None
+        self._rates: list[float] = []  # what the pipeline delivered since the last change
+        self._last: tuple | None = None  # the allocation those rates were measured under
+        self.decisions: list[tuple[str, int, bool, float]] = []  # (what, stage, threads, ratio)
+
+    def plan(self, obs: Observation, alloc: Allocation) -> Allocation:
+        """``alloc`` with ``threads`` decided for every stage, where the tuner left it empty:
+        the rule's kind for threadable stages, the kind it runs now for the rest."""
+        if alloc.threads:
+            return alloc
+        local = local_workers(alloc)
+        now = [s.threads for s in obs.stages]
+        self._measure(obs, alloc)
+        for i, st in enumerate(obs.stages):
+            if st.threadable and i not in self.kind:
+                self.kind[i] = self.threads_first
+        threads = []
+        for i, st in enumerate(obs.stages):
+            if not st.threadable or st.fused:
+                threads.append(min(now[i], local[i]))
+            else:
+                threads.append(local[i] if self.kind[i] else 0)
+        return alloc.replace(threads=tuple(threads))
+
+    def _measure(self, obs: Observation, alloc: Allocation) -> None:
+        key = (alloc.workers, alloc.fused, tuple(s.threads for s in obs.stages), obs.cpus)
+        trial = self.trial
+        if trial is not None and (alloc.workers, obs.cpus) != trial.under:
+            # The tuner moved workers or the machine changed mid-trial: the two kinds would
+            # be measured under different allocations. Back to the kind it ran; tried later.
+            self.kind[trial.stage] = not trial.threads
+            self.tried.pop(trial.stage, None)
+            self.decisions.append(("abort", trial.stage, trial.threads, 0.0))
+            self.trial = trial = None
+        if key != self._last:  # a change: the interval it lands in measures neither side
+            self._last = key
+            self._rates = []
+            return
+        self._rates.append(obs.throughput)
+        if trial is not None:
+            st = obs.stages[trial.stage]
+            moved = (
+                st.threads >= local_workers(alloc)[trial.stage]
+                if trial.threads
+                else (st.threads == 0)
+            )
+            if moved:
+                trial.after.append(obs.throughput)
+            if len(trial.after) >= PROBE:
+                self._decide(trial)
+            return
+        if len(self._rates) < SETTLE + PROBE:
+            return
+        for i, st in enumerate(obs.stages):
+            if not st.threadable or st.fused or self.tried.get(i) == obs.cpus:
+                continue
+            self.tried[i] = obs.cpus
+            self.trial = _Trial(
+                i, not self.kind[i], self._rates[-PROBE:], (alloc.workers, obs.cpus)
+            )
+            self.kind[i] = self.trial.threads
+            self.decisions.append(("try", i, self.trial.threads, 0.0))
+            return
+
+    def _decide(self, trial: _Trial) -> None:
+        before = statistics.median(trial.before)
+        after = statistics.median(trial.after)
+        ratio = after / before if before > 0 else (1.0 if after <= 0 else float("inf"))
+        # Threads are the kind that holds less: they stay unless clearly slower; processes
+        # replace them only when clearly faster.
+        if trial.threads:
+            keep = ratio >= 1.0 - TOLERANCE
+        else:
+            keep = ratio > 1.0 + TOLERANCE
+        self.kind[trial.stage] = trial.threads if keep else not trial.threads
+        self.decisions.append(("keep" if keep else "undo", trial.stage, trial.threads, ratio))
+        self.trial = None
+
+
+__all__ = ["PROBE", "SETTLE", "TOLERANCE", "KindRule", "gil_enabled"]
