@@ -57,7 +57,6 @@ rule (:class:`~torchtune_pipe.sim.fused.FusionRule`), the solver of steps 1-5
 
 from __future__ import annotations
 
-import bisect
 import copy as _copy
 import math
 import random
@@ -66,6 +65,7 @@ from dataclasses import dataclass
 
 from torchtune_pipe.sim.fused import FusionRule
 from torchtune_pipe.sim.remote import RemoteModel
+from torchtune_pipe.sim.schedule import schedule, value_at
 from torchtune_pipe.sim.solve import Solver, overlapped
 from torchtune_pipe.sim.workload import (
     STAGE_KINDS,
@@ -86,28 +86,6 @@ from torchtune_pipe.tuning.base import (
 from torchtune_pipe.tuning.calls_in_flight import plan_concurrency
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
-
-
-# A value over time: the start times (seconds, ascending) and the value from each on.
-_Schedule = tuple[tuple[float, ...], tuple[float, ...]]
-
-
-def _schedule(
-    value: float | Sequence[tuple[float, float]], what: str, zero: bool = False
-) -> _Schedule:
-    if isinstance(value, int | float):
-        steps = [(0.0, float(value))]
-    else:
-        steps = sorted((float(t), float(v)) for t, v in value)
-        if not steps:
-            raise ValueError(f"SimPipeline: {what} schedule is empty")
-    if any(v < 0 or (v == 0 and not zero) for _, v in steps):
-        raise ValueError(f"SimPipeline: {what} must be {'>=' if zero else '>'} 0, got {steps}")
-    return tuple(t for t, _ in steps), tuple(v for _, v in steps)
-
-
-def _at(sched: _Schedule, t: float) -> float:
-    return sched[1][max(0, bisect.bisect_right(sched[0], t) - 1)]
 
 
 @dataclass
@@ -164,9 +142,9 @@ class SimPipeline:
         self.interval_s = float(interval_s)
         self.noise = float(noise)
         self.seed = seed
-        self._cpus = _schedule(cpus, "cpus")
-        self._mem = _schedule(memory_limit_bytes, "memory_limit_bytes")
-        self._cluster = _schedule(cluster_cpus, "cluster_cpus", zero=True)
+        self._cpus = schedule(cpus, "cpus")
+        self._mem = schedule(memory_limit_bytes, "memory_limit_bytes")
+        self._cluster = schedule(cluster_cpus, "cluster_cpus", zero=True)
         st = workload.stages
         n = len(st)
         self.n_stages = n
@@ -221,13 +199,13 @@ class SimPipeline:
         t0, n = s.t, self.n_stages
         co, rule, solver, rm = self._coef, self._rule, self._solver, self._remote
         s.t = t0 + dt
-        cpus, limit = _at(self._cpus, t0), int(_at(self._mem, t0))
+        cpus, limit = value_at(self._cpus, t0), int(value_at(self._mem, t0))
         alloc = s.alloc
         if s.oom:
             return self._dead_observation(cpus, limit)
         fused = s.fused
         running = running_workers(alloc.replace(fused=fused))
-        cluster = _at(self._cluster, t0)
+        cluster = value_at(self._cluster, t0)
         local = rm.local(alloc.remote, running)
         remote = rm.running(alloc.remote, running, cluster)
         # A worker added since the last interval only works once it has started.
@@ -347,7 +325,7 @@ class SimPipeline:
         """
         at = self._when(t)
         ss = self.steady_state(allocation, cpus, at, cluster_cpus)
-        return ss.throughput if ss.memory_bytes <= _at(self._mem, at) else 0.0
+        return ss.throughput if ss.memory_bytes <= value_at(self._mem, at) else 0.0
 
     def steady_state(
         self,
@@ -371,8 +349,8 @@ class SimPipeline:
         at = self._when(t)
         c, d = self._coef.costs(at, fused)
         d = overlapped(c, d, self._concurrency(a, fused))
-        cpus = _at(self._cpus, at) if cpus is None else float(cpus)
-        cluster = _at(self._cluster, at) if cluster_cpus is None else float(cluster_cpus)
+        cpus = value_at(self._cpus, at) if cpus is None else float(cpus)
+        cluster = value_at(self._cluster, at) if cluster_cpus is None else float(cluster_cpus)
         running = running_workers(a.replace(fused=fused))
         local = rm.local(asked, running)
         remote = rm.running(asked, running, cluster)
@@ -388,7 +366,7 @@ class SimPipeline:
         at = self._when(t)
         co = self._coef
         c, _ = co.costs(at, self._rule.widest())
-        cpus = _at(self._cpus, at) if cpus is None else float(cpus)
+        cpus = value_at(self._cpus, at) if cpus is None else float(cpus)
         return min(co.xc, cpus / sum(co.R[i] * c[i] for i in range(self.n_stages)))
 
     def fusable(self, fused: Sequence[bool] | None = None) -> tuple[bool, ...]:
@@ -451,15 +429,15 @@ class SimPipeline:
 
     def cpus_at(self, t: float) -> float:
         """CPUs the schedule gives at time ``t``."""
-        return _at(self._cpus, t)
+        return value_at(self._cpus, t)
 
     def cluster_cpus_at(self, t: float) -> float:
         """Cluster CPUs the schedule gives at time ``t``."""
-        return _at(self._cluster, t)
+        return value_at(self._cluster, t)
 
     def memory_limit_at(self, t: float) -> int:
         """Memory limit the schedule gives at time ``t``."""
-        return int(_at(self._mem, t))
+        return int(value_at(self._mem, t))
 
     # -- internals ---------------------------------------------------------------------------
 
