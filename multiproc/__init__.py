@@ -24,6 +24,7 @@ from .offload import Offload
 from .reducers import Batcher, Shuffler
 from .spec import ExecutorSpec, Reducer, Skipped, StageSpec
 from .stats import Snapshot, StageSnapshot, WorkerStats
+from .worker import in_thread_worker
 
 __all__ = [
     "Batcher",
@@ -49,4 +50,5 @@ __all__ = [
     "WorkerDiedError",
     "WorkerStats",
     "concurrency",
+    "in_thread_worker",
 ]

@@ -74,9 +74,10 @@ def pickle_stages(
 
     Process workers of a snapshot get references to the snapshot's copy of the stage's
     functions, others a pickle by value (large arrays in ``shared``, :mod:`multiproc.buffers`).
-    Thread workers of a thread stage get a pickle by value (each its own copy); those of a
-    process or ``auto`` stage the spec itself, this process's own (nothing pickled: what does
-    not pickle works, as in a forked worker).
+    Thread workers of a thread stage get a pickle by value (each its own copy) unless its
+    ``thread_copies`` is False; those of a process or ``auto`` stage, and those, the spec
+    itself, this process's own (nothing pickled: what does not pickle works, as in a forked
+    worker).
 
     Returns:
         Per stage, its process workers' pickle and its thread workers' form.
@@ -86,10 +87,15 @@ def pickle_stages(
     for s in spec.stages:
         local = offload.local_spec(s) if s.offload else s
         by_ref = None if snapshot is None else check_picklable(local, dumps=snapshot.dumps)
-        if s.starts_as_threads:
+        if s.starts_as_threads and s.thread_copies:
             by_value = check_picklable(local, shared)
             procs.append(by_value if by_ref is None else by_ref)
             threads.append(by_value)
+        elif s.starts_as_threads and by_ref is None:
+            # Its threads share this process's stage; without a snapshot nothing pickles it
+            # (it need not pickle): a process worker of it fails at its start, saying why.
+            procs.append(b"")
+            threads.append(local)
         else:
             procs.append(check_picklable(local, shared) if by_ref is None else by_ref)
             threads.append(local)

@@ -128,6 +128,9 @@ class StageSpec:
             thread workers do: nothing is pickled, an open file works as in a forked worker;
             ``fn`` must then be safe to call from several threads, and its
             ``on_worker_exit()`` is not called, the function being no worker's own).
+        thread_copies: whether a thread stage's thread workers each unpickle their own copy
+            of the stage (True), or all call this process's own ``fn`` as an ``auto`` stage's
+            do (False: what torch's thread workers do with the dataset).
         on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop, count, log
             the first; a source that raises loses the rest of its unit, see :class:`Skipped`).
         max_errors: the most items ``skip`` may drop before the executor raises
@@ -174,6 +177,7 @@ class StageSpec:
     fused: bool = False
     placement: str = "local"
     offload: Offload | None = None
+    thread_copies: bool = True
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"

@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
@@ -38,6 +39,15 @@ log = logging.getLogger(__name__)
 _ns = time.perf_counter_ns
 _cpu_ns = time.thread_time_ns
 _mono_ns = time.monotonic_ns  # the clock of IN_FN_SINCE_NS, shared with the executor
+_here = threading.local()  # .thread_worker: this thread is a thread worker of an executor
+
+
+def in_thread_worker() -> bool:
+    """Whether the calling thread is a worker of an executor that runs as a thread of the
+    executor's own process (so what it sets process-wide, the consumer sees)."""
+    return getattr(_here, "thread_worker", False)
+
+
 # A unit still being read has its time counted at most this often (as RunQueue reads).
 BOOK_EVERY_NS = 20_000_000
 
@@ -490,6 +500,7 @@ def worker_main(conn: Connection, *args: Any, is_thread: bool = False, owner_pid
         serialize.collate_into_private_memory()
     w = None
     wid = args[1] if len(args) > 1 else -1
+    _here.thread_worker = is_thread
     try:
         w = _Worker(conn, *args)
         if not is_thread:
