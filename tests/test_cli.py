@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchtune_pipe.tools import cli as cli
+from torchtune_pipe.tools import cli
 
 
 def test_help_lists_every_command(capsys):

@@ -11,8 +11,10 @@ pytest.importorskip("matplotlib")
 
 from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
-from torchtune_pipe.tools import report  # noqa: E402
-from torchtune_pipe.tools import demo as demo
+from torchtune_pipe.tools import (
+    demo,
+    report,  # noqa: E402
+)
 
 
 def test_report_png_from_the_demo_names_every_stage(tmp_path, capsys):

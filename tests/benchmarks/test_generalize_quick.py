@@ -11,7 +11,7 @@ import pytest
 from benchmarks import generalize
 from benchmarks._generalize_cases import BATTERY_SEED, FAMILIES, battery
 from torchtune_pipe.sim import studies
-from torchtune_pipe.tuning.intune import pretrain as pretrain
+from torchtune_pipe.tuning.intune import pretrain
 
 
 def test_the_battery_draws_no_seed_that_pretraining_or_an_evaluation_used():
