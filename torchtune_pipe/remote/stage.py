@@ -69,12 +69,10 @@ def cluster_cpus() -> float:
     """CPUs the Ray cluster this process is connected to has in total (Ray's
     ``cluster_resources()["CPU"]``, the host's own included); 0 when it is not connected or
     Ray is not installed: what ``Observation.cluster_cpus`` reports while a remote stage
-    runs."""
-    if not ray_installed():
-        return 0.0
-    import ray
-
-    if not ray.is_initialized():
+    runs. Like :func:`connected`, it does not import ``ray``: importing it would make this
+    process unfit to fork (:func:`multiproc.handles.fork_unsafe`)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
         return 0.0
     return float(ray.cluster_resources().get("CPU", 0.0))
 
