@@ -36,7 +36,10 @@ class StageOptions:
             ``[min_workers, max_workers]``.
         min_workers, max_workers: the tuner's bounds.
         buffer_bytes: the starting outbound buffer (>= 64 KiB).
-        worker_type: ``process`` or ``thread`` (for functions that release the GIL).
+        worker_type: ``process``, ``thread`` (for functions that release the GIL) or ``auto``:
+            processes, moved to threads of the consumer's process while running where they
+            deliver as much (:mod:`torchtune_pipe.tuning.worker_kind`); the function must then
+            be safe to call from several threads, and shares this process's random generators.
         on_error: ``raise``, or ``skip`` (drop the failing item, count it, log the first).
         init: ``init(stage_name, worker_index)`` run once in every new worker.
         max_errors: the bound on skipped items: an int a count, a float a share of the items
@@ -51,7 +54,7 @@ class StageOptions:
     min_workers: int = 1
     max_workers: int = DEFAULT_MAX_WORKERS
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
-    worker_type: Literal["process", "thread"] = "process"
+    worker_type: Literal["process", "thread", "auto"] = "process"
     on_error: Literal["raise", "skip"] = "raise"
     init: Callable[[str, int], None] | None = None
     max_errors: int | float | None = DEFAULT_MAX_ERRORS

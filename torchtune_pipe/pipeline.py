@@ -177,7 +177,7 @@ class Pipeline:
         if name is None:
             name = self._free_name(getattr(fn, "__name__", "map").strip("<>") or "map")
         stage = self._stage(method, self.stages, name, "map", fn, o)
-        if o.worker_type == "process" or placement != "local":
+        if o.worker_type != "thread" or placement != "local":
             _check_pickles(method, "fn", fn)
         stage = _with_concurrency(method, stage, o.concurrency, o.max_concurrency)
         stage = _with_fused(method, self.stages, stage, fused)
@@ -267,7 +267,7 @@ class Pipeline:
                 max_buffer_bytes=st.max_buffer_bytes, worker_type=st.worker_type,
                 on_error=st.on_error, init=st.init, max_errors=st.max_errors,
                 concurrency=st.concurrency, max_concurrency=st.max_concurrency,
-                fused=st.fused, placement=st.placement,
+                fused=st.fused, placement=st.placement, thread_copies=st.thread_copies,
             )  # fmt: skip
             fn: Callable[..., Any]
             kind = EXECUTOR_KIND[st.kind]
@@ -333,9 +333,9 @@ class Pipeline:
             raise PipelineError(
                 f"{method}: buffer_bytes must be an int >= {MIN_BUFFER_BYTES}, got {buffer_bytes!r}"
             )
-        if worker_type not in ("process", "thread"):
+        if worker_type not in ("process", "thread", "auto"):
             raise PipelineError(
-                f"{method}: worker_type must be 'process' or 'thread', got {worker_type!r}"
+                f"{method}: worker_type must be 'process', 'thread' or 'auto', got {worker_type!r}"
             )
         if on_error not in ("raise", "skip"):
             raise PipelineError(f"{method}: on_error must be 'raise' or 'skip', got {on_error!r}")
@@ -378,13 +378,18 @@ def _with_fused(method: str, before: tuple[Stage, ...], stage: Stage, fused: Any
         raise PipelineError(f"{method}: fused must be a bool, got {fused!r}")
     if fused:
         prev = before[-1]
-        if prev.kind not in ("source", "map") or prev.worker_type != stage.worker_type:
+        if prev.kind not in ("source", "map") or _threads(prev) != _threads(stage):
             raise PipelineError(
                 f"{method}: fused=True runs fn in the workers of stage {prev.name!r}, which "
                 f"must be a source or map stage with worker_type={stage.worker_type!r} (it is "
                 f"a {prev.kind} stage with worker_type={prev.worker_type!r})"
             )
     return dataclasses.replace(stage, fused=fused)
+
+
+def _threads(stage: Stage) -> bool:
+    """Whether the stage starts on threads (``auto`` starts on processes)."""
+    return stage.worker_type == "thread"
 
 
 def _with_placement(method: str, stage: Stage, placement: Any, ray_options: Any) -> Stage:

@@ -38,7 +38,8 @@ class Stage:
             ``[min_workers, max_workers]``.
         buffer_bytes: initial byte budget of the stage's outbound buffer; the tuner moves it
             up to ``max_buffer_bytes``.
-        worker_type: ``process`` or ``thread``.
+        worker_type: ``process``, ``thread`` or ``auto`` (processes that the pipeline moves to
+            threads where that measures no slower; see :mod:`torchtune_pipe.tuning.worker_kind`).
         on_error: ``raise`` or ``skip`` (drop the failing item, count it, log the first).
         max_errors: the most items ``skip`` may drop before the loader raises: an int is a
             count, a float a share of the items the stage took in (of at least 100), None no
@@ -61,6 +62,9 @@ class Stage:
             the tuner may move onto a connected Ray cluster (:mod:`torchtune_pipe.remote.mixed`).
         ray_options: the actors' ``ActorClass.options(...)`` (``placement="ray"`` or
             ``"auto"``).
+        thread_copies: (``worker_type="thread"``) each thread worker gets its own copy of
+            ``fn`` (True), or all share this process's own (False: the DataLoader's thread
+            workers share the dataset, as torch's do).
     """
 
     name: str
@@ -71,7 +75,7 @@ class Stage:
     max_workers: int = DEFAULT_MAX_WORKERS
     buffer_bytes: int = DEFAULT_BUFFER_BYTES
     max_buffer_bytes: int | None = None
-    worker_type: Literal["process", "thread"] = "process"
+    worker_type: Literal["process", "thread", "auto"] = "process"
     on_error: Literal["raise", "skip"] = "raise"
     size: int = 0
     drop_last: bool = False
@@ -84,6 +88,7 @@ class Stage:
     fused: bool = False
     placement: Literal["local", "ray", "auto"] = "local"
     ray_options: Mapping[str, Any] | None = None
+    thread_copies: bool = True
 
     @property
     def stateful(self) -> bool:

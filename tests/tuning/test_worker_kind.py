@@ -82,5 +82,8 @@ def test_the_guard_keeps_a_stage_that_is_not_threadable_on_its_kind():
     obs = _obs((1, 0), 1000.0, threadable=(False, True))
     asked = Allocation((4, 2), (64 * MiB,) * 2, threads=(4, 9))
     assert kinds(asked, obs).threads == (1, 2)  # stage 0 as it runs; stage 1 at most its 2
+    # A stage all of whose workers are threads (worker_type="thread") keeps them all.
+    all_threads = _obs((4, 0), 1000.0, threadable=(False, True))
+    assert kinds(Allocation((6, 2), (64 * MiB,) * 2, threads=(0, 0)), all_threads).threads == (6, 0)
     open_ = Allocation((4, 2), (64 * MiB,) * 2)
     assert kinds(open_, obs) is open_

@@ -48,6 +48,7 @@ from torchtune_pipe.loader.prefetch import END
 from torchtune_pipe.loader.progress import STATE_VERSION, Progress, plan_epoch
 from torchtune_pipe.loader.pushdown import batched_at_source
 from torchtune_pipe.loader.running import (
+    KindLoop,
     MachineFacts,
     RunningPipeline,
     as_tuner,
@@ -67,6 +68,7 @@ from torchtune_pipe.stages import PipelineLike, items_out
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.tuning.base import Allocation, Observation
 from torchtune_pipe.tuning.loop import write_event
+from torchtune_pipe.tuning.worker_kind import KindRule
 
 __all__ = ["Loader"]
 
@@ -183,6 +185,7 @@ class Loader:
         # The next executor's spec and the snapshot its workers fork from, taken at iter().
         self._next: tuple[Any, Any] | None = None
         self._allocation: Allocation | None = None  # what the last executor ran with
+        self._kinds = KindRule()  # threads or processes per "auto" stage, kept across epochs
         self._final: dict = {}  # its last observation, as it stopped ("obs")
         self._tunable: RunningPipeline | None = None
         self._tuner_started = False  # the tuner has made its first (reset) decision
@@ -356,6 +359,7 @@ class Loader:
             ex, self._tunable = start_executor(
                 spec, snapshot=snapshot, machine=self._machine, clock=self._clock,
                 memory_limit_bytes=self.memory_limit_bytes, prefetch_slot=self._prefetch,
+                kinds=self._kinds, source=self.pipeline.source,
             )  # fmt: skip
             self._executor = ex
             self._held["executor"] = ex
@@ -541,7 +545,12 @@ class Loader:
             return False
 
     def _start_tuning(self) -> Any:
-        if self.tuner is None or self._tunable is None or self.inline:
+        if self._tunable is None or self.inline:
+            return None
+        if self.tuner is None:
+            # No tuner: the stages keep their knobs, but an "auto" stage's kind is measured.
+            if any(s.worker_type == "auto" for s in self._tunable.executor.spec.stages):
+                return KindLoop(self._tunable, self.tuning_interval_s).start()
             return None
         # One tuner per Loader: later epochs continue it (no reset), so allocations and what
         # the agent learned carry over from epoch to epoch.

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
+import threading
 import weakref
 from typing import Any
 
@@ -22,6 +24,9 @@ from torchtune_pipe.stages import PipelineLike
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.telemetry.memory import MemoryProbe
 from torchtune_pipe.tuning.base import Allocation, Observation
+from torchtune_pipe.tuning.worker_kind import KindRule
+
+log = logging.getLogger(__name__)
 
 
 class RunningPipeline:
@@ -33,9 +38,14 @@ class RunningPipeline:
     which applies the hard limits (CPU budget, memory) once per decision.
     """
 
-    def __init__(self, executor: Executor, meter: telemetry.Meter):
+    def __init__(
+        self, executor: Executor, meter: telemetry.Meter, kinds: KindRule | None = None
+    ) -> None:
         self.executor = executor
         self.meter = meter
+        # Threads or processes for worker_type="auto" stages; a loader passes the one it keeps
+        # from epoch to epoch, so a kind decided once is not tried again every epoch.
+        self.kinds = kinds if kinds is not None else KindRule()
         self._last: Observation | None = None
 
     def observe(self) -> Observation:
@@ -46,7 +56,10 @@ class RunningPipeline:
     def apply(self, allocation: Allocation) -> None:
         """Resize stages and buffers to ``allocation`` (budgets within each stage's
         ``max_buffer_bytes``); calls in flight per worker where the allocation leaves them open
-        follow the measured rule (:func:`~torchtune_pipe.tuning.calls_in_flight.plan_concurrency`).
+        follow the measured rule (:func:`~torchtune_pipe.tuning.calls_in_flight.plan_concurrency`),
+        and so does the kind of a ``worker_type="auto"`` stage's workers where it leaves
+        ``threads`` open (:class:`~torchtune_pipe.tuning.worker_kind.KindRule`); a stage built
+        with another worker type keeps its kind.
 
         ``allocation.remote`` is honoured as far as the executor places workers: a
         ``placement="auto"`` stage connected to Ray (``remotable``) runs ``remote[i]`` of its
@@ -61,7 +74,7 @@ class RunningPipeline:
         from torchtune_pipe.tuning.calls_in_flight import plan_concurrency
 
         obs = self._last or self.observe()
-        a = plan_concurrency(obs, allocation)
+        a = self.kinds.plan(obs, plan_concurrency(obs, allocation))
         ex = self.executor
         for i, st in enumerate(ex.spec.stages):
             if st.offload is not None:
@@ -87,10 +100,19 @@ class RunningPipeline:
                 if not a.remote and now and now == ex.workers(i):
                     want = a.workers[i]
                 remote = min(want, a.workers[i], st.offload.max_workers)
-                if a.workers[i] != ex.workers(i) or remote != ex.remote_workers(i):
-                    ex.resize(i, a.workers[i], remote=remote)
-            elif a.workers[i] != ex.workers(i):
-                ex.resize(i, a.workers[i])
+                threads = self._threads(i, a, a.workers[i] - remote)
+                if (
+                    a.workers[i] != ex.workers(i)
+                    or remote != ex.remote_workers(i)
+                    or (threads is not None and threads != ex.threads(i))
+                ):
+                    ex.resize(i, a.workers[i], remote=remote, threads=threads)
+            else:
+                threads = self._threads(i, a, a.workers[i])
+                if a.workers[i] != ex.workers(i) or (
+                    threads is not None and threads != ex.threads(i)
+                ):
+                    ex.resize(i, a.workers[i], threads=threads)
             if a.concurrency[i] != ex.concurrency(i):
                 ex.set_concurrency(i, a.concurrency[i])
             budget = a.buffer_bytes[i]
@@ -98,6 +120,24 @@ class RunningPipeline:
                 budget = min(budget, st.max_buffer_bytes)
             if budget != ex.budget(i):
                 ex.set_budget(i, budget)
+
+    def apply_kinds(self) -> None:
+        """Observe, and move the ``worker_type="auto"`` stages' workers between processes and
+        threads as the kind rule says, every other knob kept as it runs (what a loader without
+        a tuner runs, :class:`KindLoop`)."""
+        obs = self.observe()
+        a = self.kinds.plan(obs, obs.allocation())
+        ex = self.executor
+        for i in range(len(ex.spec.stages)):
+            threads = self._threads(i, a, ex.workers(i) - ex.remote_workers(i))
+            if threads is not None and threads != ex.threads(i):
+                ex.resize(i, ex.workers(i), threads=threads)
+
+    def _threads(self, i: int, a: Allocation, local: int) -> int | None:
+        """Thread workers stage ``i`` runs under ``a`` (None: the kind it was built with)."""
+        if self.executor.spec.stages[i].worker_type != "auto" or not a.threads:
+            return None
+        return max(0, min(a.threads[i], local))
 
     def allocation(self) -> Allocation:
         """The allocation the executor runs with now."""
@@ -108,11 +148,13 @@ class RunningPipeline:
             ex.workers(i) if s.placement != "local" else ex.remote_workers(i)
             for i, s in enumerate(ex.spec.stages)
         )
+        threads = tuple(ex.threads(i) for i in range(n))
         return Allocation(
             tuple(ex.workers(i) for i in range(n)),
             tuple(ex.budget(i) for i in range(n)),
             fused=fused if any(fused) else (),
             remote=remote if any(remote) else (),
+            threads=threads if any(threads) else (),
         )
 
 
@@ -256,16 +298,27 @@ def start_executor(
     clock: telemetry.ConsumerClock,
     memory_limit_bytes: int | None,
     prefetch_slot: list[weakref.ref],
+    kinds: KindRule | None = None,
+    source: Any = None,
 ) -> tuple[Executor, RunningPipeline]:
     """The executor of ``spec`` (its workers forked from ``snapshot``, which it then owns) and
     the :class:`RunningPipeline` observing it.
 
     ``prefetch_slot`` holds (weakly) the epoch's prefetcher, whose held bytes count towards
-    the pipeline's memory.
+    the pipeline's memory; ``kinds`` is the kind rule the running pipeline applies (None: a
+    new one). A ``worker_type="auto"`` source stage may move to threads only where ``source``
+    allows it now (its ``may_run_on_threads()``, if it has one).
     """
     ex = Executor(spec, snapshot)
     bounds = [
-        telemetry.Bounds(s.min_workers, s.max_workers, s.max_concurrency) for s in spec.stages
+        telemetry.Bounds(
+            s.min_workers,
+            s.max_workers,
+            s.max_concurrency,
+            threadable=s.worker_type == "auto"
+            and (i > 0 or getattr(source, "may_run_on_threads", None) or True),
+        )  # fmt: skip
+        for i, s in enumerate(spec.stages)
     ]
     # Through a list, not a bound method: the probe must not keep the loader alive.
     probe = MemoryProbe(functools.partial(_prefetched_bytes, prefetch_slot))
@@ -275,7 +328,7 @@ def start_executor(
         cluster=_remote.cluster_cpus if remote else None,
         in_process=[s.name for s in spec.stages if s.worker_type == "thread"],
     )  # fmt: skip
-    return ex, RunningPipeline(ex, meter)
+    return ex, RunningPipeline(ex, meter, kinds)
 
 
 def consumer_labels(pipeline: PipelineLike) -> dict[str, Any]:
@@ -314,6 +367,41 @@ def start_tuning(
         tunable, tuner, interval_s, log_path, reset=reset, hold_first=hold_first, labels=labels
     )
     return loop.start()
+
+
+class KindLoop:
+    """A thread running :meth:`RunningPipeline.apply_kinds` every ``interval_s``: the kind rule
+    for a loader whose stages keep their own knobs (no tuner) but may run on threads."""
+
+    def __init__(self, tunable: RunningPipeline, interval_s: float) -> None:
+        self.tunable = tunable
+        self.interval_s = interval_s
+        self.steps = 0
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="ttp-kinds", daemon=True)
+
+    def start(self) -> KindLoop:
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.interval_s):
+                self.tunable.apply_kinds()
+                self.steps += 1
+        except BaseException as e:  # a closed executor ends the loop; stop() says so
+            self._error = e
+
+    def stop(self, timeout_s: float | None = None, raise_error: bool = True) -> None:
+        """End the thread; re-raise what ended it (``raise_error``), else log it."""
+        self._stop.set()
+        self._thread.join(timeout_s if timeout_s is not None else max(10.0, 10 * self.interval_s))
+        error, self._error = self._error, None
+        if error is not None:
+            if raise_error:
+                raise error
+            log.warning("the worker-kind loop ended: %r", error)
 
 
 def start_watch(

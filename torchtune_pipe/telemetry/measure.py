@@ -159,11 +159,13 @@ class Machine:
 # ---------------------------------------------------------------------------- rates
 @dataclass(frozen=True)
 class Bounds:
-    """The worker and concurrency bounds of one stage (from its spec)."""
+    """The worker and concurrency bounds of one stage (from its spec), and whether its
+    workers may move between processes and threads (``worker_type="auto"``)."""
 
     min_workers: int = 1
     max_workers: int = 1 << 16
     max_concurrency: int = 1
+    threadable: bool | Callable[[], bool] = False  # a callable is asked at each observation
 
 
 def observe(
@@ -269,6 +271,9 @@ def observe(
                 memory_bytes=memory.stage_bytes.get(s.name, 0) if memory is not None else 0,
                 fused=s.fused,
                 fusable=s.fusable,
+                threads=s.threads,
+                threadable=not s.fused
+                and (b.threadable() if callable(b.threadable) else b.threadable),
                 **placement_stats(s, p, out, dt),
             )
         )
@@ -428,8 +433,10 @@ class Meter:
             ``Executor.snapshot(per_worker=True)``); None: only the buffers are counted.
         cluster: returns the CPUs the cluster of the pipeline's remote stages offers (None:
             no remote stage, 0).
-        in_process: names of the stages whose workers are threads of this process: their CPU
-            is the stages', not the consumer's (:attr:`Observation.consumer_cpus`).
+        in_process: names of the stages whose workers are all threads of this process (thread
+            and Ray stages): their CPU is the stages', not the consumer's
+            (:attr:`Observation.consumer_cpus`); so is the CPU of the thread workers of any
+            other stage (``StageSnapshot.thread_cpu_ns``).
     """
 
     def __init__(
@@ -491,12 +498,14 @@ class Meter:
             return obs
 
     def _consumer_cpus(self, prev: Snapshot, cur: Snapshot, cpu_s: float) -> float:
-        """Cores this process used between the snapshots besides its thread workers' stages."""
+        """Cores this process used between the snapshots besides its thread workers."""
         dt = max(1, cur.t_ns - prev.t_ns) / 1e9
-        before = {s.name: s.cpu_ns for s in prev.stages}
-        stages_s = sum(
-            max(0, s.cpu_ns - before.get(s.name, 0)) / 1e9
-            for s in cur.stages
-            if s.name in self.in_process
-        )
-        return max(0.0, cpu_s - stages_s) / dt
+        before = {s.name: s for s in prev.stages}
+        stages_ns = 0
+        for s in cur.stages:
+            p = before.get(s.name)
+            if s.name in self.in_process:
+                stages_ns += max(0, s.cpu_ns - (p.cpu_ns if p is not None else 0))
+            else:
+                stages_ns += max(0, s.thread_cpu_ns - (p.thread_cpu_ns if p is not None else 0))
+        return max(0.0, cpu_s - stages_ns / 1e9) / dt

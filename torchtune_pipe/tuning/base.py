@@ -377,6 +377,16 @@ def process_workers(alloc: Allocation) -> tuple[int, ...]:
     return tuple(max(0, w - t) for w, t in zip(own, alloc.threads, strict=True))
 
 
+def threads_as_now(stage: StageStats, local: int) -> int:
+    """The thread workers a stage that keeps its kind runs with ``local`` local workers: all of
+    them where all its local workers are threads now (a ``worker_type="thread"`` stage), else
+    as many as now, at most ``local``."""
+    now_local = stage.workers - stage.remote_workers
+    if stage.threads > 0 and stage.threads >= now_local:
+        return local
+    return min(stage.threads, local)
+
+
 def local_workers(alloc: Allocation) -> tuple[int, ...]:
     """Workers each stage of ``alloc`` runs on the host: those that run
     (:func:`running_workers`) less its remote ones (``alloc.remote`` taken as given)."""

@@ -56,6 +56,7 @@ from torchtune_pipe.tuning.base import (
     limits_of,
     local_workers,
     process_workers,
+    threads_as_now,
 )
 from torchtune_pipe.tuning.cluster import remote_of
 
@@ -371,8 +372,8 @@ def placed(alloc: Allocation, obs: Observation) -> Allocation:
 
 def kinds(alloc: Allocation, obs: Observation) -> Allocation:
     """``alloc`` with its thread workers where the pipeline can run them: a stage that is not
-    ``threadable`` keeps the thread workers it runs now, and no stage runs more than its local
-    workers. An allocation that leaves the kind open (``threads`` empty: the pipeline's kind
+    ``threadable`` keeps the kind it runs (:func:`~.base.threads_as_now`), and no stage runs
+    more than its local workers as threads. An allocation that leaves the kind open (``threads`` empty: the pipeline's kind
     rule decides) is returned unchanged.
 
     Raises:
@@ -383,7 +384,7 @@ def kinds(alloc: Allocation, obs: Observation) -> Allocation:
     _check_stages(alloc, obs, "")
     local = local_workers(alloc)
     threads = tuple(
-        min(t if st.threadable else st.threads, n)
+        min(t, n) if st.threadable else threads_as_now(st, n)
         for t, st, n in zip(alloc.threads, obs.stages, local, strict=True)
     )
     return alloc.replace(threads=threads)

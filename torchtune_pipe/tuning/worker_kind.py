@@ -27,7 +27,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field
 
-from torchtune_pipe.tuning.base import Allocation, Observation, local_workers
+from torchtune_pipe.tuning.base import Allocation, Observation, local_workers, threads_as_now
 
 SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
@@ -74,7 +74,6 @@ class KindRule:
         if alloc.threads:
             return alloc
         local = local_workers(alloc)
-        now = [s.threads for s in obs.stages]
         self._measure(obs, alloc)
         for i, st in enumerate(obs.stages):
             if st.threadable and i not in self.kind:
@@ -82,7 +81,7 @@ class KindRule:
         threads = []
         for i, st in enumerate(obs.stages):
             if not st.threadable or st.fused:
-                threads.append(min(now[i], local[i]))
+                threads.append(threads_as_now(st, local[i]))
             else:
                 threads.append(local[i] if self.kind[i] else 0)
         return alloc.replace(threads=tuple(threads))
