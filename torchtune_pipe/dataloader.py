@@ -21,11 +21,13 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from multiproc import in_thread_worker
 from torchtune_pipe.loader.core import Loader
 from torchtune_pipe.options import Strategy
 from torchtune_pipe.pipeline import Pipeline
@@ -38,6 +40,7 @@ from torchtune_pipe.sources.base import (
     read_indexed,
     units_state,
 )
+from torchtune_pipe.sources.thread_info import set_thread_info
 from torchtune_pipe.telemetry.measure import cpus_available
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,10 @@ class _Collated:
     @property
     def batched(self) -> bool:
         return bool(getattr(self.source, "batched", False))
+
+    def may_run_on_threads(self) -> bool:
+        probe = getattr(self.source, "may_run_on_threads", None)
+        return True if probe is None else bool(probe())
 
     def max_readers(self) -> int | None:
         return max_readers(self.source)
@@ -154,6 +161,13 @@ class _WorkerInit:
         from torch.utils.data._utils import worker as torch_worker
 
         seed = self.base_seed + index
+        if in_thread_worker():
+            # A thread of the consumer's process: its own worker info, and the process's
+            # random generators left as they are (torch's thread workers share them too).
+            set_thread_info(self._info(index))
+            if self.worker_init_fn is not None:
+                self.worker_init_fn(index)
+            return
         torch_worker._worker_info = self._info(index)
         if self.seed_workers:
             random.seed(seed)
@@ -241,6 +255,15 @@ class DataLoader:
             dataset that must not be called from several threads at once. A dataset whose
             ``__getitem__`` draws from the global random generators is always read one call
             at a time per worker.
+        worker_method: what the ``num_workers`` workers are: ``"process"`` (the default with
+            an int ``num_workers``), ``"thread"`` (threads of this process, sharing the
+            dataset; ``get_worker_info()`` gives each its own info; ``random``, ``numpy`` and
+            ``torch`` are this process's generators, never seeded by a worker, so
+            ``seed_each_batch`` does not apply), or ``"auto"`` (the default with
+            ``num_workers="auto"``): processes, moved to threads while running where that
+            delivers as many batches (:mod:`torchtune_pipe.tuning.worker_kind`), and only while
+            the dataset's reads need no seed of this process's generators (``seed_each_batch``
+            off, or a first batch showed ``__getitem__`` draws nothing from them).
 
     Workers see this process as torch's do: as it was at the epoch's ``iter()`` (or at the
     first ``iter()`` with ``persistent_workers=True``), with what does not pickle inherited,
@@ -280,11 +303,20 @@ class DataLoader:
         progress: bool = False,
         seed_each_batch: bool = True,
         max_concurrency: int = 64,
+        worker_method: str | None = None,
     ):
         from torch.utils.data import IterableDataset
         from torch.utils.data._utils.collate import default_collate, default_convert
 
         auto = isinstance(num_workers, str) and num_workers == "auto"
+        if worker_method is None:
+            worker_method = "auto" if auto else "process"
+        if worker_method not in ("process", "thread", "auto"):
+            raise ValueError(
+                "DataLoader: worker_method must be 'process', 'thread' or 'auto', got "
+                f"{worker_method!r}"
+            )
+        self.worker_method = worker_method
         if not auto:
             import operator
 
@@ -405,11 +437,14 @@ class DataLoader:
             # is one generator, read by one thread: threads cannot help it.
             pipe = Pipeline.from_source(
                 self.source, name="fetch", workers=readers, min_workers=readers, init=init,
-                max_concurrency=1 if iterable else max_concurrency,
+                max_concurrency=1 if iterable else max_concurrency, worker_type=worker_method,
             )  # fmt: skip
             # Collate starts in the fetch workers (torch's arrangement: no hop per batch);
             # the tuner splits it into its own stage when that measures better.
-            pipe = pipe.map(_Collate(collate_fn), name="collate", workers=1, fused=True)
+            pipe = pipe.map(
+                _Collate(collate_fn), name="collate", workers=1, fused=True,
+                worker_type="thread" if worker_method == "thread" else "process",
+            )  # fmt: skip
         else:
             pipe = Pipeline.from_source(
                 _Collated(self.source, collate_fn),
@@ -418,6 +453,13 @@ class DataLoader:
                 min_workers=readers,
                 max_workers=max(64, bounded),
                 init=init,
+                worker_type=worker_method,
+            )
+        if worker_method == "thread":  # the threads share the dataset, as torch's do
+            pipe = Pipeline(
+                pipe.source,
+                tuple(dataclasses.replace(s, thread_copies=False) for s in pipe.stages),
+                pipe.prefetch_spec,
             )
         depth = (prefetch_factor or 2) * max(1, workers)
         if pin_memory or timeout:

@@ -8,6 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from multiproc import in_thread_worker
+from torchtune_pipe.sources.thread_info import set_thread_info
+
 __all__ = ["IterableDatasetSource", "ShardUnit"]
 
 
@@ -112,8 +115,12 @@ class IterableDatasetSource:
             info = torch_worker.WorkerInfo(
                 id=unit.id, num_workers=unit.num_shards, seed=unit.seed, dataset=ds
             )
+        on_thread = in_thread_worker()  # the consumer's process: a worker info of its own
         previous = torch_worker._worker_info
-        torch_worker._worker_info = info
+        if on_thread:
+            set_thread_info(info)
+        else:
+            torch_worker._worker_info = info
         try:
             if self.worker_init_fn is not None:
                 self.worker_init_fn(unit.id)
@@ -131,4 +138,7 @@ class IterableDatasetSource:
                     return
                 yield batch
         finally:
-            torch_worker._worker_info = previous
+            if on_thread:
+                set_thread_info(None)
+            else:
+                torch_worker._worker_info = previous

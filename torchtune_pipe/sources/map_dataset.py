@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from itertools import accumulate, chain
 from typing import Any
 
-from multiproc import concurrency
+from multiproc import concurrency, in_thread_worker
 from torchtune_pipe.errors import StateError
 from torchtune_pipe.loader.state import map_source_fingerprint
 from torchtune_pipe.sources.rng import (
@@ -331,13 +331,19 @@ class MapDatasetSource:
         for _, item in self.read_from(unit, frozenset()):
             yield item
 
+    def may_run_on_threads(self) -> bool:
+        """Whether reads may run on thread workers of the consumer's process, which leave the
+        process's random generators alone: where no per-unit seed is asked, or once a read
+        showed that ``__getitem__`` draws nothing from them (a seed it would not read)."""
+        return not self.seed_units or self._draws is False
+
     def read_from(self, unit: IndexUnit, skip: frozenset) -> Iterator[tuple[int, Any]]:
         """``(k, item)`` for the unit's entries not in ``skip``, fetching only those.
 
         What ``__getitem__`` (or ``__getitems__``) raises gets a note naming the index and
         the item's place in the epoch (the batch and its samples)."""
-        if unit.seed is not None:
-            seed_all(unit.seed)
+        if unit.seed is not None and not in_thread_worker():
+            seed_all(unit.seed)  # a thread worker's generators are the consumer's: left alone
         ds = self.dataset
         getitems = getattr(ds, "__getitems__", None) if self.batched else None
         for k, entry in enumerate(unit.entries):

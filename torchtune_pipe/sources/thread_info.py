@@ -1,0 +1,41 @@
+"""What ``torch.utils.data.get_worker_info()`` returns on a thread worker.
+
+torch keeps the worker info in a module global, which a worker process owns alone. Thread
+workers share the consumer's process, so each needs its own: :func:`set_thread_info` keeps it
+per thread, and :func:`install` makes torch's ``get_worker_info`` (every reference to it,
+however imported) return the calling thread's info where one is set, and the module global
+otherwise, as before. So the consumer's own threads still see ``None``, and a thread worker
+sees its worker's id, count, seed and dataset, as it would in a worker process.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_NAME = "_ttp_thread_worker_info"  # the thread-local, in torch's worker module
+_lock = threading.Lock()
+
+
+def _thread_aware() -> Any:  # runs with the globals of torch.utils.data._utils.worker
+    info = getattr(_ttp_thread_worker_info, "info", None)  # noqa: F821
+    return _worker_info if info is None else info  # noqa: F821
+
+
+def install() -> None:
+    """Make torch's ``get_worker_info`` read the calling thread's info first (idempotent)."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    with _lock:
+        if hasattr(torch_worker, _NAME):
+            return
+        setattr(torch_worker, _NAME, threading.local())
+        torch_worker.get_worker_info.__code__ = _thread_aware.__code__
+
+
+def set_thread_info(info: Any) -> None:
+    """Set (None: clear) the calling thread's worker info."""
+    from torch.utils.data._utils import worker as torch_worker
+
+    install()
+    getattr(torch_worker, _NAME).info = info
