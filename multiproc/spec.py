@@ -212,6 +212,7 @@ class StageSpec:
             )
         if self.max_buffer_bytes is None:
             object.__setattr__(self, "max_buffer_bytes", max(self.buffer_bytes * 4, 256 * MiB))
+        assert self.max_buffer_bytes is not None
         if self.max_buffer_bytes < self.buffer_bytes:
             raise SpecError(
                 f"{where}: max_buffer_bytes ({self.max_buffer_bytes}) < buffer_bytes ({self.buffer_bytes})"
@@ -465,9 +466,9 @@ def imported_modules(pickled: bytes) -> list[str]:
         elif name == "MEMOIZE":
             memo[len(memo)] = last[1]
         elif name in ("PUT", "BINPUT", "LONG_BINPUT"):
-            memo[int(arg)] = last[1]
+            memo[int(arg)] = last[1]  # type: ignore[arg-type]  # PUT ops carry an int
         elif name in ("GET", "BINGET", "LONG_BINGET"):
-            last = [last[1], memo.get(int(arg))]
+            last = [last[1], memo.get(int(arg))]  # type: ignore[arg-type]  # as PUT
         elif name == "STACK_GLOBAL":
             if isinstance(last[0], str):
                 found[last[0]] = None

@@ -73,7 +73,7 @@ class CounterTable:
         return self.table[slot]
 
     def close(self, unlink: bool) -> None:
-        self.table = None  # drop the export before the mapping goes
+        self.table = None  # type: ignore[assignment]  # drop the export before the mapping goes
         if unlink:
             self.segment.unlink()
 
