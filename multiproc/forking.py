@@ -11,6 +11,7 @@ import of that module in the server or in any worker it forks).
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import sys
 import threading
@@ -50,11 +51,22 @@ def fork_between_imports() -> tuple[int, bool]:
         try:
             pending = bool(imports_in_flight())
             if not pending or time.monotonic() > deadline:
-                return os.fork(), pending  # past the deadline: the child forgets them
+                return _fork(), pending  # past the deadline: the child forgets them
         finally:
             _imp.release_lock()
         # Imports end on their own threads, with no event to wait on: look again shortly.
         time.sleep(0.005)
+
+
+def _fork() -> int:
+    """``os.fork()`` with SIGINT held back until it returns: a Ctrl-C raised inside the
+    at-fork hooks (logging's among them) would leave their locks held, and the next log call
+    of the parent would wait forever. The signal arrives after the fork instead."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        return os.fork()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def forget_imports_in_flight() -> None:
