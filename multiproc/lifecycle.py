@@ -494,8 +494,9 @@ class WorkerPool:
 
 
 def _fold(total: np.ndarray | None, row: np.ndarray) -> np.ndarray:
-    """``row``'s counters added to ``total`` (None: none yet); its pid and start are no
-    sum's."""
+    """``row``'s counters added to ``total`` (None: none yet); its pid, its start and the
+    call it was in (a worker that died in its function) are no sum's: a retired worker's time
+    in a call stops growing when it goes."""
     out = row.copy() if total is None else total + row
-    out[stats.PID] = out[stats.STARTED_NS] = 0
+    out[stats.PID] = out[stats.STARTED_NS] = out[stats.IN_FN_SINCE_NS] = 0
     return out

@@ -382,3 +382,21 @@ def collate_as_a_worker(x):
     finally:
         worker._worker_info = saved
     return batch, batch.is_shared()
+
+
+class SleepOnceOn7:
+    """Identity; item 7 sleeps 30 s the first time anywhere (a marker file records it), so a
+    test can kill the worker inside its call and the restarted worker goes on at once."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __call__(self, x):
+        if x == 7:
+            try:
+                fd = os.open(self.marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                return x
+            os.close(fd)
+            time.sleep(30)
+        return x
