@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arena, buffers, handles, offload, policy, shm, stats
+from . import arena, buffers, handles, offload, policy, servers, shm, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -43,7 +43,7 @@ def start_server(
     """Where process workers come from: ``snapshot`` (or one taken now) of this process, whose
     stage functions they inherit (:mod:`multiproc.snapshot`); or, where this process must not
     be forked (``start_method="spawn"``, ``MULTIPROC_FORKSERVER=spawn``,
-    :func:`~multiproc.handles.fork_unsafe`), multiprocessing's spawned server, which imports
+    :func:`~multiproc.servers.fork_unsafe`), multiprocessing's spawned server, which imports
     the modules the stage pickles name once instead of every new worker importing them.
 
     Returns:
@@ -62,7 +62,7 @@ def start_server(
     except Exception:  # check_picklable names the stage that does not pickle, next
         return None, ()
     preload = tuple(dict.fromkeys(m for b in light for m in imported_modules(b)))
-    handles.ensure_server(preload)
+    servers.ensure_server(preload)
     return None, preload
 
 

@@ -1,6 +1,6 @@
 """What a worker process sees: this process as it was when the snapshot was taken.
 
-A :class:`Snapshot` is a fork server forked from this process (:class:`multiproc.handles.ForkServer`)
+A :class:`Snapshot` is a fork server forked from this process (:class:`multiproc.servers.ForkServer`)
 at a moment the caller picks (a loader takes one at ``iter()``, as torch's DataLoader forks its
 workers there). Every worker of the executor that holds it is forked from that server, so it
 sees the process as it was then: module globals, environment variables, a dataset's attributes,
@@ -23,7 +23,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from . import handles, inherit
+from . import inherit, servers
 
 _lock = threading.Lock()  # one fork at a time publishes
 _keys = itertools.count()
@@ -47,11 +47,11 @@ class Snapshot:
         self.key = f"s{next(_keys)}"
         self.server = self._fork()
 
-    def _fork(self) -> handles.ForkServer:
+    def _fork(self) -> servers.ForkServer:
         with _lock:
             inherit.published[self.key] = self.roots
             try:
-                return handles.ForkServer.start(self.preload)
+                return servers.ForkServer.start(self.preload)
             finally:
                 # This process needs no entry: the server's copy is the one workers read.
                 del inherit.published[self.key]
@@ -85,11 +85,11 @@ class Snapshot:
 def forks(spec: Any) -> bool:
     """Whether executor spec ``spec``'s process workers fork from a snapshot (else from
     multiprocessing's spawned server: ``start_method="spawn"``, ``MULTIPROC_FORKSERVER=spawn``,
-    or a process that must not be forked, :func:`multiproc.handles.fork_unsafe`). Not when
+    or a process that must not be forked, :func:`multiproc.servers.fork_unsafe`). Not when
     every stage starts as threads: one moved to processes later spawns them."""
     return (
         not all(s.starts_as_threads for s in spec.stages)
         and spec.start_method == "fork"
-        and not handles.spawn_requested()
-        and handles.fork_unsafe() is None
+        and not servers.spawn_requested()
+        and servers.fork_unsafe() is None
     )

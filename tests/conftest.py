@@ -108,7 +108,7 @@ def one_thread():
 
 # Modules whose tests import Ray (test_dqn.py through torchrl, which imports it). A process
 # that has imported Ray spawns its workers instead of forking them from a snapshot
-# (multiproc.handles.fork_unsafe), so every loader a test builds after them would: they run
+# (multiproc.servers.fork_unsafe), so every loader a test builds after them would: they run
 # last, whatever order they were collected in.
 _IMPORT_RAY = ("test_dqn.py", "test_remote.py", "test_remote_mixed.py")
 

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(
 
 class _Ray:
     """Ray, imported at first use, not when the module is collected: a process that has
-    imported Ray spawns its workers instead of forking them (handles.fork_unsafe), so every
+    imported Ray spawns its workers instead of forking them (servers.fork_unsafe), so every
     loader the session built after it would; tests/conftest.py runs these tests last."""
 
     def __getattr__(self, name: str):

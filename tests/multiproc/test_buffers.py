@@ -57,7 +57,7 @@ def test_a_worker_started_as_the_fork_server_is_killed_starts_through_its_succes
 
 _KILLED_SERVER = """
 import os, signal, threading, time
-from multiproc import Executor, ExecutorSpec, StageSpec, handles
+from multiproc import Executor, ExecutorSpec, StageSpec, handles, servers
 from tests.multiproc import _fns
 
 class Sum:
@@ -69,13 +69,13 @@ class Sum:
         return float(self.data[::256].sum())
 
 racing, raced = threading.Event(), []
-ended, wait_ended = handles.ForkServer.ended, handles.ForkServer.wait_ended
-handles.ForkServer.ended = lambda self: False if racing.is_set() else ended(self)
+ended, wait_ended = servers.ForkServer.ended, servers.ForkServer.wait_ended
+servers.ForkServer.ended = lambda self: False if racing.is_set() else ended(self)
 def waited(self, wait_s=2.0):
     raced.append(racing.is_set())
     racing.clear()
     return wait_ended(self, wait_s)
-handles.ForkServer.wait_ended = waited
+servers.ForkServer.wait_ended = waited
 
 spec = ExecutorSpec((StageSpec("read", "source", _fns.read_range),
                      StageSpec("m", "map", Sum(), workers=1)))

@@ -211,10 +211,10 @@ def warm_workers(pipeline: PipelineLike, start_method: str = "fork") -> None:
     fork server now, importing what the stages' functions need (the modules their pickles
     name, and the source's), so the first ``iter()`` finds it warm: a training script builds
     its loader, then its model, then iterates. A snapshot is taken at ``iter()`` instead."""
-    from multiproc import buffers, handles
+    from multiproc import buffers, servers
     from multiproc.spec import imported_modules
 
-    if start_method != "spawn" and not handles.spawn_requested() and handles.fork_unsafe() is None:
+    if start_method != "spawn" and not servers.spawn_requested() and servers.fork_unsafe() is None:
         return
     source = getattr(pipeline.source, "dataset", pipeline.source)
     modules = [type(source).__module__]
@@ -224,7 +224,7 @@ def warm_workers(pipeline: PipelineLike, start_method: str = "fork") -> None:
                 modules += imported_modules(buffers.dumps_light(st.fn))
             except Exception:
                 pass  # reported, naming the stage, when the executor pickles it
-    handles.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))
+    servers.warm(tuple(dict.fromkeys(m for m in modules if m and m != "builtins")))
 
 
 def executor_spec(

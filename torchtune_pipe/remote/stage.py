@@ -70,7 +70,7 @@ def cluster_cpus() -> float:
     ``cluster_resources()["CPU"]``, the host's own included); 0 when it is not connected or
     Ray is not installed: what ``Observation.cluster_cpus`` reports while a remote stage
     runs. Like :func:`connected`, it does not import ``ray``: importing it would make this
-    process unfit to fork (:func:`multiproc.handles.fork_unsafe`)."""
+    process unfit to fork (:func:`multiproc.servers.fork_unsafe`)."""
     ray = sys.modules.get("ray")
     if ray is None or not ray.is_initialized():
         return 0.0
