@@ -24,11 +24,12 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    the blocked-on-output/input fractions a real pipeline reports.
 5. **Memory and OOM.** Memory used is filled buffer bytes + worker RSS + resident state (e.g.
    a shuffle buffer), the meaning :class:`~torchtune_pipe.tuning.base.Observation` gives it on
-   both sides of the seam; each stage reports its workers' part (workers times the worker RSS
-   plus the stage's ``worker_bytes``) as ``StageStats.memory_bytes``; resident state is held
-   by no worker. Buffers fill at the rate imbalance across them, so an over-sized buffer
-   upstream of a bottleneck fills and may push the pipeline out of memory a few intervals
-   later. Past the limit the episode is over: throughput 0 until :meth:`SimPipeline.reset`.
+   both sides of the seam; each stage reports its process workers' part (each the worker RSS
+   plus the stage's ``worker_bytes``) as ``StageStats.memory_bytes``; a thread worker holds
+   its ``worker_bytes`` in the consumer's process, and resident state is held by no worker.
+   Buffers fill at the rate imbalance across them, so an over-sized buffer upstream of a
+   bottleneck fills and may push the pipeline out of memory a few intervals later. Past the
+   limit the episode is over: throughput 0 until :meth:`SimPipeline.reset`.
 6. **Noise.** Per interval, mean costs are resampled (lognormal, ``cv / sqrt(items)``) and the
    reported rates carry relative measurement noise ``noise``; ``noise=0`` is deterministic.
 7. **Fusion.** A fused stage (``Allocation.fused``) runs in the workers of the stage before it,
@@ -46,13 +47,21 @@ an agent for tens of thousands of steps takes seconds. The model, per interval:
    ``cluster_cpus`` CPUs (:mod:`torchtune_pipe.sim.remote`): the function's CPU on a cluster
    CPU of their own, a round trip per call and bytes over a shared link as waits, the hop's
    CPU on the host, no worker memory on the host.
+9. **Thread workers.** ``Allocation.threads`` of a stage's local workers run as threads of the
+   consumer's process (:mod:`torchtune_pipe.sim.threads`): cores, hops and ``worker_bytes`` as
+   a process worker, no worker RSS, and ``StageModel.gil_share`` of their CPU holding the one
+   interpreter lock they share with the consumer (``Workload.gil``,
+   ``Workload.consumer_gil_s_per_item``): past one lock-second per second they wait for it.
+   Where an allocation leaves ``threads`` empty, the live rule decides for threadable stages
+   (:class:`~torchtune_pipe.tuning.worker_kind.KindRule`, one per simulator).
 
 :class:`SimPipeline` is the front end: it holds the schedules and the state that changes as
 it runs (:class:`_State`), and each interval asks its collaborators, built once from the
 workload: the coefficients (:class:`~torchtune_pipe.sim.workload.Coefficients`), the fusion
 rule (:class:`~torchtune_pipe.sim.fused.FusionRule`), the solver of steps 1-5
-(:class:`~torchtune_pipe.sim.solve.Solver`) and the remote workers of step 8
-(:class:`~torchtune_pipe.sim.remote.RemoteModel`).
+(:class:`~torchtune_pipe.sim.solve.Solver`), the remote workers of step 8
+(:class:`~torchtune_pipe.sim.remote.RemoteModel`) and the thread workers of step 9
+(:class:`~torchtune_pipe.sim.threads.ThreadModel`).
 """
 
 from __future__ import annotations
@@ -67,6 +76,7 @@ from torchtune_pipe.sim.fused import FusionRule
 from torchtune_pipe.sim.remote import RemoteModel
 from torchtune_pipe.sim.schedule import schedule, value_at
 from torchtune_pipe.sim.solve import Solver, overlapped
+from torchtune_pipe.sim.threads import ThreadModel
 from torchtune_pipe.sim.workload import (
     STAGE_KINDS,
     Coefficients,
@@ -80,10 +90,12 @@ from torchtune_pipe.tuning.base import (
     Observation,
     StageStats,
     fusion_host,
+    local_workers,
     running_workers,
     waits_on_io,
 )
 from torchtune_pipe.tuning.calls_in_flight import plan_concurrency
+from torchtune_pipe.tuning.worker_kind import KindRule
 
 __all__ = ["Drift", "StageModel", "Workload", "SteadyState", "SimPipeline", "STAGE_KINDS"]
 
@@ -152,6 +164,7 @@ class SimPipeline:
         self._rule = FusionRule(st)
         self._solver = Solver(workload, self._coef, self._rule)
         self._remote = RemoteModel(workload, self._coef, self._solver)
+        self._threads = ThreadModel(workload, self._coef, self._rule, self._remote)
         buf = workload.initial_buffer_bytes
         default = Allocation(tuple(s.min_workers for s in st), (buf,) * n)
         self._initial = self._checked(initial) if initial is not None else default
@@ -170,6 +183,9 @@ class SimPipeline:
         Stages run fused as ``allocation.fused`` says (empty: as they run now), and
         ``allocation.remote`` of their workers on the cluster (empty: each stage keeps its
         placement); remote workers past ``cluster_cpus`` wait (pending) and do nothing.
+        ``allocation.threads`` of a threadable stage's local workers run as threads (empty:
+        as the live rule decides, :class:`~torchtune_pipe.tuning.worker_kind.KindRule`); a
+        stage that is not threadable keeps its kind.
 
         Raises:
             ValueError: when the allocation has the wrong number of stages, fuses a stage
@@ -189,9 +205,11 @@ class SimPipeline:
         if (why := self._remote.error(remote, fused)) is not None:
             raise ValueError(f"SimPipeline.apply: {why}")
         self._s.fused = fused
-        self._s.alloc = a.replace(
-            fused=fused if any(fused) else (), remote=remote if any(remote) else ()
-        )
+        a = a.replace(fused=fused if any(fused) else (), remote=remote if any(remote) else ())
+        if not a.threads and self._s.last_obs is not None and any(self._threads.threadable(fused)):
+            a = self._kinds.plan(self._s.last_obs, a)
+        threads = self._threads.asked(a, fused, local_workers(a), *self._kinds_now())
+        self._s.alloc = a.replace(threads=threads if any(threads) else ())
 
     def observe(self) -> Observation:
         """Advance simulated time by ``interval_s`` and return that interval's statistics."""
@@ -208,6 +226,8 @@ class SimPipeline:
         cluster = value_at(self._cluster, t0)
         local = rm.local(alloc.remote, running)
         remote = rm.running(alloc.remote, running, cluster)
+        threads = alloc.threads or (0,) * n
+        procs = [w - t for w, t in zip(local, threads, strict=True)]
         # A worker added since the last interval only works once it has started.
         warm = min(1.0, wl.worker_start_s / dt)
         w_local, w_remote = (
@@ -229,7 +249,10 @@ class SimPipeline:
                 f = math.exp(sig * rng.gauss(0.0, 1.0) - sig * sig / 2)
                 c[i] *= f
                 d[i] *= f
-        ss, cb, db, share = rm.solve(w_local, w_remote, alloc.buffer_bytes, c, d, cpus, fused)
+        w_threads = [min(float(t), w) for t, w in zip(threads, w_local, strict=True)]
+        ss, cb, db, share, dl = self._threads.solve(
+            w_local, w_threads, w_remote, alloc.buffer_bytes, c, d, cpus, fused
+        )
         hop, _, net, _ = rm.hop(c, fused)
         x = ss.throughput
         # Buffers move toward their steady fill at the rate imbalance across them. A group's
@@ -250,7 +273,7 @@ class SimPipeline:
             for m in range(i, last + 1):
                 rates[m] = max(0.0, flow + (new - old) / dt) * co.S[m] / co.S[last]
             fills[i] = new / k
-        used = solver.memory(local, s.levels, fused)
+        used = solver.memory(procs, s.levels, fused, alloc.threads)
         if used > limit:
             s.oom = True
             return self._dead_observation(cpus, limit, used=int(used))
@@ -258,6 +281,7 @@ class SimPipeline:
         noisy = self._noisy
         fusable = rule.fusable(fused)
         remotable = rm.remotable()
+        threadable = self._threads.threadable(fused)
         stages = []
         for i, sm in enumerate(wl.stages):
             # Live, a fused stage's time is its own share of its host's workers' wall time
@@ -282,14 +306,16 @@ class SimPipeline:
                     buffer_fill=fills[i],
                     cpu_s_per_item=noisy(c[i] * sm.ratio),
                     hop_s_per_item=0.0 if fused[i] else self._hop_out(i, fused),
-                    io_bound=waits_on_io(c[i], c[i] + d[i]),  # per item: CPU, CPU + wait
+                    io_bound=waits_on_io(c[i], c[i] + dl[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
-                    memory_bytes=solver.stage_memory(local, i, fused),
+                    memory_bytes=solver.stage_memory(procs, i, fused),
                     fused=fused[i],
                     fusable=fusable[i],
                     remote_workers=remote[i],
                     remotable=remotable[i],
+                    threads=threads[i],
+                    threadable=threadable[i],
                     remote_items_per_s=noisy(rates[i] * share[i]),
                     bytes_per_item=float(sm.bytes_per_item),
                     net_s_per_item=net[i] * sm.ratio if remote[i] else 0.0,
@@ -354,7 +380,8 @@ class SimPipeline:
         running = running_workers(a.replace(fused=fused))
         local = rm.local(asked, running)
         remote = rm.running(asked, running, cluster)
-        return rm.solve(local, remote, a.buffer_bytes, c, d, cpus, fused)[0]
+        threads = self._threads.asked(a, fused, local, *self._kinds_now())
+        return self._threads.solve(local, threads, remote, a.buffer_bytes, c, d, cpus, fused)[0]
 
     def upper_bound(self, cpus: float | None = None, t: float | None = None) -> float:
         """Throughput no allocation can beat now (or at ``t``): all CPU work on ``cpus`` cores,
@@ -385,20 +412,31 @@ class SimPipeline:
         remotable map; only while it is neither fused nor hosting a fused stage."""
         return self._remote.remotable()
 
+    def threadable(self) -> tuple[bool, ...]:
+        """Per stage, whether its local workers may move between processes and threads now
+        (``StageStats.threadable``): a threadable stage, while it is not fused."""
+        return self._threads.threadable(self._s.fused)
+
     def _when(self, t: float | None) -> float:
         return self._s.t if t is None else float(t)
 
     def reset(self, seed: int | None = None) -> None:
-        """Back to time 0 with the initial allocation, empty buffers and no OOM."""
+        """Back to time 0 with the initial allocation, empty buffers, no OOM, and a kind rule
+        that has measured nothing."""
         if seed is not None:
             self.seed = seed
         self._rng = random.Random(self.seed)
+        self._kinds = KindRule(threads_first=not self.workload.gil)
         init = self._initial
         fused = init.fused or (False,) * self.n_stages
         running = running_workers(init.replace(fused=fused))
         remote = tuple(
             min(r, w) for r, w in zip(init.remote or (0,) * len(running), running, strict=True)
         )
+        if init.threads:  # of any stage: how a stage that runs threads only is modelled
+            local = local_workers(init.replace(fused=fused))
+            threads = tuple(min(t, w) for t, w in zip(init.threads, local, strict=True))
+            init = init.replace(threads=threads if any(threads) else ())
         self._s = _State(
             alloc=init,
             prev_workers=tuple(w - r for w, r in zip(running, remote, strict=True)),
@@ -458,6 +496,11 @@ class SimPipeline:
             a if (w == a.workers and b == a.buffer_bytes) else a.replace(workers=w, buffer_bytes=b)
         )
 
+    def _kinds_now(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The thread workers per stage now and the local workers they are among."""
+        now = self._s.alloc
+        return now.threads, local_workers(now)
+
     def _hop_out(self, i: int, fused: Sequence[bool]) -> float:
         """Seconds per item stage ``i`` emits that its group's output pays to cross its
         channel (the host reports it, as live: its workers encode the group's output)."""
@@ -480,9 +523,11 @@ class SimPipeline:
         s, wl = self._s, self.workload
         running = running_workers(s.alloc.replace(fused=s.fused))
         remote = s.alloc.remote or (0,) * len(running)
-        local = [w - min(r, w) for w, r in zip(running, remote, strict=True)]
+        threads = s.alloc.threads or (0,) * len(running)
+        procs = [w - min(r, w) - t for w, r, t in zip(running, remote, threads, strict=True)]
         fusable = self._rule.fusable(s.fused)
         remotable = self._remote.remotable()
+        threadable = self._threads.threadable(s.fused)
         stage_memory = self._solver.stage_memory
         stages = tuple(
             StageStats(
@@ -491,17 +536,20 @@ class SimPipeline:
                 min_workers=sm.min_workers,
                 max_workers=sm.max_workers,
                 buffer_bytes=s.alloc.buffer_bytes[i],
-                memory_bytes=stage_memory(local, i, s.fused),
+                memory_bytes=stage_memory(procs, i, s.fused),
                 fused=s.fused[i],
                 fusable=fusable[i],
                 remote_workers=min(remote[i], running[i]),
                 remotable=remotable[i],
+                threads=threads[i],
+                threadable=threadable[i],
                 bytes_per_item=float(sm.bytes_per_item),
                 items_per_call=float(sm.items_per_call),
             )
             for i, sm in enumerate(wl.stages)
         )
-        used = int(self._solver.memory(local, s.levels, s.fused)) if used is None else used
+        if used is None:
+            used = int(self._solver.memory(procs, s.levels, s.fused, s.alloc.threads))
         cluster = self.cluster_cpus_at(s.t)
         return self._observation(stages, 0.0, cpus, limit, used, cluster, oom=True)
 

@@ -25,7 +25,7 @@ nothing; the largest remote counts wait first.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from torchtune_pipe.sim.solve import Solver
 from torchtune_pipe.sim.workload import Coefficients, StageModel, SteadyState, Workload
@@ -160,23 +160,36 @@ class RemoteModel:
         d: Sequence[float],
         cpus: float,
         fused: Sequence[bool],
+        threads: Sequence[float] = (),
+        waits: Callable[[float], Sequence[float]] | None = None,
+        xc: float | None = None,
     ) -> tuple[SteadyState, list[float], list[float], list[float]]:
         """The steady state with ``local`` and ``remote`` workers per stage. The share of
         items each kind makes depends on the CPU rate ``phi`` local workers get, and ``phi``
         on that share (more items remote leave more cores): the rate the blend assumes must
         be the rate the solve gives. The solved rate falls as the assumed one rises, so the
         fixed point lies between the rate solved at ``phi = 1`` and 1 (bisection). Returns
-        the steady state, the blended costs and the remote shares."""
+        the steady state, the blended costs and the remote shares.
+
+        ``threads`` of the local workers are threads (they hold no worker RSS); ``waits``, the
+        local workers' waits at a CPU rate (default ``d`` at every rate), and ``xc``, the
+        consumer's rate (default the workload's), are the thread model's
+        (:mod:`torchtune_pipe.sim.threads`)."""
         solve = self.solver.solve
-        w, c2, d2, share, link = self._blend(local, remote, c, d, 1.0, fused)
-        ss = solve(w, buffers, c2, d2, cpus, fused, link, local)
-        if not any(remote) or ss.phi >= 1.0:
+        held = local
+        if threads:
+            held = [max(0.0, n - t) for n, t in zip(local, threads, strict=True)]
+        dl = d if waits is None else waits(1.0)
+        w, c2, d2, share, link = self._blend(local, remote, c, dl, 1.0, fused)
+        ss = solve(w, buffers, c2, d2, cpus, fused, link, held, threads, xc)
+        if (not any(remote) and waits is None) or ss.phi >= 1.0:
             return ss, c2, d2, share
         lo, hi = ss.phi, 1.0
         for _ in range(_PHI_STEPS):
             mid = (lo + hi) / 2
-            w, c2, d2, share, link = self._blend(local, remote, c, d, mid, fused)
-            ss = solve(w, buffers, c2, d2, cpus, fused, link, local)
+            dl = d if waits is None else waits(mid)
+            w, c2, d2, share, link = self._blend(local, remote, c, dl, mid, fused)
+            ss = solve(w, buffers, c2, d2, cpus, fused, link, held, threads, xc)
             lo, hi = (mid, hi) if ss.phi > mid else (lo, mid)
         return ss, c2, d2, share
 

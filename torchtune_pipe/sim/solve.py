@@ -67,10 +67,15 @@ class Solver:
         fused: Sequence[bool],
         link: float = math.inf,
         held: Sequence[float] | None = None,
+        threads: Sequence[float] = (),
+        xc: float | None = None,
     ) -> SteadyState:
-        """The steady state of ``w`` workers per stage (``held``: those that hold memory on
-        the host, default all) at costs ``c``/``d``, throughput at most ``link``."""
+        """The steady state of ``w`` workers per stage (``held``: the processes among them
+        that hold memory on the host, default all; ``threads``: the thread workers, which hold
+        only what the stage keeps per worker) at costs ``c``/``d``, throughput at most
+        ``link``, the consumer taking ``xc`` items per second (default the workload's)."""
         co, last_of = self.coef, self.rule.last
+        xc = co.xc if xc is None else xc
         n = len(co.R)
         holds = w if held is None else held
         # The line's stations: each group (a host and the stages fused into it) is one, with
@@ -98,7 +103,7 @@ class Solver:
         m = len(hosts)
         wn = [w[h] for h in hosts]
         cost = sum(R[k] * cn[k] for k in range(m))
-        x1 = min(co.xc, link, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
+        x1 = min(xc, link, min(wn[k] / (R[k] * (cn[k] + dn[k])) for k in range(m)))
         x, phi = _share(wn, R, cn, dn, cpus, cost, x1)
         if x * cost / phi > cpus:  # more runnable workers than cores: switching overhead
             runnable = min(x * cost / phi, sum(wn[k] * cn[k] / (cn[k] + dn[k]) for k in range(m)))
@@ -109,7 +114,7 @@ class Solver:
         up = list(caps)
         for k in range(1, m):
             up[k] = min(up[k], up[k - 1])
-        down = [co.xc] * m
+        down = [xc] * m
         for k in range(m - 2, -1, -1):
             down[k] = min(caps[k + 1], down[k + 1])
         eff = 1.0
@@ -130,6 +135,8 @@ class Solver:
         host = [fusion_host(fused, i) for i in range(n)]
         busy = tuple(min(1.0, x * co.R[i] * (c[i] / phi + d[i]) / w[host[i]]) for i in range(n))
         mem += sum(self.stage_memory(holds, i, fused) for i in range(n)) + co.resident
+        if threads:
+            mem += sum(self.thread_memory(threads, i, fused) for i in range(n))
         return SteadyState(
             x,
             phi,
@@ -148,22 +155,41 @@ class Solver:
         return max(1.0, buffer_bytes / self.coef.nbytes[i])
 
     def stage_memory(self, workers: Sequence[float], i: int, fused: Sequence[bool]) -> int:
-        """What stage ``i``'s workers hold (``StageStats.memory_bytes``): a host's workers
-        also hold what the stages fused into it keep per worker; a fused stage has none."""
+        """What stage ``i``'s process ``workers`` hold (``StageStats.memory_bytes``): a host's
+        workers also hold what the stages fused into it keep per worker; a fused stage has
+        none."""
         if fused[i]:
             return 0
         st = self.workload.stages
         held = sum(st[m].worker_bytes for m in range(i, self.rule.last(i, fused) + 1))
         return int(workers[i] * (self.workload.worker_rss_bytes + held))
 
+    def thread_memory(self, threads: Sequence[float], i: int, fused: Sequence[bool]) -> int:
+        """What stage ``i``'s thread workers hold in the consumer's process: what the stage
+        (and the stages fused into it) keeps per worker, without a worker RSS."""
+        if fused[i] or not threads[i]:
+            return 0
+        st = self.workload.stages
+        return int(
+            threads[i] * sum(st[m].worker_bytes for m in range(i, self.rule.last(i, fused) + 1))
+        )
+
     def memory(
-        self, workers: Sequence[float], levels: Sequence[float], fused: Sequence[bool]
+        self,
+        workers: Sequence[float],
+        levels: Sequence[float],
+        fused: Sequence[bool],
+        threads: Sequence[float] = (),
     ) -> float:
-        """Bytes held: the buffers' items at ``levels``, the workers', the resident state."""
+        """Bytes held: the buffers' items at ``levels``, the process ``workers``' and the
+        thread workers' (``threads``), the resident state."""
         n, nbytes, last = len(levels), self.coef.nbytes, self.rule.last
         buffered = sum(levels[i] * nbytes[last(i, fused)] for i in range(n))
         held = sum(self.stage_memory(workers, i, fused) for i in range(n))
-        return buffered + held + self.coef.resident
+        total = buffered + held + self.coef.resident
+        if threads:
+            total += sum(self.thread_memory(threads, i, fused) for i in range(n))
+        return total
 
 
 def _share(

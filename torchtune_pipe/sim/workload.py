@@ -72,6 +72,15 @@ class StageModel:
             ``placement="ray"`` stage; a source, shuffle or batch keeps its state local).
         items_per_call: items one remote call carries (the stage's frame): the call's round
             trip and host CPU are shared by them.
+        gil_share: the share of the stage's CPU time (its output's hop included) that holds
+            the interpreter lock, 0..1: ~1 for pure Python (a tokenizer), ~0.1-0.3 for a decode
+            or a numpy/torch kernel that releases it. Only thread workers pay for it: they
+            share one lock with the consumer and every other thread worker
+            (:mod:`torchtune_pipe.sim.threads`).
+        threadable: the stage's local workers may run as threads of the consumer's process
+            (``Allocation.threads``; live: a stage built with ``worker_type="auto"``). Else
+            they keep the kind they run (processes, unless the initial allocation says
+            threads).
     """
 
     name: str
@@ -90,9 +99,13 @@ class StageModel:
     fusable: bool = True
     remotable: bool = True
     items_per_call: int = 1
+    gil_share: float = 1.0
+    threadable: bool = False
 
     def __post_init__(self) -> None:
         where = f"StageModel {self.name!r}"
+        if not 0.0 <= self.gil_share <= 1.0:
+            raise ValueError(f"{where}: gil_share must be in [0, 1], got {self.gil_share}")
         if not isinstance(self.items_per_call, int) or self.items_per_call < 1:
             raise ValueError(
                 f"{where}: items_per_call must be an int >= 1, got {self.items_per_call!r}"
@@ -149,6 +162,12 @@ class Workload:
         rpc_cpu_s: host CPU seconds per remote call (the calling thread's part of it).
         hop_copies: host copies of every byte that crosses to or from a remote worker (at
             ``dram_gbps``).
+        gil: the consumer's interpreter has a global interpreter lock (False: a free-threaded
+            build, where thread workers share nothing but the cores).
+        consumer_gil_s_per_item: seconds the consumer holds the interpreter lock per item
+            leaving the pipeline (its Python, decoding the items it takes): thread workers
+            share the lock with it. Part of ``consumer_step_s`` where that is longer; the
+            consumer takes at least this long per item.
     """
 
     name: str
@@ -165,6 +184,8 @@ class Workload:
     network_bytes_per_s: float = NETWORK_BYTES_PER_S
     rpc_cpu_s: float = RPC_CPU_S
     hop_copies: float = HOP_COPIES
+    gil: bool = True
+    consumer_gil_s_per_item: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stages", tuple(self.stages))
@@ -182,7 +203,7 @@ class Workload:
             raise ValueError(f"Workload {self.name!r}: dram_gbps must be > 0")
         if self.hop_s_per_item < 0:
             raise ValueError(f"Workload {self.name!r}: hop_s_per_item must be >= 0")
-        for what in ("rpc_s", "rpc_cpu_s", "hop_copies"):
+        for what in ("rpc_s", "rpc_cpu_s", "hop_copies", "consumer_gil_s_per_item"):
             if getattr(self, what) < 0:
                 raise ValueError(f"Workload {self.name!r}: {what} must be >= 0")
         if self.network_bytes_per_s <= 0:

@@ -24,8 +24,11 @@ __all__ = [
     "with_batch_size",
     "with_frames",
     "images_like",
+    "images_threads_like",
+    "text_like",
     "cpu_s_per_output",
     "PRESETS",
+    "THREAD_PRESETS",
 ]
 
 US = 1e-6
@@ -328,6 +331,53 @@ def images_like(seed: int = 0) -> Workload:
     return Workload("images_like", stages, consumer_step_s=20e-3)
 
 
+def images_threads_like(seed: int = 0) -> Workload:
+    """:func:`images_like` (the same costs) with decode and augment threadable: a decode in C
+    and a memory-bound augment release the interpreter lock for most of their time
+    (``gil_share`` 0.15 and 0.3), so their workers run as fast as threads as they do as
+    processes and hold no process of their own. The consumer holds the lock 0.3 ms per batch
+    (taking it from the executor, the training loop's Python).
+    """
+    wl = images_like(seed)
+    share = {"decode": 0.15, "augment": 0.3}
+    stages = tuple(
+        dataclasses.replace(s, threadable=True, gil_share=share[s.name]) if s.name in share else s
+        for s in wl.stages
+    )
+    return dataclasses.replace(
+        wl, name="images_threads_like", stages=stages, consumer_gil_s_per_item=0.3e-3
+    )
+
+
+def text_like(seed: int = 0) -> Workload:
+    """Read lines -> tokenize -> batch: a tokenizer in pure Python, threadable but holding the
+    interpreter lock all its time (``gil_share`` 1).
+
+    Lines of ~1 KB are read from local files (cheap, some waiting), tokenized (120 us of CPU
+    each, a 64 MiB vocabulary in every worker) into ~2 KB of token ids, padded and collated
+    into batches of 32 (numpy: ``gil_share`` 0.3). As threads the tokenizer's workers share one
+    lock with each other and the consumer (0.3 ms of it per batch, of a 0.5 ms step): past one
+    worker they add nothing, as processes each adds a core's worth up to ~8 cores.
+    """
+    rng = random.Random(seed)
+    line, ids, batch = 1024, 2048, 32
+    stages = (
+        StageModel(
+            "read", "source", 3 * US * _jitter(rng), cpu_cv=0.3,
+            io_s_per_item=2 * US * _jitter(rng), bytes_per_item=line,
+        ),
+        StageModel(
+            "tokenize", "map", 120 * US * _jitter(rng), cpu_cv=0.6, bytes_per_item=ids,
+            worker_bytes=64 * MiB, gil_share=1.0, threadable=True,
+        ),
+        StageModel(
+            "batch", "batch", 3 * US * _jitter(rng), cpu_cv=0.2, ratio=batch,
+            bytes_per_item=batch * ids, gil_share=0.3,
+        ),
+    )  # fmt: skip
+    return Workload("text_like", stages, consumer_step_s=0.5e-3, consumer_gil_s_per_item=0.3e-3)
+
+
 def cpu_s_per_output(workload: Workload) -> float:
     """CPU seconds all stages spend per item leaving the pipeline (no drift, no copies)."""
     total, per_out = 0.0, 1.0
@@ -340,6 +390,13 @@ def cpu_s_per_output(workload: Workload) -> float:
 PRESETS: dict[str, Callable[[int], Workload]] = {
     "netflix_like": netflix_like,
     "criteo_like": criteo_like,
+}
+
+# Workloads whose stages may run thread workers (StageModel.threadable): not among PRESETS,
+# whose studies keep their numbers.
+THREAD_PRESETS: dict[str, Callable[[int], Workload]] = {
+    "images_threads_like": images_threads_like,
+    "text_like": text_like,
 }
 
 # Memory a preset is comfortable with on a 32-128 CPU trainer (its workers at 150 MiB each,
