@@ -1,6 +1,6 @@
 """Thread workers in the simulator (sim/threads.py): one interpreter lock shared by every thread
 worker and the consumer caps the Python they run; what releases the lock runs as fast as
-processes and holds less memory; the kind rule picks the kind that pays."""
+processes and holds less memory; the kind rule and the oracle pick the kind that pays."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from torchtune_pipe.sim.workloads import (
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation
 from torchtune_pipe.tuning.baselines import StaticTuner
 from torchtune_pipe.tuning.loop import run_episode
+from torchtune_pipe.tuning.oracle import best_static
 
 US = 1e-6
 BUF = (16 * MiB,) * 3
@@ -200,6 +201,20 @@ def test_copy_carries_the_kind_rules_state():
         assert sim.observe() == twin.observe()
     assert sim._kinds.decisions == twin._kinds.decisions
     assert any(d[0] == "undo" for d in sim._kinds.decisions)
+
+
+def test_oracle_searches_the_kind_of_threadable_stages():
+    sim = _sim(text_like(0))
+    best, value = best_static(sim.evaluate, 3, 8, 8, threadable=sim.threadable())
+    assert best.threads[1] == 0  # pure Python: processes
+    assert value == pytest.approx(best_static(sim.evaluate, 3, 8, 8)[1])
+    # Where memory holds few processes, threads that release the lock go further.
+    wl = _workload(gil_share=0.1)
+    tight = SimPipeline(wl, cpus=8, memory_limit_bytes=1 << 30, noise=0)
+    procs = best_static(tight.evaluate, 3, 8, 8)
+    kinds = best_static(tight.evaluate, 3, 8, 8, threadable=tight.threadable())
+    assert kinds[0].threads[1] == kinds[0].workers[1] > procs[0].workers[1]
+    assert kinds[1] > 1.3 * procs[1]
 
 
 def test_existing_workloads_run_no_threads():

@@ -12,6 +12,7 @@ None is meant for production: all cost many evaluations.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
@@ -164,6 +165,7 @@ def best_static(
     cluster_cpus: float = 0.0,
     remotable: Sequence[bool] = (),
     split_starts: Sequence[Allocation] = (),
+    threadable: Sequence[bool] = (),
 ) -> tuple[Allocation, float]:
     """The best static allocation on ``cpus`` CPUs among worker totals up to each of
     ``cpus * factors``.
@@ -176,15 +178,32 @@ def best_static(
     only the workers that run. With ``cluster_cpus`` (at least 1) and ``remotable`` stages,
     also the best split of workers between host and cluster
     (:func:`~.split_search.split_search`, every stage split, local totals as above, from
-    its own starts and ``split_starts``).
+    its own starts and ``split_starts``). With ``threadable`` stages (``StageStats.threadable``),
+    each of them on threads or on processes (all its local workers one kind,
+    ``Allocation.threads``): one search per assignment, ``2**k`` for ``k`` threadable stages;
+    on a tie the assignment with more thread workers (they hold less memory).
 
     Returns:
         (best allocation, its value).
 
     Raises:
-        ValueError: on a negative ``cluster_cpus``, or ``remotable`` without one entry per
-            stage.
+        ValueError: on a negative ``cluster_cpus``, or ``remotable`` or ``threadable`` without
+            one entry per stage.
     """
+    if threadable:
+        if len(threadable) != n_stages:
+            raise ValueError(
+                f"best_static(): threadable needs {n_stages} entries, got {len(threadable)}"
+            )
+        if any(threadable):
+            return _kind_search(
+                lambda ev: best_static(
+                    ev, n_stages, cpus, max_workers, factors, fusion, cluster_cpus, remotable,
+                    split_starts,
+                ),
+                evaluate,
+                threadable,
+            )  # fmt: skip
     if cluster_cpus < 0:
         raise ValueError(f"best_static(): cluster_cpus must be >= 0, got {cluster_cpus}")
     if remotable and len(remotable) != n_stages:
@@ -215,6 +234,27 @@ def best_static(
             )  # fmt: skip
             for f in factors
         ]
+    return max(found, key=lambda item: item[1])
+
+
+def _kind_search(
+    search: Callable[[Callable[[Allocation], float]], tuple[Allocation, float]],
+    evaluate: Callable[[Allocation], float],
+    threadable: Sequence[bool],
+) -> tuple[Allocation, float]:
+    """``search`` once per assignment of threads or processes to the ``threadable`` stages,
+    threads first (so that on a tie they stay); the best, with its ``threads``."""
+    stages = [i for i, t in enumerate(threadable) if t]
+    found = []
+    for kinds in itertools.product((True, False), repeat=len(stages)):
+        on = dict(zip(stages, kinds, strict=True))
+
+        def with_kind(a: Allocation, on: dict[int, bool] = on) -> Allocation:
+            # A thread count past a stage's local workers reads as all of them.
+            return a.replace(threads=tuple(w if on.get(i) else 0 for i, w in enumerate(a.workers)))
+
+        best, value = search(lambda a, k=with_kind: evaluate(k(a)))
+        found.append((with_kind(best), value))
     return max(found, key=lambda item: item[1])
 
 
