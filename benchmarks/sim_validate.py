@@ -24,6 +24,12 @@ Reported: simulated and measured throughput (pipeline outputs per second: batche
 batching pipeline), the absolute percentage error of each allocation, and the median absolute
 percentage error (MdAPE) per pipeline and overall.
 
+``--threads`` runs the thread case instead: one map stage on every core, as processes and as
+threads of this process (``StageSpec(worker_type=...)``), on a pure-Python function and on
+``zlib.compress`` (which releases the interpreter lock), against the simulator's ratio of the
+two kinds with ``gil_share`` priors of 1 and 0.05 and this process's own CPU per item as the
+consumer's share of the lock.
+
 Run: ``.venv/bin/python benchmarks/sim_validate.py --out sim_validate.json``; ``--quick`` for
 a smoke test.
 """
@@ -36,6 +42,7 @@ import os
 import statistics
 import sys
 import time
+import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -47,7 +54,7 @@ import _real_fns  # noqa: E402
 from _common import machine_info, write_json  # noqa: E402
 from tuners_real import table  # noqa: E402
 
-from multiproc import Snapshot  # noqa: E402
+from multiproc import Executor, ExecutorSpec, Snapshot, StageSpec  # noqa: E402
 from torchtune_pipe.sim.model import SimPipeline, StageModel, Workload  # noqa: E402
 from torchtune_pipe.tuning.base import Allocation, waits_on_io  # noqa: E402
 
@@ -233,6 +240,72 @@ def validate(
     }
 
 
+def _pure_python(x: int) -> int:
+    total = 0
+    for k in range(20_000):
+        total += (x ^ k) & 7
+    return total
+
+
+_BLOB = (bytes(range(256)) * 64 + os.urandom(4096)) * 16
+
+
+def _compress(x: int) -> int:
+    return len(zlib.compress(_BLOB, 6))
+
+
+def _read(unit: int) -> range:
+    return range(unit * 64, unit * 64 + 64)
+
+
+def _sample(ex: Executor) -> tuple[Snapshot, float, float, float]:
+    return ex.snapshot(), machine_busy_s(), time.process_time(), time.perf_counter()
+
+
+def thread_case(fn: Any, gil_share: float, settle_s: float, measure_s: float) -> dict:
+    """Items per second of one map on every core, as processes and as threads, measured and
+    simulated (on the cores the rest of the machine left); the main process's CPU per item
+    (process run) is the consumer's share of the lock."""
+    cpus = len(os.sched_getaffinity(0))
+    t0 = time.process_time()
+    for i in range(20):
+        fn(i)
+    cpu_s = (time.process_time() - t0) / 20
+    rates, others, main_s = {}, [], 0.0
+    for kind in ("process", "thread"):
+        work = StageSpec("work", "map", fn, workers=cpus, worker_type=kind)
+        with Executor(ExecutorSpec((StageSpec("read", "source", _read), work))) as ex:
+            it = ex.run(range(100_000))
+            _consume(it, settle_s)
+            (s0, m0, c0, t0), n = _sample(ex), _consume(it, measure_s)
+            s1, m1, c1, t1 = _sample(ex)
+        # CPU of the worker processes; the thread workers' is this process's own.
+        procs_s = sum((b.cpu_ns - b.thread_cpu_ns) - (a.cpu_ns - a.thread_cpu_ns)
+                      for a, b in zip(s0.stages, s1.stages, strict=True)) / 1e9  # fmt: skip
+        others.append(max(0.0, m1 - m0 - (c1 - c0) - procs_s) / (t1 - t0))
+        rates[kind] = n / (t1 - t0)
+        main_s = main_s or (c1 - c0) / max(1, n)  # the process run's: the consumer's own
+    stages = (
+        StageModel("read", "source", 2e-6, max_workers=1),
+        StageModel("work", "map", cpu_s, gil_share=gil_share, threadable=True),
+        StageModel("main", "prefetch", max(main_s, 1e-7), max_workers=1),
+    )
+    wl = Workload(fn.__name__, stages, worker_start_s=0.0, consumer_gil_s_per_item=main_s)
+    # Each kind on the cores the rest of the machine left it while it ran.
+    sim_cpus = [max(0.5, cpus - o) for o in others]
+    sim = SimPipeline(wl, cpus=cpus, memory_limit_bytes=1 << 40, noise=0.0)
+    procs = Allocation((1, cpus, 1), (16 << 20,) * 3, threads=(0, 0, 0))
+    threads = sim.evaluate(procs.replace(threads=(0, cpus, 0)), cpus=sim_cpus[1])
+    simulated = threads / sim.evaluate(procs, cpus=sim_cpus[0])
+    measured = rates["thread"] / rates["process"]
+    print(f"{fn.__name__}: cpu {cpu_s * 1e3:.2f} ms/item, main {main_s * 1e3:.3f} ms/item, "
+          f"other load {others[0]:.2f}/{others[1]:.2f} cores; processes "
+          f"{rates['process']:.0f}/s, threads {rates['thread']:.0f}/s; threads/processes "
+          f"measured {measured:.2f}, simulated {simulated:.2f}", flush=True)  # fmt: skip
+    return {"cpu_s": cpu_s, "main_s": main_s, "sim_cpus": sim_cpus, "rates": rates,
+            "measured": measured, "simulated": simulated, "gil_share": gil_share}  # fmt: skip
+
+
 COLUMNS = (
     ("workers", "workers", "s"),
     ("measured", "measured/s", ".1f"),
@@ -251,8 +324,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--pipelines", nargs="*", help=f"subset of {list(_real_fns.recipes())}")
     p.add_argument("--out", help="write the JSON result here")
     p.add_argument("--quick", action="store_true", help="a tiny smoke run (< 30 s)")
+    p.add_argument("--threads", action="store_true", help="the thread case, not the recipes")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    if args.threads:
+        cases = ((_pure_python, 1.0), (_compress, 0.05))
+        found = {fn.__name__: thread_case(fn, g, args.settle, args.measure) for fn, g in cases}
+        out = {"machine": machine_info(), "threads": found}
+        if args.out:
+            write_json(args.out, out)
+        return out
     allocations = ALLOCATIONS
     if args.quick:
         args.settle, args.profile, args.measure = 0.3, 0.75, 0.5
