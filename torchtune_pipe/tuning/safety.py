@@ -443,10 +443,11 @@ class Guarded:
 
     def __init__(self, tunable: Tunable, limits_fn: LimitsFn | None = None) -> None:
         if isinstance(tunable, Guarded):
-            limits_fn = limits_fn or tunable.limits_fn
-            tunable = tunable.tunable
-        self.tunable = tunable
-        self.limits_fn = limits_fn
+            inner: Guarded = tunable
+            limits_fn = limits_fn or inner.limits_fn
+            tunable = inner.tunable
+        self.tunable: Tunable = tunable
+        self.limits_fn: LimitsFn | None = limits_fn
         self.last: Observation | None = None
         self.applied: Allocation | None = None
 
