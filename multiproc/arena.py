@@ -11,7 +11,8 @@ of a stage's outbound channel is split across its workers' arenas; a full arena 
 producer (backpressure).
 
 A payload is either inline (small frames travel inside the control message) or a reference
-``(segment, offset, size, header_len, buffer_sizes)`` into an arena.
+``(segment, offset, size, header_len, buffer_sizes)`` into an arena, or into a segment of the
+frame's own (a frame too big for its worker's budget, :mod:`multiproc.spill`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import bisect
 import contextlib
 import mmap
 import os
+import pickle
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,8 +51,13 @@ class ShmRef:
     header_len: int
     buffer_sizes: tuple[int, ...]
 
+    def mapping(self, cache: MappingCache) -> mmap.mmap:
+        """This process's mapping of the segment (the arena's, shared by its frames)."""
+        return cache.get(self.segment).mm
 
-def _path(name: str) -> str:
+
+def segment_path(name: str) -> str:
+    """Where segment ``name`` lives (in :func:`multiproc.shm.directory`)."""
     return os.path.join(shm.directory(), name)
 
 
@@ -71,7 +78,7 @@ class Segment:
 
     def __init__(self, name: str, size: int, create: bool, writer: bool = False):
         self.name = name
-        self.path = _path(name)
+        self.path = segment_path(name)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             with lifetime.uninterrupted() if create else contextlib.nullcontext():
@@ -163,7 +170,7 @@ def sweep_stale_segments(prefix: str = "ttp_") -> list[str]:
 def unlink_segment(name: str) -> None:
     """Unlink a segment this process did not create (e.g. a dead process's)."""
     try:
-        os.unlink(_path(name))
+        os.unlink(segment_path(name))
     except FileNotFoundError:
         pass
 
@@ -177,7 +184,7 @@ def create_segment(name: str, size: int) -> None:
     """
     try:
         with lifetime.uninterrupted():  # created and tracked, or neither (Ctrl-C)
-            fd = os.open(_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            fd = os.open(segment_path(name), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             lifetime.track(name)
     except OSError as e:
         if e.errno in shm.NO_ROOM:
@@ -193,7 +200,7 @@ def remove_segment(name: str) -> None:
     """Unlink a segment made by :func:`create_segment` (or ``Segment(create=True)``); one
     never made (its creation was interrupted) or already removed is left alone."""
     try:
-        os.unlink(_path(name))
+        os.unlink(segment_path(name))
     except FileNotFoundError:
         return
     lifetime.untrack(name)
@@ -310,7 +317,7 @@ def encode(obj, allocator: Allocator | None, segment: Segment | None):
     sizes = serialize.buffer_nbytes(buffers)
     total = len(header) + sum(sizes)
     if allocator is None or total <= INLINE_MAX_BYTES:
-        return ("inline", header, [bytes(b.raw()) for b in buffers]), total
+        return inline(header, buffers), total
     assert segment is not None  # an allocator allocates in its segment
     off = allocator.alloc(total)
     if off is None:
@@ -324,16 +331,23 @@ def encode(obj, allocator: Allocator | None, segment: Segment | None):
     return ("shm", ShmRef(segment.name, off, total, len(header), tuple(sizes))), total
 
 
+def inline(header: bytes, buffers: list[pickle.PickleBuffer]) -> tuple:
+    """The payload of a frame that travels in the control message: its header and a copy of
+    each buffer (:func:`multiproc.serialize.dumps`)."""
+    return ("inline", header, [bytes(b.raw()) for b in buffers])
+
+
 def decode(payload, cache: MappingCache, on_release: Callable[[ShmRef], None] | None):
-    """Rebuild a frame. For arena payloads, ``on_release(ref)`` runs once nothing built from
-    the frame (tensors, arrays, views of them) is alive any more."""
+    """Rebuild a frame. For payloads in shared memory (an arena block, or a segment of its own:
+    :class:`multiproc.spill.SpillRef`), ``on_release(ref)`` runs once nothing built from the
+    frame (tensors, arrays, views of them) is alive any more."""
     if payload[0] == "inline":
         _, header, bufs = payload
         # bytearray: tensors built on read-only bytes would be read-only views.
         return serialize.loads(header, [memoryview(bytearray(b)) for b in bufs])
     ref: ShmRef = payload[1]
-    seg = cache.get(ref.segment)
-    holder = np.frombuffer(seg.mm, dtype=np.uint8, count=ref.size, offset=ref.offset)
+    mm = ref.mapping(cache)
+    holder = np.frombuffer(mm, dtype=np.uint8, count=ref.size, offset=ref.offset)
     mv = memoryview(holder)  # type: ignore[arg-type]  # numpy's stubs: no __buffer__
     pos = ref.header_len
     views = []

@@ -1,9 +1,9 @@
-"""How a worker writes its outputs: into its arena, waiting for room, or inline.
+"""How a worker writes its outputs: into its arena, waiting for room, or spilled.
 
 :class:`Emitter` encodes a worker's frames (:func:`multiproc.arena.encode`), waits for room
 under its budget (backpressure: see :mod:`multiproc.policy` for when the router lets a frame
-travel inline), splits a stateful stage's outputs into frames, and reports items that do not
-pickle, naming them.
+through without room, to travel in a segment of its own, :mod:`multiproc.spill`), splits a
+stateful stage's outputs into frames, and reports items that do not pickle, naming them.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arena, policy, stats
+from . import arena, policy, spill, stats
 from . import protocol as P
 from .arena import Allocator, Segment
 from .errors import StageError
@@ -60,13 +60,16 @@ class Emitter:
         self.cell = cell
         self.on_control = on_control
         self.on_error = on_error
+        self.spills = 0  # segments spilled to so far (each named by its number)
 
     def encode(self, obj: Any) -> tuple[Any, int]:
         """Write one frame into the arena, waiting for room (backpressure) if needed.
 
         A frame bigger than this worker's whole budget waits too, until the router lets it
-        travel inline (``policy``): none of this worker's frames is queued or in flight, or
-        nothing else can move. So it counts against the budget as one frame in flight.
+        through (``policy``): none of this worker's frames is queued or in flight, or nothing
+        else can move. So it counts against the budget as one frame in flight. It then travels
+        in a segment of its own (:mod:`multiproc.spill`), or inline where the shared-memory
+        directory has no room for one.
         """
         h0 = _cpu_ns()
         payload, nbytes = arena.encode(obj, self.alloc, self.seg)
@@ -83,7 +86,8 @@ class Emitter:
                 msg = link.read()
                 if type(msg) is P.SpillOk:
                     self.row[stats.SPILLED] += 1
-                    return arena.encode(obj, None, None)
+                    self.spills += 1
+                    return spill.write(obj, spill.name(self.seg.name, self.spills))
                 if not self.on_control(msg):
                     link.deferred.append(msg)
                     continue

@@ -4,7 +4,9 @@ A frame in shared memory is a block of its producer's arena. :class:`Ledger` cou
 each arena holds (``ExecutorState.seg_refs``) and their bytes per stage (``seg_bytes``), tells
 a producer which blocks to free (once per event, ``Free``), removes a dead worker's arena once
 nothing refers to it, and counts each producer's frames queued or in flight, which decides
-when a blocked producer may send a frame inline (``policy.may_spill``, ``policy.stalled``).
+when a blocked producer may let a frame through without room (``policy.may_spill``,
+``policy.stalled``). A frame that went through that way lives in a segment of its own
+(:mod:`multiproc.spill`, ``ExecutorState.spills``): freeing it unlinks that segment.
 Callers hold the executor's lock.
 """
 
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from . import arena, handles, policy
+from . import arena, handles, policy, spill
 from . import protocol as P
 from .frames import Frame, inline_size
 from .mail import Mail
@@ -34,9 +36,12 @@ class Ledger:
         f = Frame(next(s.frame_ids), seq, payload, n, producer, inline=inline_size(payload))
         if payload[0] == "shm":
             ref = payload[1]
-            s.seg_refs[ref.segment] += 1
-            s.seg_bytes[stage] += ref.size
-            s.sizes[(ref.segment, ref.offset)] = ref.size
+            if type(ref) is spill.SpillRef:
+                s.spills.add(ref.segment)
+            else:
+                s.seg_refs[ref.segment] += 1
+                s.seg_bytes[stage] += ref.size
+                s.sizes[(ref.segment, ref.offset)] = ref.size
         s.pending_count[producer] += 1
         return f
 
@@ -77,6 +82,10 @@ class Ledger:
         """The frame at ``off`` of arena ``seg`` is done with: its producer frees it (at the
         end of the event), or its arena goes once nothing refers to it (a dead producer)."""
         s = self.state
+        if seg in s.spills:
+            s.spills.discard(seg)
+            arena.remove_segment(seg)  # mappings of it keep its pages until they end
+            return
         wid = s.by_seg.get(seg)
         if wid is None:
             return
@@ -128,13 +137,16 @@ class Ledger:
         pf.clear()
 
     def maybe_unlink(self, seg: str) -> None:
-        """Remove a dead worker's arena ``seg`` once no frame refers to it, and forget it."""
+        """Remove a dead worker's arena ``seg`` once no frame refers to it, and forget it,
+        with the segments it spilled frames to but never sent (it died first)."""
         s = self.state
         wid = s.by_seg.get(seg)
         if wid is None:
             return
         h = s.workers.get(wid)
         if h is not None and not h.alive() and s.seg_refs[seg] <= 0:
+            for name in spill.orphans(seg, s.spills):
+                arena.remove_segment(name)
             arena.remove_segment(seg)
             s.segments.discard(seg)
             s.cache.drop(seg)

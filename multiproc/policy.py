@@ -11,7 +11,8 @@ applies what they return (messages, state).
 
 A producing worker whose frame does not fit in its arena (the arena is full, or the frame is
 bigger than the worker's whole budget) tells the router it is *blocked* and waits. The router
-lets it send that one frame inline (``spill_ok``) only when waiting cannot end otherwise:
+lets that one frame through without room (``spill_ok``: it travels in a segment of its own,
+:mod:`multiproc.spill`) only when waiting cannot end otherwise:
 
 * :func:`may_spill`: none of the worker's frames is queued or in flight any more (consumers
   hold them all, e.g. ``list(loader)``), so no release is on its way;
@@ -227,7 +228,8 @@ def frame_items(item_bytes: int, most: int) -> int:
 
 
 def may_spill(pending_frames: int) -> bool:
-    """Whether a blocked worker with ``pending_frames`` queued or in flight may send inline."""
+    """Whether a blocked worker with ``pending_frames`` queued or in flight may send its frame
+    without room (``spill_ok``)."""
     return pending_frames <= 0
 
 

@@ -98,7 +98,8 @@ class Fuse(NamedTuple):
 
 @_tagged("spill_ok")
 class SpillOk(NamedTuple):
-    """A blocked worker may send its frame inline (see ``policy``)."""
+    """A blocked worker may send its frame without room in its arena, in a segment of its own
+    (see ``policy``, :mod:`multiproc.spill`)."""
 
 
 @_tagged("drop")

@@ -77,6 +77,8 @@ class ExecutorState:
     seg_bytes: collections.Counter[int] = field(default_factory=collections.Counter)
     # (arena, offset) -> bytes of the frame there.
     sizes: dict[tuple[str, int], int] = field(default_factory=dict)
+    # Segments of one spilled frame each (multiproc.spill) queued, in flight or held.
+    spills: set[str] = field(default_factory=set)
     # wid -> offsets of its arena to tell it to free, at the end of the event.
     pending_free: dict[int, list[int]] = field(default_factory=dict)
     # wid -> its frames queued or in flight (backpressure, ``policy.may_spill``).

@@ -164,6 +164,43 @@ def test_frames_travel_through_pipes_when_shm_fills_up_after_start(small_shm):
     assert "is full" in p.stderr  # the warning that says why it is slower, and what to do
 
 
+# Docker's default /dev/shm: a frame bigger than its worker's budget travels in a segment of
+# its own (multiproc.spill) where that takes at most a third of the free bytes, else inline.
+SPILLED = """
+import numpy as np
+from multiproc import Executor, ExecutorSpec, StageSpec, arena
+
+kinds = []
+decode = arena.decode
+
+
+def recording(payload, *args):
+    kinds.append(payload[0] if payload[0] == "inline" else type(payload[1]).__name__)
+    return decode(payload, *args)
+
+
+def read(unit):
+    mib, lo, hi = unit
+    for i in range(lo, hi):
+        yield np.full(mib << 18, i, dtype=np.float32)
+
+
+arena.decode = recording
+source = StageSpec("read", "source", read, workers=2, frame_items=1, buffer_bytes=1 << 20)
+with Executor(ExecutorSpec((source,), ordered=True)) as ex:
+    for mib, kind in ((4, "SpillRef"), (24, "inline")):
+        kinds.clear()
+        got = [int(x[0]) for x in ex.run([(mib, 0, 4), (mib, 4, 8)])]
+        assert got == list(range(8)), got
+        assert kinds == [kind] * 8, (mib, kinds)
+print("DONE")
+"""
+
+
+def test_spilled_frames_take_segments_of_their_own_only_where_they_leave_room(small_shm):
+    _ok(small_shm(SPILLED, size_mib=64))
+
+
 # /dev/shm full before the loader starts: nothing of the pipeline fits there.
 NO_ROOM = """
 import os
