@@ -267,6 +267,7 @@ class TuningCallback(Callback):
                 tuple(alloc.get("concurrency", ())),
                 tuple(alloc.get("fused", ())),
                 tuple(alloc.get("remote", ())),
+                tuple(alloc.get("threads", ())),
             )
             if self._train is None:
                 self._train = Steering(Session(self.tuner), self.interval_s, self.log_path)

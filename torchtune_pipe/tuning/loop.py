@@ -376,6 +376,7 @@ class TuningLoop:
                 "concurrency": list(alloc.concurrency),  # [] : left to the pipeline
                 "fused": list(alloc.fused),  # [] : stages stay as they run
                 "remote": list(alloc.remote),  # [] : each stage keeps its placement
+                "threads": list(alloc.threads),  # [] : left to the pipeline's kind rule
             },
             "applied": applied,
             "step_s": step_s,
