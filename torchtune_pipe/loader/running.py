@@ -16,6 +16,7 @@ import weakref
 from typing import Any
 
 from multiproc import Executor, ExecutorSpec
+from multiproc.errors import ExecutorClosedError
 from multiproc.fusion import fuse_all
 from multiproc.snapshot import Snapshot, forks
 from torchtune_pipe.remote import stage as _remote
@@ -390,7 +391,9 @@ class KindLoop:
             while not self._stop.wait(self.interval_s):
                 self.tunable.apply_kinds()
                 self.steps += 1
-        except BaseException as e:  # a closed executor ends the loop; stop() says so
+        except ExecutorClosedError:
+            pass  # the epoch ended under it: nothing left to move
+        except BaseException as e:  # stop() raises it
             self._error = e
 
     def stop(self, timeout_s: float | None = None, raise_error: bool = True) -> None:
