@@ -5,6 +5,7 @@ moves to threads only where reads need no seed of them."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -41,6 +42,21 @@ class Draws(Rows):
         return self.x[i] + torch.rand(3), 0
 
 
+class Slow(Rows):
+    """Reads of ~0.5 ms: the first batches, read in this process, leave the workers time to
+    start, so the epoch runs on them."""
+
+    def __getitem__(self, i):
+        time.sleep(0.0005)
+        return super().__getitem__(i)
+
+
+class SlowDraws(Slow):
+    def __getitem__(self, i):
+        x, _ = super().__getitem__(i)
+        return x + torch.rand(3), 0
+
+
 def test_thread_workers_give_torchs_batches_and_their_own_worker_info():
     g = torch.Generator().manual_seed(3)
     want = list(TorchLoader(Rows(), batch_size=8, shuffle=True, generator=g, num_workers=2))
@@ -70,7 +86,7 @@ def test_thread_workers_leave_this_process_generators_as_torchs_workers_do():
 
 
 def test_auto_moves_to_threads_only_where_reads_need_no_seed():
-    for dataset, threadable in ((Rows(2000), True), (Draws(2000), False)):
+    for dataset, threadable in ((Slow(2000), True), (SlowDraws(2000), False)):
         with DataLoader(dataset, batch_size=4, num_workers=2, worker_method="auto",
                         tuning_interval_s=0.05) as dl:  # fmt: skip
             seen = set()

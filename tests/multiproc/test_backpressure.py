@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -147,8 +148,17 @@ def test_a_source_of_large_items_frames_them_small_and_a_dead_worker_loses_nothi
 
 
 def _arena_bytes() -> int:
-    """Memory behind this process's arenas (written pages of the shared-memory files)."""
-    return sum(p.stat().st_blocks * 512 for p in Path("/dev/shm").glob(f"ttp_{os.getpid()}_*"))
+    """Memory behind this process's arenas (written pages of the shared-memory files); not
+    the segments of spilled frames (``..._s<n>``), which come and go with their frames."""
+    total = 0
+    for p in Path("/dev/shm").glob(f"ttp_{os.getpid()}_*"):
+        if re.search(r"_s\d+$", p.name):
+            continue
+        try:
+            total += p.stat().st_blocks * 512
+        except FileNotFoundError:
+            pass  # removed between the listing and the stat
+    return total
 
 
 def test_a_smaller_budget_gives_the_arena_pages_back():
