@@ -320,19 +320,12 @@ class Allocation:
     def __post_init__(self) -> None:
         object.__setattr__(self, "workers", tuple(int(w) for w in self.workers))
         object.__setattr__(self, "buffer_bytes", tuple(int(b) for b in self.buffer_bytes))
-        object.__setattr__(self, "concurrency", tuple(int(c) for c in self.concurrency))
         if len(self.workers) != len(self.buffer_bytes):
             raise ValueError(
                 f"Allocation: workers has {len(self.workers)} stages but buffer_bytes has "
                 f"{len(self.buffer_bytes)}"
             )
-        if self.concurrency and len(self.concurrency) != len(self.workers):
-            raise ValueError(
-                f"Allocation: concurrency has {len(self.concurrency)} stages, workers "
-                f"{len(self.workers)}"
-            )
-        if any(c < 1 for c in self.concurrency):
-            raise ValueError(f"Allocation: concurrency must be >= 1, got {self.concurrency}")
+        self._per_stage_counts("concurrency", least=1)
         object.__setattr__(self, "fused", tuple(bool(f) for f in self.fused))
         if self.fused and len(self.fused) != len(self.workers):
             raise ValueError(
@@ -340,20 +333,19 @@ class Allocation:
             )
         if self.fused and self.fused[0]:
             raise ValueError("Allocation: the first stage cannot be fused (nothing before it)")
-        object.__setattr__(self, "remote", tuple(int(r) for r in self.remote))
-        if self.remote and len(self.remote) != len(self.workers):
+        self._per_stage_counts("remote", least=0)
+        self._per_stage_counts("threads", least=0)
+
+    def _per_stage_counts(self, name: str, least: int) -> None:
+        """Field ``name`` as ints: empty, or one per stage, each at least ``least``."""
+        values = tuple(int(v) for v in getattr(self, name))
+        object.__setattr__(self, name, values)
+        if values and len(values) != len(self.workers):
             raise ValueError(
-                f"Allocation: remote has {len(self.remote)} stages, workers {len(self.workers)}"
+                f"Allocation: {name} has {len(values)} stages, workers {len(self.workers)}"
             )
-        if any(r < 0 for r in self.remote):
-            raise ValueError(f"Allocation: remote must be >= 0, got {self.remote}")
-        object.__setattr__(self, "threads", tuple(int(t) for t in self.threads))
-        if self.threads and len(self.threads) != len(self.workers):
-            raise ValueError(
-                f"Allocation: threads has {len(self.threads)} stages, workers {len(self.workers)}"
-            )
-        if any(t < 0 for t in self.threads):
-            raise ValueError(f"Allocation: threads must be >= 0, got {self.threads}")
+        if any(v < least for v in values):
+            raise ValueError(f"Allocation: {name} must be >= {least}, got {values}")
 
     def replace(self, **changes) -> Allocation:
         return dataclasses.replace(self, **changes)
