@@ -93,6 +93,7 @@ class RunningPipeline:
                 if f != now[j]:
                     ex.set_fused(j, f)  # SpecError names why a stage cannot fuse
         for i, st in enumerate(ex.spec.stages):
+            remote = None  # a stage without an offload has no remote count to move
             if st.offload is not None:
                 # Empty: each stage keeps its placement (all remote stays all remote, else
                 # its remote count, at most its workers; base.Allocation).
@@ -101,19 +102,13 @@ class RunningPipeline:
                 if not a.remote and now and now == ex.workers(i):
                     want = a.workers[i]
                 remote = min(want, a.workers[i], st.offload.max_workers)
-                threads = self._threads(i, a, a.workers[i] - remote)
-                if (
-                    a.workers[i] != ex.workers(i)
-                    or remote != ex.remote_workers(i)
-                    or (threads is not None and threads != ex.threads(i))
-                ):
-                    ex.resize(i, a.workers[i], remote=remote, threads=threads)
-            else:
-                threads = self._threads(i, a, a.workers[i])
-                if a.workers[i] != ex.workers(i) or (
-                    threads is not None and threads != ex.threads(i)
-                ):
-                    ex.resize(i, a.workers[i], threads=threads)
+            threads = self._threads(i, a, a.workers[i] - (remote or 0))
+            if (
+                a.workers[i] != ex.workers(i)
+                or (remote is not None and remote != ex.remote_workers(i))
+                or (threads is not None and threads != ex.threads(i))
+            ):
+                ex.resize(i, a.workers[i], remote=remote, threads=threads)
             if a.concurrency[i] != ex.concurrency(i):
                 ex.set_concurrency(i, a.concurrency[i])
             budget = a.buffer_bytes[i]
