@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast venv install bench simulate pretrain lint format clean peers-tf-env
+.PHONY: demo test test-fast venv install bench simulate pretrain lint format clean peers-tf-env ft-env
 
 venv: $(STAMP)
 
@@ -75,6 +75,15 @@ $(TF_VENV)/.installed:
 	test -x $(TF_VENV)/bin/python || $(TF_BASE_PYTHON) -m venv $(TF_VENV)
 	$(TF_VENV)/bin/python -m pip install -q tensorflow-cpu==2.21.0 torch==2.13.0 psutil cloudpickle
 	touch $@
+
+# A free-threaded CPython 3.13 (python3.13t) and a venv with what benchmarks/zoo.py needs, for
+# the zoo under no GIL; benchmarks/ft_env.sh says where CPython's sources come from.
+FT_PREFIX ?= /tmp/ft-python
+FT_VENV ?= /tmp/ft-venv
+CPYTHON_SRC ?=
+
+ft-env:
+	FT_PREFIX=$(FT_PREFIX) FT_VENV=$(FT_VENV) CPYTHON_SRC=$(CPYTHON_SRC) bash benchmarks/ft_env.sh
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
