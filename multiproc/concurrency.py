@@ -15,6 +15,7 @@ on the calling worker's threads (serially outside a worker or at concurrency 1),
 
 from __future__ import annotations
 
+import contextvars
 import os
 import queue
 import threading
@@ -166,12 +167,15 @@ class CallPool:
 
 class _Batch:
     """One :meth:`CallPool.map`: its calls, taken in turn by ``runners`` threads; ``done`` is
-    released when the last of them has run out of calls."""
+    released when the last of them has run out of calls. The calls run in the context
+    (:mod:`contextvars`) of the thread that called ``map``, each runner in a copy of its own:
+    what that thread set for them (a thread worker's ``get_worker_info()``) they see."""
 
     __slots__ = ("fn", "xs", "out", "next", "left", "cpu_ns", "runq_ns", "sample", "fatal",
-                 "lock", "done")  # fmt: skip
+                 "lock", "done", "context")  # fmt: skip
 
     def __init__(self, fn: Callable[[Any], Any], xs: list[Any], runners: int):
+        self.context = contextvars.copy_context()
         self.fn = fn
         self.xs = xs
         self.out: list[Outcome | None] = [None] * len(xs)
@@ -186,6 +190,9 @@ class _Batch:
         self.done.acquire()
 
     def run(self) -> None:
+        self.context.copy().run(self._take_calls)
+
+    def _take_calls(self) -> None:
         fn, xs, out, take = self.fn, self.xs, self.out, self.next
         c0 = time.thread_time_ns()
         try:

@@ -22,6 +22,7 @@ dataset whose ``__getitem__`` draws from the global random generators, say).
 from __future__ import annotations
 
 import collections
+import contextvars
 import os
 import threading
 import time
@@ -181,14 +182,16 @@ class ReadAhead:
 
     def start(self, fn: Callable[[Any], Iterator[Any]], unit_id: Any, unit: Any,
               skip_frames: int) -> Read:  # fmt: skip
-        """Start reading ``fn(unit)`` on a thread; the returned :class:`Read` fills."""
+        """Start reading ``fn(unit)`` on a thread, in a copy of the calling thread's context
+        (:mod:`contextvars`: what a thread worker set for its reads, they see); the returned
+        :class:`Read` fills."""
         if self._threads is None:
             self._threads = ThreadPoolExecutor(MAX_UNITS, thread_name_prefix="multiproc-unit")
             self._wake = os.pipe()
             for fd in self._wake:
                 os.set_blocking(fd, False)  # a full pipe already says "wake up"
         r = Read(unit_id, unit, skip_frames)
-        self._threads.submit(self._read, fn, r)
+        self._threads.submit(contextvars.copy_context().run, self._read, fn, r)
         return r
 
     def _read(self, fn: Callable[[Any], Iterator[Any]], r: Read) -> None:

@@ -4,21 +4,27 @@ torch keeps the worker info in a module global, which a worker process owns alon
 workers share the consumer's process, so each needs its own: :func:`set_thread_info` keeps it
 per thread, and :func:`install` makes torch's ``get_worker_info`` (every reference to it,
 however imported) return the calling thread's info where one is set, and the module global
-otherwise, as before. So the consumer's own threads still see ``None``, and a thread worker
+otherwise, as before. The info is a context variable (:mod:`contextvars`), so the calls a
+thread worker keeps in flight on threads of its own (:mod:`multiproc.concurrency`, which runs
+them in its context) see it too. So the consumer's own threads still see ``None``, and a thread worker
 sees its worker's id, count, seed and dataset, as it would in a worker process.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
 from typing import Any
 
-_NAME = "_ttp_thread_worker_info"  # the thread-local, in torch's worker module
+_NAME = "_ttp_thread_worker_info"  # the context variable, in torch's worker module
 _lock = threading.Lock()
 
 
+_info: contextvars.ContextVar[Any] = contextvars.ContextVar("ttp_thread_worker_info", default=None)
+
+
 def _thread_aware() -> Any:  # runs with the globals of torch.utils.data._utils.worker
-    info = getattr(_ttp_thread_worker_info, "info", None)  # noqa: F821
+    info = _ttp_thread_worker_info.get()  # noqa: F821
     return _worker_info if info is None else info  # noqa: F821
 
 
@@ -29,13 +35,11 @@ def install() -> None:
     with _lock:
         if hasattr(torch_worker, _NAME):
             return
-        setattr(torch_worker, _NAME, threading.local())
+        setattr(torch_worker, _NAME, _info)
         torch_worker.get_worker_info.__code__ = _thread_aware.__code__
 
 
 def set_thread_info(info: Any) -> None:
-    """Set (None: clear) the calling thread's worker info."""
-    from torch.utils.data._utils import worker as torch_worker
-
+    """Set (None: clear) the calling thread's worker info (in its current context)."""
     install()
-    getattr(torch_worker, _NAME).info = info
+    _info.set(info)
