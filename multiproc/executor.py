@@ -162,7 +162,7 @@ class Executor:
         stages = []
         for i, s in enumerate(spec.stages):
             remote = s.offload.workers if s.offload else 0
-            threads = s.workers - remote if s.starts_as_threads else 0
+            threads = s.workers - remote if s.starts_on_threads else 0
             stages.append(
                 StageState(i, s.workers, budgets[i], s.concurrency, remote=remote, threads=threads)
             )

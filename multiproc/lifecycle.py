@@ -278,7 +278,7 @@ class WorkerPool:
         """The kind of the next worker of ``stage`` to start: one it is short of, else its
         starting kind."""
         starts: policy.WorkerKind = (
-            "thread" if self.state.spec.stages[stage].starts_as_threads else "process"
+            "thread" if self.state.spec.stages[stage].starts_on_threads else "process"
         )
         return policy.next_kind(self.have(stage), self.want(stage), starts)
 
@@ -366,7 +366,7 @@ class WorkerPool:
         threads (None: :func:`multiproc.policy.worker_mix`)."""
         st = self.state.stages[stage]
         far = min(st.remote if remote is None else remote, n)
-        starts = self.state.spec.stages[stage].starts_as_threads
+        starts = self.state.spec.stages[stage].starts_on_threads
         want = policy.worker_mix(n, far, threads, self.want(stage), starts)
         st.target, st.remote, st.threads = n, want.remote, want.threads
         if self.state.fused[stage]:

@@ -120,8 +120,8 @@ class StageSpec:
         frame_items: items grouped per frame (the unit of transfer and of recovery) by
             source and stateful stages; map stages keep their input's framing.
         worker_type: the kind of the stage's local workers at the start: ``process``,
-            ``thread`` (threads of the executor's process) or ``auto`` (processes, which a
-            tuner may move to threads). ``Executor.resize(stage, n, threads=t)`` moves any
+            ``thread`` (threads of the executor's process) or ``auto`` (processes, or threads
+            with ``start_threads``; a tuner may move them to the other kind). ``Executor.resize(stage, n, threads=t)`` moves any
             stage's local workers between the kinds while running. A thread stage's thread
             workers each unpickle their own copy of the stage; the thread workers of a
             ``process`` or ``auto`` stage all call this process's own ``fn`` (as torchdata's
@@ -131,6 +131,9 @@ class StageSpec:
         thread_copies: whether a thread stage's thread workers each unpickle their own copy
             of the stage (True), or all call this process's own ``fn`` as an ``auto`` stage's
             do (False: what torch's thread workers do with the dataset).
+        start_threads: an ``auto`` stage's local workers start as threads, not processes
+            (what a measurement chose before the executor started; a stage of another
+            ``worker_type`` may not set it).
         on_error: ``raise`` (the consumer gets the exception) or ``skip`` (drop, count, log
             the first; a source that raises loses the rest of its unit, see :class:`Skipped`).
         max_errors: the most items ``skip`` may drop before the executor raises
@@ -178,6 +181,7 @@ class StageSpec:
     placement: str = "local"
     offload: Offload | None = None
     thread_copies: bool = True
+    start_threads: bool = False
 
     def __post_init__(self) -> None:
         where = f"stage {self.name!r}"
@@ -222,6 +226,11 @@ class StageSpec:
                 f"{where}: worker_type must be 'process', 'thread' or 'auto', got "
                 f"{self.worker_type!r}"
             )
+        if self.start_threads and self.worker_type != "auto":
+            raise SpecError(
+                f"{where}: start_threads is for worker_type='auto' stages, got "
+                f"worker_type={self.worker_type!r}"
+            )
         if self.on_error not in ("raise", "skip"):
             raise SpecError(f"{where}: on_error must be 'raise' or 'skip', got {self.on_error!r}")
         if not valid_max_errors(self.max_errors):
@@ -255,8 +264,15 @@ class StageSpec:
 
     @property
     def starts_as_threads(self) -> bool:
-        """Whether its local workers start as threads (else as processes)."""
+        """Whether it is a ``thread`` stage (its workers start as threads, each with its own
+        copy of the stage where ``thread_copies``); an ``auto`` stage's start is
+        :attr:`starts_on_threads`."""
         return self.worker_type == "thread"
+
+    @property
+    def starts_on_threads(self) -> bool:
+        """Whether its local workers start as threads (else as processes)."""
+        return self.worker_type == "thread" or self.start_threads
 
 
 @dataclass(frozen=True)

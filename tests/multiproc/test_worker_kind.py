@@ -270,3 +270,30 @@ def test_closing_mid_epoch_with_both_kinds_leaves_nothing_behind():
             break
     it.close()  # an iterator closed early closes its executor
     ex.close()
+
+
+def test_an_auto_stage_may_start_on_threads_and_move_to_processes():
+    spec = ExecutorSpec(
+        (
+            StageSpec("read", "source", _fns.read_range),
+            StageSpec("udf", "map", tag_pid, workers=2, max_workers=4, worker_type="auto",
+                      start_threads=True),
+        )
+    )  # fmt: skip
+    with Executor(spec) as ex:
+        assert ex.threads("udf") == 2  # started on threads: no worker process for it
+        got = list(ex.run([(0, 500)]))
+        assert sorted(x for x, _ in got) == list(range(500))
+        assert {pid for _, pid in got} == {ME}
+        ex.resize("udf", 3)  # grown without saying: the kind it started on takes the rest
+        _poll("three threads", lambda: _settled(ex, "udf", 3, 3))
+        ex.resize("udf", 2, threads=0)
+        _poll("two processes", lambda: _settled(ex, "udf", 2, 0))
+        got = list(ex.run([(0, 500)]))
+        assert sorted(x for x, _ in got) == list(range(500))
+        assert all(pid != ME for _, pid in got)
+
+
+def test_start_threads_is_for_auto_stages_only():
+    with pytest.raises(SpecError, match="start_threads is for worker_type='auto' stages"):
+        StageSpec("udf", "map", _fns.identity, start_threads=True)

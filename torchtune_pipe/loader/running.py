@@ -145,12 +145,14 @@ class RunningPipeline:
             for i, s in enumerate(ex.spec.stages)
         )
         threads = tuple(ex.threads(i) for i in range(n))
+        calls = tuple(ex.concurrency(i) for i in range(n))
         return Allocation(
             tuple(ex.workers(i) for i in range(n)),
             tuple(ex.budget(i) for i in range(n)),
             fused=fused if any(fused) else (),
             remote=remote if any(remote) else (),
             threads=threads if any(threads) else (),
+            concurrency=calls if any(c > 1 for c in calls) else (),
         )
 
 
@@ -233,7 +235,8 @@ def executor_spec(
     start_method: str = "fork",
 ) -> ExecutorSpec:
     """The executor spec of ``pipeline``: its stages' own knobs, or ``allocation`` (what a
-    tuner left an earlier executor of the same pipeline with: workers, buffers, fusion), or,
+    tuner left an earlier executor of the same pipeline with: workers, buffers, fusion, calls
+    in flight, and an ``auto`` stage's kind: it starts on threads where it ran on them), or,
     with ``start_fused``, every stage fused that may be (:func:`multiproc.fusion.fuse_all`),
     the shape of a tuner that ``starts_fused``. The source stage is bounded as its source
     declares (:func:`source_bounded`)."""
@@ -241,12 +244,16 @@ def executor_spec(
     stages = source_bounded(pipeline.source, spec.stages)
     if allocation is not None and len(allocation.workers) == len(stages):
         fused = allocation.fused or (False,) * len(stages)
+        threads = allocation.threads or (0,) * len(stages)
+        calls = allocation.concurrency or tuple(s.concurrency for s in stages)
         stages = tuple(
             dataclasses.replace(
                 s,
                 workers=max(s.min_workers, min(s.max_workers, allocation.workers[i])),
                 buffer_bytes=allocation.buffer_bytes[i],
                 fused=fused[i],
+                start_threads=s.worker_type == "auto" and threads[i] > 0,
+                concurrency=max(1, min(s.max_concurrency, calls[i])),
             )
             if s.offload is None and s.placement == "local"
             else s
