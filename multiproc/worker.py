@@ -48,6 +48,13 @@ def in_thread_worker() -> bool:
     return getattr(_here, "thread_worker", False)
 
 
+def act_as_thread_worker(on: bool = True) -> None:
+    """Make the calling thread count as a thread worker (:func:`in_thread_worker`), or no
+    longer: a thread of the consumer's process that reads as one would (a loader measuring its
+    reads on threads) then leaves what is process-wide alone, as a thread worker does."""
+    _here.thread_worker = on
+
+
 # A unit still being read has its time counted at most this often (as RunQueue reads).
 BOOK_EVERY_NS = 20_000_000
 

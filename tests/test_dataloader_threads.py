@@ -4,6 +4,8 @@ moves to threads only where reads need no seed of them."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -15,6 +17,7 @@ from torch.utils.data import Dataset, IterableDataset, get_worker_info
 from torchtune_pipe import DataLoader
 
 from ._compare import assert_same
+from .test_faststart import _wait_for_workers
 
 
 class Rows(Dataset):
@@ -99,3 +102,106 @@ def test_auto_moves_to_threads_only_where_reads_need_no_seed():
 def test_an_unknown_worker_method_is_named():
     with pytest.raises(ValueError, match="worker_method must be 'process', 'thread' or 'auto'"):
         DataLoader(Rows(), num_workers=2, worker_method="fiber")
+
+
+class Busy(Rows):
+    """Reads of ~0.4 ms of pure Python: they hold the interpreter lock."""
+
+    def __getitem__(self, i):
+        n = 0
+        for k in range(4000):
+            n += k
+        return super().__getitem__(i)
+
+
+class Fails(Slow):
+    def __getitem__(self, i):
+        if i == 70:
+            raise ValueError("bad row 70")
+        return super().__getitem__(i)
+
+
+def _kind_events(log):
+    return [e["message"] for e in map(json.loads, log.read_text().splitlines())
+            if e.get("event") == "kind"]  # fmt: skip
+
+
+def test_auto_starts_reads_that_scale_on_threads_measured_before_the_workers(tmp_path):
+    log = tmp_path / "tuning.jsonl"
+    want = list(TorchLoader(Slow(400), batch_size=4, num_workers=2))
+    with DataLoader(Slow(400), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
+        it = iter(dl)
+        got = [next(it)]
+        _wait_for_workers(dl)  # the workers start though the consumer asks for nothing more
+        ex = dl.loader.tunable.executor
+        assert ex.threads("fetch") == ex.workers("fetch") >= 1  # no process ever ran it
+        got += list(it)
+    assert_same(got, want)
+    (said,) = _kind_events(log)
+    assert "start on threads" in said and "reads at once on threads ran" in said
+    assert dl.loader._kinds.decisions[0][:3] == ("start", 0, True)
+
+
+def test_auto_starts_reads_that_hold_the_lock_on_processes(tmp_path):
+    log = tmp_path / "tuning.jsonl"
+    want = list(TorchLoader(Busy(400), batch_size=4, num_workers=2))
+    with DataLoader(Busy(400), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
+        it = iter(dl)
+        got = [next(it)]
+        _wait_for_workers(dl)
+        assert dl.loader.tunable.executor.threads("fetch") == 0
+        got += list(it)
+    assert_same(got, want)
+    (said,) = _kind_events(log)
+    assert "start on processes" in said, said
+
+
+def test_reads_that_draw_from_the_global_generators_are_not_probed_on_threads(tmp_path):
+    log = tmp_path / "tuning.jsonl"
+    torch.manual_seed(4)
+    with DataLoader(SlowDraws(200), batch_size=4, num_workers=2, worker_method="process") as dl:
+        want = list(dl)  # seeded batch by batch (seed_each_batch): the same on any workers
+    torch.manual_seed(4)
+    with DataLoader(SlowDraws(200), batch_size=4, num_workers="auto",
+                    tuning_log=str(log)) as dl:  # fmt: skip
+        got = list(dl)
+    assert_same(got, want)
+    (said,) = _kind_events(log)
+    assert "start on processes: the reads were not measured on threads" in said
+
+
+def test_an_error_in_a_probed_read_reaches_the_consumer_in_its_place():
+    with DataLoader(Fails(400), batch_size=4, num_workers="auto") as dl:
+        got = []
+        with pytest.raises(ValueError, match="bad row 70") as err:
+            for b in dl:
+                got.append(b)
+        assert len(got) == 70 // 4  # every batch before the failing one, in order
+        assert "dataset[70] raised it" in "".join(getattr(err.value, "__notes__", []))
+        assert dl.loader.tunable is None  # the epoch ended before any executor was built
+
+
+class ThreadBound(Slow):
+    """A handle usable only in the thread that opened it, as a sqlite3 connection is (worker
+    processes fork with their own)."""
+
+    def __init__(self, n):
+        super().__init__(n)
+        self.opened_in = (os.getpid(), threading.get_ident())
+
+    def __getitem__(self, i):
+        pid, thread = self.opened_in
+        if os.getpid() == pid and threading.get_ident() != thread:
+            raise RuntimeError("handle used outside the thread that opened it")
+        return super().__getitem__(i)
+
+
+def test_reads_that_fail_on_a_thread_stay_on_processes_and_lose_nothing(tmp_path):
+    log = tmp_path / "tuning.jsonl"
+    want = list(TorchLoader(Slow(200), batch_size=4, num_workers=2))
+    with DataLoader(ThreadBound(200), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
+        got = list(dl)
+        assert dl.loader._kinds.barred == {0}
+    assert_same(got, want)  # the unit that failed on a thread was read again, once
+    (said,) = _kind_events(log)
+    assert "a read on a thread raised RuntimeError" in said and "stay on processes" in said

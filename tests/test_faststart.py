@@ -160,11 +160,13 @@ def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
         assert dl.loader.inline, f"the loader kept its workers: {dl.loader._shape_probe}"
         assert dl.loader.tunable is None  # the workers are gone
         assert sorted(int(i) for b in dl for i in b[1]) == list(range(len(ds)))  # next epoch
-    # The tuning log says where the tuning went: its decisions, then the switch.
+    # The tuning log says where the tuning went: the kind its workers started on, its
+    # decisions, then the switch.
     events = [json.loads(line) for line in log.read_text().splitlines()]
+    assert events[0]["event"] == "kind" and "start on" in events[0]["message"]
     assert events[-1]["event"] == "inline"
     assert "reads in the calling process" in events[-1]["message"]
-    assert len(read_log(log)) == len(events) - 1
+    assert len(read_log(log)) == len(events) - 2
 
 
 def test_reads_that_wait_are_never_chosen_inline():

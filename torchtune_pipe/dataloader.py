@@ -143,6 +143,20 @@ class _WorkerInit:
         finally:
             torch_worker._worker_info = saved
 
+    @contextlib.contextmanager
+    def in_thread(self) -> Iterator[None]:
+        """Reads on a thread of this process standing in for a thread worker (a fast start
+        measuring its reads on threads) see the worker info of worker 0, in that thread only,
+        and stack batches in ordinary memory, as :meth:`inline` reads do."""
+        from multiproc.serialize import private_collate
+
+        set_thread_info(self._info(0))
+        try:
+            with private_collate():
+                yield
+        finally:
+            set_thread_info(None)
+
     def _info(self, index: int) -> Any:
         from torch.utils.data._utils import worker as torch_worker
 

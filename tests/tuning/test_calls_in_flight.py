@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import pytest
@@ -146,3 +147,13 @@ def test_pipeline_stages_get_calls_in_flight_only_when_their_author_allows_it():
     with DataLoader(list(range(4)), batch_size=2, num_workers="auto", max_concurrency=1) as dl:
         assert dl.pipeline.stages[0].max_concurrency == 1
         assert sorted(int(x) for b in dl for x in b) == [0, 1, 2, 3]
+
+
+def test_a_stage_whose_first_reads_wait_starts_with_calls_in_flight():
+    from torchtune_pipe.tuning.calls_in_flight import WAIT_RATIO_TARGET, start_concurrency
+
+    assert start_concurrency(None, 32) == 1  # not measured
+    assert start_concurrency(1.2, 32) == 1  # the reads compute
+    assert start_concurrency(10.0, 32) == math.ceil(10.0 / WAIT_RATIO_TARGET)
+    assert start_concurrency(500.0, 32) == 32  # at most its bound
+    assert start_concurrency(10.0, 1) == 1  # a stage without the knob

@@ -4,7 +4,7 @@ no slower (threads) or clearly faster (processes), without processes or a clock.
 from __future__ import annotations
 
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
-from torchtune_pipe.tuning.worker_kind import PROBE, SETTLE, KindRule
+from torchtune_pipe.tuning.worker_kind import PROBE, SETTLE, KindRule, start_on_threads
 
 
 def _obs(threads: tuple[int, ...], rate: float, threadable=(False, True), cpus=8.0):
@@ -87,3 +87,38 @@ def test_the_guard_keeps_a_stage_that_is_not_threadable_on_its_kind():
     assert kinds(Allocation((6, 2), (64 * MiB,) * 2, threads=(0, 0)), all_threads).threads == (6, 0)
     open_ = Allocation((4, 2), (64 * MiB,) * 2)
     assert kinds(open_, obs) is open_
+
+
+def test_reads_that_scale_on_threads_start_there():
+    assert start_on_threads(100.0, 190.0, 2)  # reads that release the lock
+    assert start_on_threads(100.0, 310.0, 4)
+    assert not start_on_threads(100.0, 120.0, 2)  # reads that hold it
+    assert not start_on_threads(100.0, 250.0, 4)
+    assert not start_on_threads(0.0, 0.0, 2)  # not measured: processes
+    assert not start_on_threads(100.0, 200.0, 1)  # one thread shows nothing
+
+
+def test_a_kind_measured_at_the_start_holds_until_the_cpus_change():
+    rule = KindRule(threads_first=False)
+    rule.start([1], threads=True, cpus=8.0)
+    seen = _run(rule, lambda t: 100.0, SETTLE + PROBE + 4)
+    assert all(t == (0, 4) for t in seen), seen  # on threads from the first plan, no trial
+    assert [d[0] for d in rule.decisions] == ["start"]
+    seen = _run(rule, lambda t: 100.0, SETTLE + PROBE + 2, cpus=4.0)
+    assert ("try", 1, False, 0.0) in rule.decisions  # other CPUs: measured again
+
+
+def test_a_kind_started_without_a_measure_of_the_cpus_is_tried():
+    rule = KindRule(threads_first=False)
+    rule.start([1], threads=True, cpus=None)  # measured on fewer threads than the CPUs
+    _run(rule, lambda t: 100.0, SETTLE + PROBE + 2)
+    assert [d[0] for d in rule.decisions] == ["start", "try"]
+
+
+def test_a_stage_whose_reads_failed_on_threads_is_never_tried_there():
+    rule = KindRule(threads_first=True)
+    rule.bar([1])
+    seen = _run(rule, lambda t: 100.0, SETTLE + PROBE + 4)
+    seen += _run(rule, lambda t: 100.0, SETTLE + PROBE + 4, cpus=4.0)  # not at other CPUs either
+    assert all(t == (0, 0) for t in seen), seen
+    assert [d[0] for d in rule.decisions] == ["bar"]

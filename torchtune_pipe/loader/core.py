@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -42,8 +43,15 @@ from torchtune_pipe.loader.epoch import (
     make_prefetcher,
     skip_prefix,
 )
-from torchtune_pipe.loader.faststart import FastStart, ShapeProbe, fast_start_fits, inline_context
+from torchtune_pipe.loader.faststart import (
+    FastStart,
+    KindProbe,
+    ShapeProbe,
+    fast_start_fits,
+    inline_context,
+)
 from torchtune_pipe.loader.inline import run_inline
+from torchtune_pipe.loader.kindstart import kind_probe
 from torchtune_pipe.loader.prefetch import END
 from torchtune_pipe.loader.progress import STATE_VERSION, Progress, plan_epoch
 from torchtune_pipe.loader.pushdown import batched_at_source
@@ -67,7 +75,7 @@ from torchtune_pipe.sources.base import ShardedSource
 from torchtune_pipe.stages import PipelineLike, items_out
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.tuning.base import Allocation, Observation
-from torchtune_pipe.tuning.loop import write_event
+from torchtune_pipe.tuning.loop import note_event
 from torchtune_pipe.tuning.worker_kind import KindRule
 
 __all__ = ["Loader"]
@@ -413,6 +421,7 @@ class Loader:
                 on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
                 interval_s=self.tuning_interval_s, probe=self._shape_probe,
                 on_built=self._on_built, inline_context=inline_context(self.pipeline),
+                kind_probe=self._kind_probe(),
             )  # fmt: skip
             stream = faststart.stream()
         else:
@@ -508,6 +517,15 @@ class Loader:
             and fast_start_fits(self.pipeline, self.strategy.interleave, self.timeout_s)
         )
 
+    def _kind_probe(self) -> KindProbe | None:
+        """The kind the first executor's ``auto`` stages start on, measured (``kindstart``)."""
+        if self._executor is not None:
+            return None
+        if self._next is None:
+            self._snapshot_now()
+        note = functools.partial(note_event, self.tuning_log)
+        return kind_probe(self, self._kinds, self.pipeline, note)
+
     def _go_inline(self, why: str) -> None:
         """Read inline from now on (this epoch's rest and every later one): stop tuning,
         close the workers."""
@@ -515,13 +533,7 @@ class Loader:
         loop, self._tuning = self._tuning, None
         if loop is not None:
             loop.stop(raise_error=False)  # before the event: the log ends with the switch
-        if self.tuning_log:
-            try:
-                write_event(
-                    self.tuning_log, "inline", f"the loader reads in the calling process: {why}"
-                )
-            except OSError as e:  # the tuning loop has reported the path already
-                log.warning("Loader: cannot write to tuning_log %r: %s", self.tuning_log, e)
+        note_event(self.tuning_log, "inline", f"the loader reads in the calling process: {why}")
         watcher, self._watcher = self._watcher, None
         if watcher is not None:
             watcher.stop()

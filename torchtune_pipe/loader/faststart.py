@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
 from torchtune_pipe.loader.tagging import Work
 from torchtune_pipe.sources.rng import rng_states, set_rng_states
@@ -55,6 +57,73 @@ INLINE_MAX_WAIT_RATIO = 1.5
 # Wall time of inline reads below which their waits are not judged: a few reads at a start
 # share the interpreter with the threads starting the workers, which reads as waiting.
 WAIT_EVIDENCE_S = 0.1
+# Kind probe (KindProbe): rounds of one unit alone then k at once, at least and at most, and
+# the read time after which it stops once it has its least rounds.
+KIND_ROUNDS_MIN = 2
+KIND_ROUNDS_MAX = 6
+KIND_PROBE_S = 0.06
+
+
+@dataclass
+class KindProbe:
+    """A fast start that measures, before its executor starts, whether reads scale on threads
+    of this process: after a first unit (warm-up), it alternates one unit read alone with
+    ``threads`` units read at once (its thread and ``threads - 1`` helpers), for a round
+    not counted (the helpers' first reads) and ``KIND_ROUNDS_MIN`` to ``KIND_ROUNDS_MAX``
+    counted ones. Units are delivered in order whatever thread read them; the executor
+    starts once ``decide`` has been called.
+
+    The first unit is read in the calling thread (the first batch is not delayed); the rest
+    are read on a thread of the probe's own, which then builds the executor, so the workers
+    start whether or not the consumer asks for more meanwhile. The probe's threads count as
+    thread workers (:func:`multiproc.worker.act_as_thread_worker`): they seed no global
+    generator, and the reads they run are ones that draw from none (``may_run``).
+
+    Attributes:
+        threads: units read at once (k >= 2).
+        may_run: asked after the first unit: whether the reads may run on threads now (e.g.
+            ``__getitem__`` draws nothing from the global random generators).
+        decide: called once, on the probe's thread, with the rate of units read alone and of
+            units read ``threads`` at once (items/s; 0.0: not measured), the reads' wall per
+            CPU time (None: not measured) and what a read on a probe thread raised (None:
+            nothing).
+        thread_context: entered around a probe thread's reads, to make it look like a worker
+            to the source, in that thread only (``get_worker_info()``).
+    """
+
+    threads: int
+    may_run: Callable[[], bool]
+    decide: Callable[[float, float, float | None, Exception | None], None]
+    thread_context: Callable[[], Any] = contextlib.nullcontext
+
+
+class _Helper:
+    """A thread of a kind probe that reads the units it is given, one at a time, as a thread
+    worker would (:class:`KindProbe`); ``give(None)`` ends it."""
+
+    def __init__(self, fast: FastStart, kp: KindProbe) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._fast, self._kp = fast, kp
+        threading.Thread(target=self._run, name="torchtune_pipe-kind-helper", daemon=True).start()
+
+    def give(self, work: Work | None) -> None:
+        self._work.put(work)
+
+    def result(self) -> list | BaseException:
+        return self._out.get()
+
+    def _run(self) -> None:
+        act_as_thread_worker()
+        with self._kp.thread_context():
+            while (work := self._work.get()) is not None:
+                try:
+                    got: list | BaseException = list(
+                        run_inline(self._fast.pipeline, [work], self._fast.epoch)
+                    )
+                except BaseException as e:  # raised where the consumer reaches the unit
+                    got = e
+                self._out.put(got)
 
 
 @dataclass
@@ -149,6 +218,8 @@ class FastStart:
             starts its progress display there).
         inline_context: a context manager factory entered around every inline read, to make
             the calling thread look like a worker to the source (``get_worker_info()``).
+        kind_probe: measure the reads on threads first (:class:`KindProbe`); the executor
+            starts after it.
     """
 
     def __init__(
@@ -167,6 +238,7 @@ class FastStart:
         probe: ShapeProbe | None = None,
         on_built: Callable[[], None] | None = None,
         inline_context: Callable[[], Any] = contextlib.nullcontext,
+        kind_probe: KindProbe | None = None,
     ):
         self.pipeline = pipeline
         self.works = works
@@ -184,10 +256,16 @@ class FastStart:
         self._executor: Any = None
         self._error: BaseException | None = None
         self._built = threading.Event()
+        self.kind_probe = kind_probe
+        self._units: queue.SimpleQueue = queue.SimpleQueue()  # the probe's units, in order
+        self._stop_probe = threading.Event()
+        self._probe_thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the counts the probe's thread adds to
         self._thread = threading.Thread(
             target=self._build, args=(start,), name="torchtune_pipe-start", daemon=True
         )
-        self._thread.start()
+        if kind_probe is None:
+            self._thread.start()
 
     def _build(self, start: Callable[[], Any]) -> None:
         try:
@@ -222,9 +300,145 @@ class FastStart:
         self.inline_units += 1
         return items
 
+    def _read_unit(self, work: Work) -> list:
+        """Read ``work`` on a probe thread (as :meth:`_read_inline` does in the consumer's),
+        its time counted in :attr:`probe`."""
+        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
+        items = list(run_inline(self.pipeline, [work], self.epoch))
+        p = self.probe
+        with self._lock:
+            p.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+            p.inline_cpu_s += time.thread_time() - c0
+            p.inline_items += sum(1 for t in items if t[1] >= 0)
+            self.inline_units += 1
+        return items
+
+    def _read_together(
+        self, works: list[Work], helpers: list[_Helper]
+    ) -> list[list | BaseException]:
+        """Read ``works`` at once, the first on this thread and each other on one of
+        ``helpers``: each unit's items, or what its read raised."""
+        for h, w in zip(helpers, works[1:], strict=False):
+            h.give(w)
+        try:
+            first: list | BaseException = list(run_inline(self.pipeline, [works[0]], self.epoch))
+        except BaseException as e:  # raised where the consumer reaches the unit
+            first = e
+        out = [first] + [h.result() for h in helpers[: len(works) - 1]]
+        with self._lock:
+            self.inline_units += len(works)
+        return out
+
+    def _probe_kinds(self) -> None:
+        """The probe's thread: rounds of one unit alone then ``k`` at once, each unit's items
+        put on :attr:`_units` in order, then the decision and the executor's build (none of
+        those when the consumer stopped). A read that raises ends the rounds: the units before
+        it are delivered, it and the rest are the consumer's to read."""
+        kp = self.kind_probe
+        assert kp is not None
+        k, works, units = kp.threads, self.works, self._units
+        i = 1
+        alone_s = together_s = 0.0
+        alone_items = together_items = rounds = 0
+        warmed = False
+        error: Exception | None = None
+        act_as_thread_worker()
+        helpers: list[_Helper] = []
+        try:
+            if k >= 2 and kp.may_run():
+                # Started before the rounds: a thread's start (a millisecond or more on some
+                # machines) is not a cost of reading on threads.
+                helpers = [_Helper(self, kp) for _ in range(k - 1)]
+                with kp.thread_context():
+                    while rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
+                        if self._stop_probe.is_set():
+                            return
+                        # The first round warms the helpers up (their first reads) and
+                        # is not counted.
+                        counted = warmed
+                        t0 = time.perf_counter()
+                        try:
+                            items = self._read_unit(works[i])
+                        except Exception as e:
+                            error = e
+                            break
+                        if counted:
+                            alone_s += time.perf_counter() - t0
+                            alone_items += sum(1 for t in items if t[1] >= 0)
+                        units.put(items)
+                        i += 1
+                        t0 = time.perf_counter()
+                        got = self._read_together(works[i : i + k], helpers)
+                        if counted:
+                            together_s += time.perf_counter() - t0
+                        for items in got:
+                            if isinstance(items, Exception):
+                                error = items
+                                break
+                            if isinstance(items, BaseException):
+                                raise items
+                            units.put(items)
+                            i += 1
+                            together_items += counted * sum(1 for t in items if t[1] >= 0)
+                        if error is not None:
+                            break
+                        rounds += counted
+                        warmed = True
+                        if rounds >= KIND_ROUNDS_MIN and alone_s + together_s >= KIND_PROBE_S:
+                            break
+            if self._stop_probe.is_set():
+                return
+            p = self.probe
+            with self._lock:
+                ratio = (
+                    p.inline_s / p.inline_cpu_s if p.inline_cpu_s > 0 and p.inline_items else None
+                )
+            if error is not None:
+                # The reads fail on a thread (a handle bound to the thread that opened it, or
+                # bad data): the consumer reads the failing unit again, in its own thread.
+                kp.decide(0.0, 0.0, ratio, error)
+            elif rounds >= KIND_ROUNDS_MIN and alone_s > 0 and together_s > 0:
+                kp.decide(alone_items / alone_s, together_items / together_s, ratio, None)
+            else:
+                kp.decide(0.0, 0.0, ratio, None)
+            self._thread.start()
+        except BaseException as e:  # the consumer gets it in the unit's place
+            units.put(e)
+        finally:
+            for h in helpers:
+                h.give(None)
+            act_as_thread_worker(False)
+            units.put(None)  # the probe's units end here
+
+    def _probed_start(self) -> Iterator[tuple]:
+        """The first unit in the calling thread, then the probe's units in order (the number
+        read in ``self._probed``)."""
+        if not self.works:
+            self._thread.start()
+            return
+        items = self._read_inline(self.works[0])  # warm-up: imports, first opens
+        self._probed = 1
+        self._probe_thread = threading.Thread(
+            target=self._probe_kinds, name="torchtune_pipe-kind-probe", daemon=True
+        )
+        self._probe_thread.start()
+        yield from items
+        while (got := self._units.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            self._probed += 1
+            yield from got
+
     def stream(self) -> Iterator[tuple]:
         """The tagged items of the epoch (as ``Executor.run`` yields them)."""
         i = 0
+        if self.kind_probe is not None:
+            self._probed = 0
+            try:
+                yield from self._probed_start()
+            finally:
+                self._stop_probe.set()
+            i = self._probed
         while i < len(self.works) and not self._ready():
             items = self._read_inline(self.works[i])
             i += 1
@@ -310,6 +524,12 @@ class FastStart:
         ]
 
     def join(self) -> None:
-        """Wait until the executor is built (or failed), so that nothing is left half made."""
+        """Wait until the executor is built (or failed), so that nothing is left half made;
+        at once where its build never started (a kind probe that stopped)."""
+        if self._probe_thread is not None:
+            self._stop_probe.set()
+            self._probe_thread.join()
+        if self._thread.ident is None:
+            return
         if not self._built.wait(_JOIN_S):
             log.warning("fast start: the executor did not start within %.0f s", _JOIN_S)

@@ -69,6 +69,16 @@ def settled_concurrency(st: StageStats) -> int:
     return max(c, min(st.max_concurrency, math.ceil(c * r / WAIT_RATIO_TARGET)))
 
 
+def start_concurrency(ratio: float | None, max_concurrency: int) -> int:
+    """Calls in flight per worker to start a stage with, from the wait ratio of its first calls
+    (wall per CPU time, measured before any worker ran: a fast start's reads): where they wait
+    more than ``RAISE_ABOVE`` times their CPU, where :func:`settled_concurrency` would take a
+    worker of one call; else 1."""
+    if ratio is None or ratio <= RAISE_ABOVE or max_concurrency <= 1:
+        return 1
+    return max(1, min(max_concurrency, math.ceil(ratio / WAIT_RATIO_TARGET)))
+
+
 def plan_concurrency(obs: Observation, alloc: Allocation) -> Allocation:
     """``alloc`` with its concurrency decided: the tuner's where it set one, else the rule's
     for every stage, bounded by each stage's ``max_concurrency``."""
@@ -83,6 +93,7 @@ def plan_concurrency(obs: Observation, alloc: Allocation) -> Allocation:
 
 
 __all__ = [
-    "next_concurrency", "plan_concurrency", "settled_concurrency", "wait_ratio",
+    "next_concurrency", "plan_concurrency", "settled_concurrency", "start_concurrency",
+    "wait_ratio",
     "WAIT_RATIO_TARGET",
 ]  # fmt: skip

@@ -133,6 +133,17 @@ def write_event(path: str | os.PathLike, event: str, message: str) -> None:
         out.write(json.dumps({"event": event, "message": message, "wall": time.time()}) + "\n")
 
 
+def note_event(path: str | os.PathLike | None, event: str, message: str) -> None:
+    """:func:`write_event` where there is a tuning log (``path`` not None), a warning where it
+    cannot be written (the tuning loop names the path when it starts)."""
+    if not path:
+        return
+    try:
+        write_event(path, event, message)
+    except OSError as e:
+        log.warning("cannot write to tuning_log %r: %s", str(path), e)
+
+
 def observation(record: dict) -> Observation:
     """The :class:`~.base.Observation` a tuning-log record was decided on (stages unnamed
     ``stage0``, ``stage1``... in logs written before records carried their stages), to show it

@@ -16,6 +16,11 @@ machine's CPUs change. On an interpreter without a GIL (``sys._is_gil_enabled()`
 free-threaded CPython) threads are the first candidate: a threadable stage starts on threads
 and processes are what is tried.
 
+A loader can measure the kind before its executor starts (:func:`start_on_threads`, from a fast
+start's reads of ``k`` units at once on threads of the consumer's process): the stages then
+start on the kind measured (:meth:`KindRule.start`), and the trial above is left for when the
+CPUs change, or for machines with more CPUs than the ``k`` threads measured.
+
 The rule is the same object live (:class:`~torchtune_pipe.loader.running.RunningPipeline`) and
 in the simulator (:class:`~torchtune_pipe.sim.model.SimPipeline`): it reads an
 :class:`~.base.Observation` and fills ``Allocation.threads`` where a tuner left it empty.
@@ -32,6 +37,20 @@ from torchtune_pipe.tuning.base import Allocation, Observation, local_workers, t
 SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
 TOLERANCE = 0.05  # threads stay at >= 95% of what processes delivered (noise of one interval)
+# Threads start where k reads at once ran at least this share of k times one read's rate.
+START_SCALING = 0.75
+
+
+def start_on_threads(single_rate: float, together_rate: float, k: int) -> bool:
+    """Whether a stage should start on threads: ``k`` reads at once on ``k`` threads of one
+    process (``together_rate``, items/s) ran at least ``START_SCALING * k`` times the rate of
+    one read alone (``single_rate``). Reads that hold the interpreter lock (pure Python) stay
+    near 1x whatever ``k``; reads that release it (decoding in C, torch and numpy kernels,
+    waits on files or the network) approach ``k``x. Unmeasured rates give False (processes:
+    the kind that scales whatever the reads hold)."""
+    if k < 2 or single_rate <= 0.0 or together_rate <= 0.0:
+        return False
+    return together_rate >= START_SCALING * k * single_rate
 
 
 def gil_enabled() -> bool:
@@ -63,10 +82,27 @@ class KindRule:
         self.threads_first = (not gil_enabled()) if threads_first is None else threads_first
         self.kind: dict[int, bool] = {}  # stage -> runs on threads (decided or starting kind)
         self.tried: dict[int, float] = {}  # stage -> the CPUs it was last tried at
+        self.barred: set[int] = set()  # stages kept on processes (reads failed on threads)
         self.trial: _Trial | None = None
         self._rates: list[float] = []  # what the pipeline delivered since the last change
         self._last: tuple | None = None  # the allocation those rates were measured under
         self.decisions: list[tuple[str, int, bool, float]] = []  # (what, stage, threads, ratio)
+
+    def start(self, stages: list[int], threads: bool, cpus: int | None) -> None:
+        """Start ``stages`` on threads (else processes), as measured before they ran; with
+        ``cpus``, the measure stands for that many CPUs (no trial until they change)."""
+        for i in stages:
+            self.kind[i] = threads
+            if cpus is not None:
+                self.tried[i] = cpus
+            self.decisions.append(("start", i, threads, 0.0))
+
+    def bar(self, stages: list[int]) -> None:
+        """Keep ``stages`` on processes for good: their reads failed on a thread."""
+        for i in stages:
+            self.kind[i] = False
+            self.barred.add(i)
+            self.decisions.append(("bar", i, False, 0.0))
 
     def plan(self, obs: Observation, alloc: Allocation) -> Allocation:
         """``alloc`` with ``threads`` decided for every stage, where the tuner left it empty:
@@ -116,7 +152,7 @@ class KindRule:
         if len(self._rates) < SETTLE + PROBE:
             return
         for i, st in enumerate(obs.stages):
-            if not st.threadable or st.fused or self.tried.get(i) == obs.cpus:
+            if not st.threadable or st.fused or i in self.barred or self.tried.get(i) == obs.cpus:
                 continue
             self.tried[i] = obs.cpus
             self.trial = _Trial(
@@ -141,4 +177,7 @@ class KindRule:
         self.trial = None
 
 
-__all__ = ["PROBE", "SETTLE", "TOLERANCE", "KindRule", "gil_enabled"]
+__all__ = [
+    "PROBE", "SETTLE", "START_SCALING", "TOLERANCE", "KindRule", "gil_enabled",
+    "start_on_threads",
+]  # fmt: skip

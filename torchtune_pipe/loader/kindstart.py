@@ -1,0 +1,134 @@
+"""The kind an ``auto`` stage starts on, measured before its executor starts.
+
+Forking worker processes takes about a second, and a run that starts on the wrong kind pays
+for it twice: processes for reads that threads would serve in the consumer's process (their
+memory, the hops, the fork), or threads for reads that hold the interpreter lock. So where a
+pipeline has ``worker_type="auto"`` stages that no measurement has placed yet, its fast start
+reads its first units both ways (:class:`~torchtune_pipe.loader.faststart.KindProbe`): one
+unit alone, then ``k`` at once on threads of this process. Where they scaled
+(:func:`~torchtune_pipe.tuning.worker_kind.start_on_threads`) the stages start on threads,
+else on processes, and the kind rule starts from that measure
+(:meth:`~torchtune_pipe.tuning.worker_kind.KindRule.start`). The same first reads give the
+calls in flight a source stage whose reads wait starts with
+(:func:`~torchtune_pipe.tuning.calls_in_flight.start_concurrency`).
+
+Not measured (the stages start on processes, as before): a source bounded by its shards (a
+unit is a whole shard), reads that draw from the global random generators, or fewer units
+than the probe needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from multiproc.spec import ExecutorSpec
+from torchtune_pipe.loader.faststart import KindProbe
+from torchtune_pipe.sources.base import max_readers
+from torchtune_pipe.stages import PipelineLike
+from torchtune_pipe.telemetry import measure as telemetry
+from torchtune_pipe.tuning.calls_in_flight import start_concurrency
+from torchtune_pipe.tuning.worker_kind import KindRule, start_on_threads
+
+log = logging.getLogger(__name__)
+
+KIND_THREADS_MAX = 4  # units read at once by the probe, at most (and at most the CPUs)
+
+
+def auto_stages(spec: ExecutorSpec) -> list[int]:
+    """The stages of ``spec`` whose kind is the rule's to choose."""
+    return [i for i, s in enumerate(spec.stages) if s.worker_type == "auto" and not s.offload]
+
+
+class NextExecutor(Protocol):
+    """Where a loader keeps the spec of its next executor and the snapshot its workers fork
+    from (None: it let them go, e.g. closed)."""
+
+    _next: tuple[ExecutorSpec, Any] | None
+
+
+def kind_probe(
+    holder: NextExecutor,
+    kinds: KindRule,
+    pipeline: PipelineLike,
+    note: Callable[[str, str], None] = lambda event, message: None,
+) -> KindProbe | None:
+    """The probe that places the ``auto`` stages of ``holder``'s next executor (its spec
+    replaced once measured) and tells ``kinds``; None where nothing is to be measured.
+    ``note(event, message)`` gets the decision in words (the loader's tuning log)."""
+
+    def spec() -> ExecutorSpec | None:
+        nxt = holder._next
+        return None if nxt is None else nxt[0]
+
+    first = spec()
+    source = pipeline.source
+    init = pipeline.stages[0].init
+    # A source stage's init that makes the calling thread a worker must be able to do it for
+    # one thread alone (the consumer's own thread goes on meanwhile).
+    thread_context = contextlib.nullcontext if init is None else getattr(init, "in_thread", None)
+    if first is None or thread_context is None or max_readers(source) is not None:
+        return None
+    stages = [i for i in auto_stages(first) if i not in kinds.kind]
+    if not stages:
+        return None
+    cpus = telemetry.cpus_available()
+    k = max(1, min(KIND_THREADS_MAX, int(cpus)))
+    if k < 2:
+        return None
+
+    def may_run() -> bool:
+        check = getattr(source, "may_run_on_threads", None)
+        return True if check is None else bool(check())
+
+    def decide(
+        alone: float, together: float, wait_ratio: float | None, error: Exception | None
+    ) -> None:
+        threads = error is None and start_on_threads(alone, together, k)
+        nxt = holder._next
+        if nxt is None:
+            return
+        now = nxt[0]
+        changed = list(now.stages)
+        calls = start_concurrency(wait_ratio, now.stages[0].max_concurrency) if 0 in stages else 1
+        for i in stages:
+            s = changed[i]
+            changed[i] = dataclasses.replace(
+                s, start_threads=threads, concurrency=max(s.concurrency, calls if i == 0 else 1)
+            )
+        holder._next = (dataclasses.replace(now, stages=tuple(changed)), nxt[1])
+        measured = alone > 0 and together > 0
+        if error is not None:
+            kinds.bar(stages)
+        else:
+            kinds.start(stages, threads, cpus if measured and k >= cpus else None)
+        if error is not None:
+            why = (
+                f"a read on a thread raised {type(error).__name__}: {error} (they stay on "
+                "processes)"
+            )
+        elif measured:
+            why = (
+                f"{k} reads at once on threads ran {together / alone:.2f}x one alone "
+                f"({together:.0f} against {alone:.0f} items/s)"
+            )
+        else:
+            why = "the reads were not measured on threads"
+        said = (
+            f"stages {[now.stages[i].name for i in stages]} start on "
+            f"{'threads' if threads else 'processes'}: {why}"
+        )
+        if wait_ratio is not None and calls > 1:
+            said += (
+                f"; {calls} calls in flight per worker (the reads wait {wait_ratio:.1f}x their CPU)"
+            )
+        log.info("Loader: %s", said)
+        note("kind", said)
+
+    return KindProbe(k, may_run, decide, thread_context)
+
+
+__all__ = ["KIND_THREADS_MAX", "auto_stages", "kind_probe"]
