@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from . import offload, stats
+from . import intraop, offload, stats
 
 DEFAULT_MAX_CONCURRENCY = 64
 
@@ -83,8 +83,11 @@ class CallPool:
         batch = _Batch(fn, xs, runners)
         with self._lock:  # maps of units read side by side share the threads
             free = self._idle - self._jobs.qsize()
-            for _ in range(min(runners - free, self.max_width - len(self._threads))):
-                t = threading.Thread(target=self._run, daemon=True,
+            grow = min(runners - free, self.max_width - len(self._threads))
+            intra = intraop.of_this_thread() if grow > 0 else None
+            for _ in range(grow):
+                # With the caller's torch intra-op threads, not the interpreter's default.
+                t = threading.Thread(target=self._run, args=(intra,), daemon=True,
                                      name=f"multiproc-call-{len(self._threads)}")  # fmt: skip
                 self._threads.append(t)
                 t.start()
@@ -98,7 +101,8 @@ class CallPool:
             raise batch.fatal  # SystemExit and the like: raised here, as a serial call does
         return batch.out  # type: ignore[return-value]
 
-    def _run(self) -> None:
+    def _run(self, intra: int | None = None) -> None:
+        intraop.set_here(intra)
         _install(self)
         jobs, lock = self._jobs, self._lock
         while True:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from . import concurrency, stats
+from . import concurrency, intraop, stats
 from . import protocol as P
 from .link import Link
 from .poller import Poller
@@ -186,7 +186,10 @@ class ReadAhead:
         (:mod:`contextvars`: what a thread worker set for its reads, they see); the returned
         :class:`Read` fills."""
         if self._threads is None:
-            self._threads = ThreadPoolExecutor(MAX_UNITS, thread_name_prefix="multiproc-unit")
+            self._threads = ThreadPoolExecutor(
+                MAX_UNITS, thread_name_prefix="multiproc-unit",
+                initializer=intraop.set_here, initargs=(intraop.of_this_thread(),),
+            )  # fmt: skip
             self._wake = os.pipe()
             for fd in self._wake:
                 os.set_blocking(fd, False)  # a full pipe already says "wake up"

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from . import arena, concurrency, inherit, lifetime, policy, reducers, serialize, stats
+from . import arena, concurrency, inherit, intraop, lifetime, policy, reducers, serialize, stats
 from . import protocol as P
 from .arena import Allocator, MappingCache, Segment
 from .chain import Chain, call_stage
@@ -438,6 +438,8 @@ class _Worker:
             import torch
 
             torch.set_num_threads(self.stage.torch_threads)
+        else:
+            intraop.set_here(self.stage.torch_threads)  # its own, not the consumer's
         if self.stage.init is not None:
             self.stage.init(self.stage.name, self.index)
         self.runq = stats.RunQueue()

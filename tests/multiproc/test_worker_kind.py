@@ -297,3 +297,37 @@ def test_an_auto_stage_may_start_on_threads_and_move_to_processes():
 def test_start_threads_is_for_auto_stages_only():
     with pytest.raises(SpecError, match="start_threads is for worker_type='auto' stages"):
         StageSpec("udf", "map", _fns.identity, start_threads=True)
+
+
+def torch_threads_here(x):
+    """The item and the torch intra-op threads of the thread that ran it."""
+    import torch
+
+    return (x, torch.get_num_threads())
+
+
+@pytest.mark.parametrize("calls", [1, 4], ids=["one-call", "calls-in-flight"])
+def test_thread_workers_run_with_their_stage_torch_threads_not_the_consumers(calls):
+    import torch
+
+    from multiproc import intraop
+
+    if not intraop.per_thread():
+        pytest.skip("torch's intra-op thread count is the whole process's on this build")
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spec = ExecutorSpec(
+            (
+                StageSpec("read", "source", _fns.read_range),
+                StageSpec("udf", "map", torch_threads_here, workers=2, worker_type="thread",
+                          concurrency=calls, max_concurrency=4),
+            )
+        )  # fmt: skip
+        with Executor(spec) as ex:
+            got = list(ex.run([(0, 300)]))
+        assert sorted(x for x, _ in got) == list(range(300))
+        assert {n for _, n in got} == {1}  # StageSpec.torch_threads, on every thread
+        assert torch.get_num_threads() == 2  # the consumer's own count is left alone
+    finally:
+        torch.set_num_threads(before)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from multiproc import intraop
 from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
 from torchtune_pipe.loader.tagging import Work
@@ -89,12 +90,15 @@ class KindProbe:
             nothing).
         thread_context: entered around a probe thread's reads, to make it look like a worker
             to the source, in that thread only (``get_worker_info()``).
+        torch_threads: torch intra-op threads of a probe thread (the source stage's, as a
+            thread worker of it has: :mod:`multiproc.intraop`).
     """
 
     threads: int
     may_run: Callable[[], bool]
     decide: Callable[[float, float, float | None, Exception | None], None]
     thread_context: Callable[[], Any] = contextlib.nullcontext
+    torch_threads: int = 1
 
 
 class _Helper:
@@ -115,6 +119,7 @@ class _Helper:
 
     def _run(self) -> None:
         act_as_thread_worker()
+        intraop.set_here(self._kp.torch_threads)
         with self._kp.thread_context():
             while (work := self._work.get()) is not None:
                 try:
@@ -343,6 +348,7 @@ class FastStart:
         warmed = False
         error: Exception | None = None
         act_as_thread_worker()
+        intraop.set_here(kp.torch_threads)  # as a worker's: not the interpreter's default
         helpers: list[_Helper] = []
         try:
             if k >= 2 and kp.may_run():

@@ -128,7 +128,7 @@ def kind_probe(
         log.info("Loader: %s", said)
         note("kind", said)
 
-    return KindProbe(k, may_run, decide, thread_context)
+    return KindProbe(k, may_run, decide, thread_context, first.stages[0].torch_threads)
 
 
 __all__ = ["KIND_THREADS_MAX", "auto_stages", "kind_probe"]
