@@ -205,3 +205,29 @@ def test_reads_that_fail_on_a_thread_stay_on_processes_and_lose_nothing(tmp_path
     assert_same(got, want)  # the unit that failed on a thread was read again, once
     (said,) = _kind_events(log)
     assert "a read on a thread raised RuntimeError" in said and "stay on processes" in said
+
+
+class VerySlow(Rows):
+    """Batches of 4 that take 0.4 s each: past the probe's bound in one read."""
+
+    def __getitem__(self, i):
+        time.sleep(0.1)
+        return super().__getitem__(i)
+
+
+def test_units_too_long_to_measure_start_on_processes_without_waiting(tmp_path):
+    from torchtune_pipe.loader.faststart import KIND_PROBE_MAX_S
+
+    log = tmp_path / "tuning.jsonl"
+    with DataLoader(VerySlow(40), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
+        it = iter(dl)
+        t0 = time.monotonic()
+        got = [next(it)]
+        _wait_for_workers(dl)
+        # The first batch, one more on the probe's thread, then the workers: not a round.
+        assert time.monotonic() - t0 < 3 * 0.4 + KIND_PROBE_MAX_S + 2.0
+        got += list(it)
+    assert sorted(int(x) for b in got for x in b[0][:, 0] / 6) == list(range(40))
+    (said,) = _kind_events(log)
+    assert "start on processes: the reads were not measured on threads" in said
+    assert 0 not in dl.loader._kinds.tried  # so the rule tries threads while running

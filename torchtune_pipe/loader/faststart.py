@@ -58,21 +58,27 @@ INLINE_MAX_WAIT_RATIO = 1.5
 # Wall time of inline reads below which their waits are not judged: a few reads at a start
 # share the interpreter with the threads starting the workers, which reads as waiting.
 WAIT_EVIDENCE_S = 0.1
-# Kind probe (KindProbe): rounds of one unit alone then k at once, at least and at most, and
-# the read time after which it stops once it has its least rounds.
+# Kind probe (KindProbe): rounds of one unit alone then k at once, at most; the measured read
+# time after which it stops with KIND_ROUNDS_MIN rounds (with one, from twice that); its own
+# wall time after which it starts no more reads; and the first unit's read time below which a
+# round is first read to warm the helpers up (their first reads cost a few ms).
 KIND_ROUNDS_MIN = 2
 KIND_ROUNDS_MAX = 6
 KIND_PROBE_S = 0.06
+KIND_PROBE_MAX_S = 0.3
+KIND_WARM_S = 0.015
 
 
 @dataclass
 class KindProbe:
     """A fast start that measures, before its executor starts, whether reads scale on threads
     of this process: after a first unit (warm-up), it alternates one unit read alone with
-    ``threads`` units read at once (its thread and ``threads - 1`` helpers), for a round
-    not counted (the helpers' first reads) and ``KIND_ROUNDS_MIN`` to ``KIND_ROUNDS_MAX``
-    counted ones. Units are delivered in order whatever thread read them; the executor
-    starts once ``decide`` has been called.
+    ``threads`` units read at once (its thread and ``threads - 1`` helpers), in rounds: one not
+    counted where units are short (the helpers' first reads), then counted ones until their
+    read time reaches ``KIND_PROBE_S`` over ``KIND_ROUNDS_MIN`` rounds (or twice that in one).
+    It starts no read past ``KIND_PROBE_MAX_S``: units so long that no round was counted by
+    then leave the kind unmeasured (processes, tried by the rule later). Units are delivered
+    in order whatever thread read them; the executor starts once ``decide`` has been called.
 
     The first unit is read in the calling thread (the first batch is not delayed); the rest
     are read on a thread of the probe's own, which then builds the executor, so the workers
@@ -265,6 +271,7 @@ class FastStart:
         self._units: queue.SimpleQueue = queue.SimpleQueue()  # the probe's units, in order
         self._stop_probe = threading.Event()
         self._probe_thread: threading.Thread | None = None
+        self._first_s = 0.0  # the first unit's read time (a kind probe's warm-up)
         self._lock = threading.Lock()  # the counts the probe's thread adds to
         self._thread = threading.Thread(
             target=self._build, args=(start,), name="torchtune_pipe-start", daemon=True
@@ -345,11 +352,12 @@ class FastStart:
         i = 1
         alone_s = together_s = 0.0
         alone_items = together_items = rounds = 0
-        warmed = False
+        warm = self._first_s < KIND_WARM_S  # short units: a first round warms the helpers up
         error: Exception | None = None
         act_as_thread_worker()
         intraop.set_here(kp.torch_threads)  # as a worker's: not the interpreter's default
         helpers: list[_Helper] = []
+        start = time.perf_counter()
         try:
             if k >= 2 and kp.may_run():
                 # Started before the rounds: a thread's start (a millisecond or more on some
@@ -359,24 +367,24 @@ class FastStart:
                     while rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
                         if self._stop_probe.is_set():
                             return
-                        # The first round warms the helpers up (their first reads) and
-                        # is not counted.
-                        counted = warmed
+                        if time.perf_counter() - start >= KIND_PROBE_MAX_S:
+                            break
                         t0 = time.perf_counter()
                         try:
                             items = self._read_unit(works[i])
                         except Exception as e:
                             error = e
                             break
-                        if counted:
-                            alone_s += time.perf_counter() - t0
-                            alone_items += sum(1 for t in items if t[1] >= 0)
+                        one_s = time.perf_counter() - t0
+                        one_items = sum(1 for t in items if t[1] >= 0)
                         units.put(items)
                         i += 1
+                        if time.perf_counter() - start >= KIND_PROBE_MAX_S:
+                            break  # its round would end past the bound: not counted
                         t0 = time.perf_counter()
                         got = self._read_together(works[i : i + k], helpers)
-                        if counted:
-                            together_s += time.perf_counter() - t0
+                        k_s = time.perf_counter() - t0
+                        k_items = 0
                         for items in got:
                             if isinstance(items, Exception):
                                 error = items
@@ -385,12 +393,19 @@ class FastStart:
                                 raise items
                             units.put(items)
                             i += 1
-                            together_items += counted * sum(1 for t in items if t[1] >= 0)
+                            k_items += sum(1 for t in items if t[1] >= 0)
                         if error is not None:
                             break
-                        rounds += counted
-                        warmed = True
-                        if rounds >= KIND_ROUNDS_MIN and alone_s + together_s >= KIND_PROBE_S:
+                        if warm:
+                            warm = False
+                            continue
+                        alone_s, alone_items = alone_s + one_s, alone_items + one_items
+                        together_s, together_items = together_s + k_s, together_items + k_items
+                        rounds += 1
+                        read_s = alone_s + together_s
+                        if read_s >= 2 * KIND_PROBE_S or (
+                            rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S
+                        ):
                             break
             if self._stop_probe.is_set():
                 return
@@ -403,7 +418,7 @@ class FastStart:
                 # The reads fail on a thread (a handle bound to the thread that opened it, or
                 # bad data): the consumer reads the failing unit again, in its own thread.
                 kp.decide(0.0, 0.0, ratio, error)
-            elif rounds >= KIND_ROUNDS_MIN and alone_s > 0 and together_s > 0:
+            elif rounds >= 1 and alone_s > 0 and together_s > 0:
                 kp.decide(alone_items / alone_s, together_items / together_s, ratio, None)
             else:
                 kp.decide(0.0, 0.0, ratio, None)
@@ -422,7 +437,9 @@ class FastStart:
         if not self.works:
             self._thread.start()
             return
+        t0 = time.perf_counter()
         items = self._read_inline(self.works[0])  # warm-up: imports, first opens
+        self._first_s = time.perf_counter() - t0
         self._probed = 1
         self._probe_thread = threading.Thread(
             target=self._probe_kinds, name="torchtune_pipe-kind-probe", daemon=True
