@@ -4,7 +4,13 @@ no slower (threads) or clearly faster (processes), without processes or a clock.
 from __future__ import annotations
 
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats
-from torchtune_pipe.tuning.worker_kind import PROBE, SETTLE, KindRule, start_on_threads
+from torchtune_pipe.tuning.worker_kind import (
+    PROBE,
+    SETTLE,
+    KindRule,
+    start_on_threads,
+    start_settled,
+)
 
 
 def _obs(threads: tuple[int, ...], rate: float, threadable=(False, True), cpus=8.0):
@@ -122,3 +128,11 @@ def test_a_stage_whose_reads_failed_on_threads_is_never_tried_there():
     seen += _run(rule, lambda t: 100.0, SETTLE + PROBE + 4, cpus=4.0)  # not at other CPUs either
     assert all(t == (0, 0) for t in seen), seen
     assert [d[0] for d in rule.decisions] == ["bar"]
+
+
+def test_a_start_measure_settles_the_kind_only_where_clear():
+    assert start_settled(100.0, 195.0, 2)  # threads near 2x: settled
+    assert start_settled(100.0, 110.0, 2)  # 1.1x of 2: processes, settled
+    assert not start_settled(100.0, 170.0, 2)  # threads chosen, but processes may be faster
+    assert not start_settled(100.0, 140.0, 2)  # processes chosen, threads may hold as much
+    assert not start_settled(0.0, 0.0, 2)

@@ -31,7 +31,7 @@ from torchtune_pipe.sources.base import max_readers
 from torchtune_pipe.stages import PipelineLike
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.tuning.calls_in_flight import start_concurrency
-from torchtune_pipe.tuning.worker_kind import KindRule, start_on_threads
+from torchtune_pipe.tuning.worker_kind import KindRule, start_on_threads, start_settled
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +101,11 @@ def kind_probe(
             )
         holder._next = (dataclasses.replace(now, stages=tuple(changed)), nxt[1])
         measured = alone > 0 and together > 0
+        settled = start_settled(alone, together, k) and k >= cpus
         if error is not None:
             kinds.bar(stages)
         else:
-            kinds.start(stages, threads, cpus if measured and k >= cpus else None)
+            kinds.start(stages, threads, cpus if settled else None)
         if error is not None:
             why = (
                 f"a read on a thread raised {type(error).__name__}: {error} (they stay on "

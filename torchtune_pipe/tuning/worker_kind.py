@@ -19,7 +19,8 @@ and processes are what is tried.
 A loader can measure the kind before its executor starts (:func:`start_on_threads`, from a fast
 start's reads of ``k`` units at once on threads of the consumer's process): the stages then
 start on the kind measured (:meth:`KindRule.start`), and the trial above is left for when the
-CPUs change, or for machines with more CPUs than the ``k`` threads measured.
+CPUs change, for machines with more CPUs than the ``k`` threads measured, and for a measure
+that does not settle the kind (:func:`start_settled`).
 
 The rule is the same object live (:class:`~torchtune_pipe.loader.running.RunningPipeline`) and
 in the simulator (:class:`~torchtune_pipe.sim.model.SimPipeline`): it reads an
@@ -37,8 +38,12 @@ from torchtune_pipe.tuning.base import Allocation, Observation, local_workers, t
 SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
 TOLERANCE = 0.05  # threads stay at >= 95% of what processes delivered (noise of one interval)
-# Threads start where k reads at once ran at least this share of k times one read's rate.
+# Threads start where k reads at once ran at least this share of k times one read's rate; the
+# start measure settles the kind (no trial at these CPUs) from SETTLED_ABOVE up, or up to
+# SETTLED_BELOW: in between, the rule tries the other kind on the running pipeline.
 START_SCALING = 0.75
+SETTLED_ABOVE = 0.95
+SETTLED_BELOW = 0.6
 
 
 def start_on_threads(single_rate: float, together_rate: float, k: int) -> bool:
@@ -51,6 +56,18 @@ def start_on_threads(single_rate: float, together_rate: float, k: int) -> bool:
     if k < 2 or single_rate <= 0.0 or together_rate <= 0.0:
         return False
     return together_rate >= START_SCALING * k * single_rate
+
+
+def start_settled(single_rate: float, together_rate: float, k: int) -> bool:
+    """Whether the start measure of :func:`start_on_threads` settles the kind: threads that
+    scaled near ``k``x (``SETTLED_ABOVE``), or reads that scaled so little
+    (``SETTLED_BELOW``) that processes are clearly faster. In between, threads may hold less
+    memory for a little less speed, or processes a little more speed for their memory: the
+    rule measures both on the running pipeline."""
+    if k < 2 or single_rate <= 0.0 or together_rate <= 0.0:
+        return False
+    scaling = together_rate / (k * single_rate)
+    return scaling >= SETTLED_ABOVE or scaling <= SETTLED_BELOW
 
 
 def gil_enabled() -> bool:
@@ -178,6 +195,6 @@ class KindRule:
 
 
 __all__ = [
-    "PROBE", "SETTLE", "START_SCALING", "TOLERANCE", "KindRule", "gil_enabled",
-    "start_on_threads",
+    "PROBE", "SETTLE", "SETTLED_ABOVE", "SETTLED_BELOW", "START_SCALING", "TOLERANCE",
+    "KindRule", "gil_enabled", "start_on_threads", "start_settled",
 ]  # fmt: skip
