@@ -231,3 +231,14 @@ def test_units_too_long_to_measure_start_on_processes_without_waiting(tmp_path):
     (said,) = _kind_events(log)
     assert "start on processes: the reads were not measured on threads" in said
     assert 0 not in dl.loader._kinds.tried  # so the rule tries threads while running
+
+
+def test_a_probe_leaves_torchs_collate_as_it_found_it():
+    from torch.utils.data._utils import collate
+
+    before = collate.default_collate_fn_map[torch.Tensor]
+    for _ in range(3):
+        with DataLoader(Slow(200), batch_size=4, num_workers="auto") as dl:
+            assert len(list(dl)) == 50
+        assert dl.loader._kinds.decisions  # the probe ran
+        assert collate.default_collate_fn_map[torch.Tensor] is before

@@ -115,10 +115,21 @@ class _Helper:
         self._work: queue.SimpleQueue = queue.SimpleQueue()
         self._out: queue.SimpleQueue = queue.SimpleQueue()
         self._fast, self._kp = fast, kp
-        threading.Thread(target=self._run, name="torchtune_pipe-kind-helper", daemon=True).start()
+        self._thread = threading.Thread(
+            target=self._run, name="torchtune_pipe-kind-helper", daemon=True
+        )
+        self._thread.start()
 
     def give(self, work: Work | None) -> None:
         self._work.put(work)
+
+    def stop(self) -> None:
+        """End the thread and wait for it: its context is left before the probe's is (what
+        the contexts swap process-wide, such as the collate of ``private_collate``, is put
+        back in the order it was taken)."""
+        if self._thread.is_alive():
+            self._work.put(None)
+            self._thread.join()
 
     def result(self) -> list | BaseException:
         return self._out.get()
@@ -135,6 +146,11 @@ class _Helper:
                 except BaseException as e:  # raised where the consumer reaches the unit
                     got = e
                 self._out.put(got)
+
+
+# What a kind probe's rounds measured: (what a read raised, counted rounds, time and items
+# alone, time and items at once).
+_Measured = tuple[Exception | None, int, float, int, float, int]
 
 
 @dataclass
@@ -342,73 +358,28 @@ class FastStart:
         return out
 
     def _probe_kinds(self) -> None:
-        """The probe's thread: rounds of one unit alone then ``k`` at once, each unit's items
-        put on :attr:`_units` in order, then the decision and the executor's build (none of
-        those when the consumer stopped). A read that raises ends the rounds: the units before
-        it are delivered, it and the rest are the consumer's to read."""
+        """The probe's thread: rounds of one unit alone then ``k`` at once (:meth:`_rounds`),
+        then the decision and the executor's build (none of those when the consumer
+        stopped)."""
         kp = self.kind_probe
         assert kp is not None
-        k, works, units = kp.threads, self.works, self._units
-        i = 1
-        alone_s = together_s = 0.0
-        alone_items = together_items = rounds = 0
-        warm = self._first_s < KIND_WARM_S  # short units: a first round warms the helpers up
-        error: Exception | None = None
+        got: _Measured = (None, 0, 0.0, 0, 0.0, 0)
         act_as_thread_worker()
         intraop.set_here(kp.torch_threads)  # as a worker's: not the interpreter's default
-        helpers: list[_Helper] = []
-        start = time.perf_counter()
         try:
-            if k >= 2 and kp.may_run():
-                # Started before the rounds: a thread's start (a millisecond or more on some
-                # machines) is not a cost of reading on threads.
-                helpers = [_Helper(self, kp) for _ in range(k - 1)]
+            if kp.threads >= 2 and kp.may_run():
                 with kp.thread_context():
-                    while rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
-                        if self._stop_probe.is_set():
-                            return
-                        if time.perf_counter() - start >= KIND_PROBE_MAX_S:
-                            break
-                        t0 = time.perf_counter()
-                        try:
-                            items = self._read_unit(works[i])
-                        except Exception as e:
-                            error = e
-                            break
-                        one_s = time.perf_counter() - t0
-                        one_items = sum(1 for t in items if t[1] >= 0)
-                        units.put(items)
-                        i += 1
-                        if time.perf_counter() - start >= KIND_PROBE_MAX_S:
-                            break  # its round would end past the bound: not counted
-                        t0 = time.perf_counter()
-                        got = self._read_together(works[i : i + k], helpers)
-                        k_s = time.perf_counter() - t0
-                        k_items = 0
-                        for items in got:
-                            if isinstance(items, Exception):
-                                error = items
-                                break
-                            if isinstance(items, BaseException):
-                                raise items
-                            units.put(items)
-                            i += 1
-                            k_items += sum(1 for t in items if t[1] >= 0)
-                        if error is not None:
-                            break
-                        if warm:
-                            warm = False
-                            continue
-                        alone_s, alone_items = alone_s + one_s, alone_items + one_items
-                        together_s, together_items = together_s + k_s, together_items + k_items
-                        rounds += 1
-                        read_s = alone_s + together_s
-                        if read_s >= 2 * KIND_PROBE_S or (
-                            rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S
-                        ):
-                            break
+                    # Started before the rounds: a thread's start (a millisecond or more on
+                    # some machines) is not a cost of reading on threads.
+                    helpers = [_Helper(self, kp) for _ in range(kp.threads - 1)]
+                    try:
+                        got = self._rounds(helpers)
+                    finally:
+                        for h in helpers:
+                            h.stop()  # inside this thread's context: see _Helper.stop
             if self._stop_probe.is_set():
                 return
+            error, rounds, alone_s, alone_items, together_s, together_items = got
             p = self.probe
             with self._lock:
                 ratio = (
@@ -424,12 +395,58 @@ class FastStart:
                 kp.decide(0.0, 0.0, ratio, None)
             self._thread.start()
         except BaseException as e:  # the consumer gets it in the unit's place
-            units.put(e)
+            self._units.put(e)
         finally:
-            for h in helpers:
-                h.give(None)
             act_as_thread_worker(False)
-            units.put(None)  # the probe's units end here
+            self._units.put(None)  # the probe's units end here
+
+    def _rounds(self, helpers: list[_Helper]) -> _Measured:
+        """Rounds of one unit alone then ``k`` at once, each unit's items put on
+        :attr:`_units` in order: (what a read raised, counted rounds, their time and items
+        alone, at once). A read that raises ends them: the units before it are delivered, it
+        and the rest are the consumer's to read."""
+        k, works, units = len(helpers) + 1, self.works, self._units
+        i = 1
+        alone_s = together_s = 0.0
+        alone_items = together_items = rounds = 0
+        warm = self._first_s < KIND_WARM_S  # short units: a first round warms the helpers up
+        start = time.perf_counter()
+        while rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
+            if self._stop_probe.is_set() or time.perf_counter() - start >= KIND_PROBE_MAX_S:
+                break
+            t0 = time.perf_counter()
+            try:
+                items = self._read_unit(works[i])
+            except Exception as e:
+                return (e, rounds, alone_s, alone_items, together_s, together_items)
+            one_s = time.perf_counter() - t0
+            one_items = sum(1 for t in items if t[1] >= 0)
+            units.put(items)
+            i += 1
+            if time.perf_counter() - start >= KIND_PROBE_MAX_S:
+                break  # its round would end past the bound: not counted
+            t0 = time.perf_counter()
+            got = self._read_together(works[i : i + k], helpers)
+            k_s = time.perf_counter() - t0
+            k_items = 0
+            for items in got:
+                if isinstance(items, Exception):
+                    return (items, rounds, alone_s, alone_items, together_s, together_items)
+                if isinstance(items, BaseException):
+                    raise items
+                units.put(items)
+                i += 1
+                k_items += sum(1 for t in items if t[1] >= 0)
+            if warm:
+                warm = False
+                continue
+            alone_s, alone_items = alone_s + one_s, alone_items + one_items
+            together_s, together_items = together_s + k_s, together_items + k_items
+            rounds += 1
+            read_s = alone_s + together_s
+            if read_s >= 2 * KIND_PROBE_S or (rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S):
+                break
+        return (None, rounds, alone_s, alone_items, together_s, together_items)
 
     def _probed_start(self) -> Iterator[tuple]:
         """The first unit in the calling thread, then the probe's units in order (the number
