@@ -171,7 +171,8 @@ def test_a_smaller_budget_gives_the_arena_pages_back():
         ),
     )
     with Executor(spec) as ex:
-        it = ex.run([(0, 5000)])
+        # Items enough that the deadline, not the end of the run, bounds the wait below.
+        it = ex.run([(0, 50_000)])
         held = [next(it) for _ in range(64)]  # 64 frames of 256 KiB written: 16 MiB
         before = _arena_bytes()
         del held
