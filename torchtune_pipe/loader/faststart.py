@@ -107,6 +107,15 @@ class KindProbe:
     torch_threads: int = 1
 
 
+def _read_or_error(fast: FastStart, work: Work) -> list | BaseException:
+    """A unit's items read in the calling thread, or what its read raised (raised where the
+    consumer reaches the unit)."""
+    try:
+        return list(run_inline(fast.pipeline, [work], fast.epoch))
+    except BaseException as e:
+        return e
+
+
 class _Helper:
     """A thread of a kind probe that reads the units it is given, one at a time, as a thread
     worker would (:class:`KindProbe`); ``give(None)`` ends it."""
@@ -139,13 +148,7 @@ class _Helper:
         intraop.set_here(self._kp.torch_threads)
         with self._kp.thread_context():
             while (work := self._work.get()) is not None:
-                try:
-                    got: list | BaseException = list(
-                        run_inline(self._fast.pipeline, [work], self._fast.epoch)
-                    )
-                except BaseException as e:  # raised where the consumer reaches the unit
-                    got = e
-                self._out.put(got)
+                self._out.put(_read_or_error(self._fast, work))
 
 
 # What a kind probe's rounds measured: (what a read raised, counted rounds, time and items
@@ -316,23 +319,22 @@ class FastStart:
         return ex.serving()
 
     def _read_inline(self, work: Work) -> list:
-        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
+        return self._read_timed(work, self._inline_read)
+
+    @contextlib.contextmanager
+    def _inline_read(self) -> Iterator[None]:
+        """Around a read in the consumer's thread: its generators kept, a worker's view."""
         with _isolated_rng(), self.inline_context():
+            yield
+
+    def _read_timed(self, work: Work, context: Callable[[], Any] = contextlib.nullcontext) -> list:
+        """Read ``work`` in this thread within ``context()``, its time counted in
+        :attr:`probe` (the consumer's inline reads, and a kind probe's reads alone)."""
+        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
+        with context():
             items = list(run_inline(self.pipeline, [work], self.epoch))
         # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
         # fork server and the workers' imports take the cores from this thread.
-        p = self.probe
-        p.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
-        p.inline_cpu_s += time.thread_time() - c0
-        p.inline_items += sum(1 for t in items if t[1] >= 0)
-        self.inline_units += 1
-        return items
-
-    def _read_unit(self, work: Work) -> list:
-        """Read ``work`` on a probe thread (as :meth:`_read_inline` does in the consumer's),
-        its time counted in :attr:`probe`."""
-        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
-        items = list(run_inline(self.pipeline, [work], self.epoch))
         p = self.probe
         with self._lock:
             p.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
@@ -348,11 +350,7 @@ class FastStart:
         ``helpers``: each unit's items, or what its read raised."""
         for h, w in zip(helpers, works[1:], strict=False):
             h.give(w)
-        try:
-            first: list | BaseException = list(run_inline(self.pipeline, [works[0]], self.epoch))
-        except BaseException as e:  # raised where the consumer reaches the unit
-            first = e
-        out = [first] + [h.result() for h in helpers[: len(works) - 1]]
+        out = [_read_or_error(self, works[0])] + [h.result() for h in helpers[: len(works) - 1]]
         with self._lock:
             self.inline_units += len(works)
         return out
@@ -416,7 +414,7 @@ class FastStart:
                 break
             t0 = time.perf_counter()
             try:
-                items = self._read_unit(works[i])
+                items = self._read_timed(works[i])
             except Exception as e:
                 return (e, rounds, alone_s, alone_items, together_s, together_items)
             one_s = time.perf_counter() - t0

@@ -105,7 +105,7 @@ class KindRule:
         self._last: tuple | None = None  # the allocation those rates were measured under
         self.decisions: list[tuple[str, int, bool, float]] = []  # (what, stage, threads, ratio)
 
-    def start(self, stages: list[int], threads: bool, cpus: int | None) -> None:
+    def start(self, stages: list[int], threads: bool, cpus: float | None) -> None:
         """Start ``stages`` on threads (else processes), as measured before they ran; with
         ``cpus``, the measure stands for that many CPUs (no trial until they change)."""
         for i in stages:
