@@ -18,6 +18,7 @@ import contextlib
 import copyreg
 import io
 import pickle
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -148,14 +149,24 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
+# Where a thread worker keeps its worker info: a context variable torch's worker module holds
+# under this name (``torchtune_pipe.sources.thread_info`` installs it; ``get_worker_info``
+# reads it before the module global).
+THREAD_INFO_ATTR = "_ttp_thread_worker_info"
+
+
 def _stack_in_private_memory(batch, *, collate_fn_map=None):
     """torch's ``collate_tensor_fn`` (same checks, same values) as it runs outside a torch
-    worker: the stacked tensor in ordinary memory."""
+    worker: the stacked tensor in ordinary memory, in a worker process or a thread worker."""
     saved = _torch_worker._worker_info
     _torch_worker._worker_info = None
+    var = getattr(_torch_worker, THREAD_INFO_ATTR, None)
+    token = None if var is None else var.set(None)
     try:
         return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     finally:
+        if token is not None:
+            var.reset(token)
         _torch_worker._worker_info = saved
 
 
@@ -175,20 +186,39 @@ def collate_into_private_memory() -> None:
         fns[torch.Tensor] = _stack_in_private_memory
 
 
+_private_lock = threading.Lock()
+_private_users = 0  # blocks of private_collate open now, in any thread
+_private_before: Any = None  # the entry the first of them replaced
+
+
 @contextlib.contextmanager
 def private_collate() -> Iterator[None]:
     """:func:`collate_into_private_memory` for the block only: batches read in the calling
-    process as a worker would read them (torch's worker info set) are stacked in ordinary
-    memory too, not in a shared-memory segment per tensor (which a small or full /dev/shm
-    refuses); torch's own entry is back after the block."""
+    process as a worker would read them (torch's worker info set: a fast start's reads, the
+    threads of thread workers) are stacked in ordinary memory too, not in a shared-memory
+    segment per tensor (which a small or full /dev/shm refuses). Blocks may overlap, in any
+    threads and in any order: the first to open installs the entry, the last to close puts
+    back the one it found. Outside a worker the entry gives what torch's gives."""
+    global _private_users, _private_before
     fns = getattr(_torch_collate, "default_collate_fn_map", None)
-    before = None if fns is None else fns.get(torch.Tensor)
-    collate_into_private_memory()
+    with _private_lock:
+        if _private_users == 0:
+            _private_before = None if fns is None else fns.get(torch.Tensor)
+            collate_into_private_memory()
+        _private_users += 1
     try:
         yield
     finally:
-        if fns is not None and before is not None:
-            fns[torch.Tensor] = before
+        with _private_lock:
+            _private_users -= 1
+            if _private_users == 0:
+                before, _private_before = _private_before, None
+                if (
+                    fns is not None
+                    and before is not None
+                    and fns.get(torch.Tensor) is _stack_in_private_memory
+                ):
+                    fns[torch.Tensor] = before
 
 
 def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
@@ -236,5 +266,7 @@ __all__ = [
     "copy_into",
     "buffer_nbytes",
     "collate_into_private_memory",
+    "private_collate",
     "INBAND_MAX_BYTES",
+    "THREAD_INFO_ATTR",
 ]

@@ -517,7 +517,14 @@ def worker_main(conn: Connection, *args: Any, is_thread: bool = False, owner_pid
             # reuse a worker never makes.
             _trim_heap()
         w.thread_worker = is_thread
-        w.loop()
+        if is_thread:
+            # torch's collate would stack each batch into a shared-memory segment of its own
+            # where get_worker_info() is set, as it is on a thread worker (a process worker
+            # replaced that entry for good above).
+            with serialize.private_collate():
+                w.loop()
+        else:
+            w.loop()
     except (_Exit, EOFError, BrokenPipeError, ConnectionResetError):
         pass
     except BaseException as e:  # report anything else (e.g. init failed) before dying

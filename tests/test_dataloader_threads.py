@@ -242,3 +242,28 @@ def test_a_probe_leaves_torchs_collate_as_it_found_it():
             assert len(list(dl)) == 50
         assert dl.loader._kinds.decisions  # the probe ran
         assert collate.default_collate_fn_map[torch.Tensor] is before
+
+
+def _stack_shared(batch):
+    """torch's collate, and whether its stacked tensor landed in shared memory."""
+    from torch.utils.data import default_collate
+
+    x = default_collate(batch)
+    return x, torch.tensor(x[0].is_shared())
+
+
+@pytest.mark.parametrize("method", ["thread", "auto"])
+def test_thread_workers_stack_batches_in_ordinary_memory(method):
+    # torch's collate stacks into a new shared-memory segment per tensor wherever
+    # get_worker_info() is set; a thread worker (and a read of the probe or of a fast start)
+    # has it set, and hands its batch over within this process.
+    with DataLoader(Slow(400), batch_size=8, num_workers=2, worker_method=method,
+                    collate_fn=_stack_shared) as dl:  # fmt: skip
+        flags, threads = [], set()
+        for _, shared in dl:
+            flags.append(bool(shared))
+            if dl.loader.tunable is not None:
+                threads.add(dl.loader.tunable.observe().stages[0].threads)
+    assert len(flags) == 50 and not any(flags)
+    if method == "thread":
+        assert threads == {2}  # read on thread workers

@@ -203,9 +203,13 @@ def test_small_tensors_arrive_as_writable_copies_with_their_dtype_and_shape():
 
 @pytest.mark.parametrize("worker_type", ["process", "thread"])
 def test_default_collate_in_a_worker_gives_torchs_values_without_a_segment(worker_type):
-    """In a worker process torch's collate stacks into ordinary memory (the channel copies it
-    into its arena; a segment per tensor bought nothing); a thread worker runs in the caller's
-    process, where torch's collate is left as it is (a segment while worker info is set)."""
+    """In a worker, process or thread, torch's collate stacks into ordinary memory (the
+    channel copies it into its arena, or hands it over within the process; a segment per
+    tensor bought nothing). The caller's process gets torch's own entry back once its thread
+    workers are gone."""
+    from torch.utils.data._utils import collate
+
+    before = collate.default_collate_fn_map[torch.Tensor]
     spec = ExecutorSpec(
         (
             StageSpec("src", "source", _fns.read_range, worker_type=worker_type),
@@ -216,7 +220,8 @@ def test_default_collate_in_a_worker_gives_torchs_values_without_a_segment(worke
     with Executor(spec) as ex:
         got = list(ex.run([(0, 4)]))
     assert [b.tolist() for b, _ in got] == [[[x] * 3, [x + 1] * 3] for x in range(4)]
-    assert all(shared == (worker_type == "thread") for _, shared in got)
+    assert not any(shared for _, shared in got)
+    assert collate.default_collate_fn_map[torch.Tensor] is before
 
 
 def test_a_tensor_collate_a_user_registered_is_kept(monkeypatch):

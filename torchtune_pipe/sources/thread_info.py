@@ -16,7 +16,8 @@ import contextvars
 import threading
 from typing import Any
 
-_NAME = "_ttp_thread_worker_info"  # the context variable, in torch's worker module
+from multiproc.serialize import THREAD_INFO_ATTR as _NAME  # the variable, in torch's worker module
+
 _lock = threading.Lock()
 
 
@@ -24,7 +25,7 @@ _info: contextvars.ContextVar[Any] = contextvars.ContextVar("ttp_thread_worker_i
 
 
 def _thread_aware() -> Any:  # runs with the globals of torch.utils.data._utils.worker
-    info = _ttp_thread_worker_info.get()  # noqa: F821
+    info = _ttp_thread_worker_info.get()  # noqa: F821  (the global named _NAME)
     return _worker_info if info is None else info  # noqa: F821
 
 
@@ -32,6 +33,7 @@ def install() -> None:
     """Make torch's ``get_worker_info`` read the calling thread's info first (idempotent)."""
     from torch.utils.data._utils import worker as torch_worker
 
+    assert _NAME in _thread_aware.__code__.co_names  # the global _thread_aware reads
     with _lock:
         if hasattr(torch_worker, _NAME):
             return
