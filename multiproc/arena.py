@@ -13,6 +13,12 @@ producer (backpressure).
 A payload is either inline (small frames travel inside the control message) or a reference
 ``(segment, offset, size, header_len, buffer_sizes)`` into an arena, or into a segment of the
 frame's own (a frame too big for its worker's budget, :mod:`multiproc.spill`).
+
+A thread worker whose frames go to the consumer, in the same process, hands them over as they
+are (:func:`keep`, a :class:`KeptRef`): not serialized, not copied. The frame still holds a
+block of its worker's arena as large as its estimated bytes (reserved, never written), so the
+budget, the backpressure and the frees are those of any frame; the block's pages stay
+untouched.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import contextlib
 import mmap
 import os
 import pickle
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -54,6 +62,31 @@ class ShmRef:
     def mapping(self, cache: MappingCache) -> mmap.mmap:
         """This process's mapping of the segment (the arena's, shared by its frames)."""
         return cache.get(self.segment).mm
+
+
+@dataclass(frozen=True)
+class KeptRef(ShmRef):
+    """A frame kept as objects in this process (:func:`keep`): ``offset`` and ``size`` are the
+    block of arena ``segment`` it holds against its worker's budget."""
+
+
+# Frames handed over within this process, by (segment, offset), until decoded or dropped.
+_kept: dict[tuple[str, int], Any] = {}
+_kept_lock = threading.Lock()
+
+
+def keep(obj: Any, ref: KeptRef) -> tuple:
+    """The payload of a frame ``obj`` handed over as it is, within this process."""
+    with _kept_lock:
+        _kept[(ref.segment, ref.offset)] = obj
+    return ("shm", ref)
+
+
+def _drop_kept(match: Callable[[str], bool]) -> None:
+    """Forget the kept frames of the segments ``match`` accepts (their run or worker is gone)."""
+    with _kept_lock:
+        for key in [k for k in _kept if match(k[0])]:
+            del _kept[key]
 
 
 def segment_path(name: str) -> str:
@@ -198,7 +231,10 @@ def create_segment(name: str, size: int) -> None:
 
 def remove_segment(name: str) -> None:
     """Unlink a segment made by :func:`create_segment` (or ``Segment(create=True)``); one
-    never made (its creation was interrupted) or already removed is left alone."""
+    never made (its creation was interrupted) or already removed is left alone. Frames kept
+    in its name (:func:`keep`) are forgotten."""
+    if _kept:
+        _drop_kept(name.__eq__)
     try:
         os.unlink(segment_path(name))
     except FileNotFoundError:
@@ -223,6 +259,8 @@ def segment_names(prefix: str) -> list[str]:
 def remove_segments(prefix: str) -> list[str]:
     """Remove every segment of this process named ``prefix...`` (see :func:`remove_segment`):
     those an interrupted start made but did not record. Returns the names removed."""
+    if _kept:
+        _drop_kept(lambda seg: seg.startswith(prefix))
     names = _listing(prefix)
     for name in names:
         remove_segment(name)
@@ -346,6 +384,12 @@ def decode(payload, cache: MappingCache, on_release: Callable[[ShmRef], None] | 
         # bytearray: tensors built on read-only bytes would be read-only views.
         return serialize.loads(header, [memoryview(bytearray(b)) for b in bufs])
     ref: ShmRef = payload[1]
+    if isinstance(ref, KeptRef):
+        with _kept_lock:
+            obj = _kept.pop((ref.segment, ref.offset))
+        if on_release is not None:
+            on_release(ref)  # its block holds nothing: the budget is free again at once
+        return obj
     mm = ref.mapping(cache)
     holder = np.frombuffer(mm, dtype=np.uint8, count=ref.size, offset=ref.offset)
     mv = memoryview(holder)  # type: ignore[arg-type]  # numpy's stubs: no __buffer__

@@ -41,6 +41,9 @@ class Emitter:
             frame waits for room; False for one that must wait its turn.
         on_error: reports ``(work_id, exc, where, depth)`` as the worker does; True when the
             stage goes on (``on_error='skip'``).
+        sink_depth: the chain depth whose frames go to the consumer, in this process (a thread
+            worker's: those frames are handed over as they are, :func:`multiproc.arena.keep`);
+            -1 for none.
     """
 
     def __init__(
@@ -52,6 +55,7 @@ class Emitter:
         cell: memoryview,
         on_control: Callable[[Any], bool],
         on_error: Callable[[Any, BaseException, str, int], bool],
+        sink_depth: int = -1,
     ) -> None:
         self.link = link
         self.alloc = alloc
@@ -61,8 +65,19 @@ class Emitter:
         self.on_control = on_control
         self.on_error = on_error
         self.spills = 0  # segments spilled to so far (each named by its number)
+        self.sink_depth = sink_depth
 
-    def encode(self, obj: Any) -> tuple[Any, int]:
+    def _keep(self, obj: Any, nbytes: int) -> tuple[Any, int]:
+        """``obj`` handed over as it is, holding a block of ``nbytes``; (None, nbytes) where
+        the arena has no room for it (a small frame travels inline, as any would)."""
+        if nbytes <= arena.INLINE_MAX_BYTES:
+            return arena.encode(obj, None, None)
+        off = self.alloc.alloc(nbytes)
+        if off is None:
+            return None, nbytes
+        return arena.keep(obj, arena.KeptRef(self.seg.name, off, nbytes, 0, ())), nbytes
+
+    def encode(self, obj: Any, depth: int = 0, hand_over: bool = True) -> tuple[Any, int]:
         """Write one frame into the arena, waiting for room (backpressure) if needed.
 
         A frame bigger than this worker's whole budget waits too, until the router lets it
@@ -70,9 +85,17 @@ class Emitter:
         else can move. So it counts against the budget as one frame in flight. It then travels
         in a segment of its own (:mod:`multiproc.spill`), or inline where the shared-memory
         directory has no room for one.
+
+        A frame of chain depth ``sink_depth`` (see the class) is not serialized, unless
+        ``hand_over`` is False (it goes back to its own stage): it holds a block of its
+        estimated size, or, bigger than the budget, none.
         """
         h0 = _cpu_ns()
-        payload, nbytes = arena.encode(obj, self.alloc, self.seg)
+        kept = hand_over and depth == self.sink_depth
+        if kept:
+            payload, nbytes = self._keep(obj, estimated_size(obj))
+        else:
+            payload, nbytes = arena.encode(obj, self.alloc, self.seg)
         self.row[stats.HOP_NS] += _cpu_ns() - h0
         if payload is not None:
             return payload, nbytes
@@ -87,12 +110,20 @@ class Emitter:
                 if type(msg) is P.SpillOk:
                     self.row[stats.SPILLED] += 1
                     self.spills += 1
-                    return spill.write(obj, spill.name(self.seg.name, self.spills))
+                    segment = spill.name(self.seg.name, self.spills)
+                    if kept:
+                        return arena.keep(
+                            obj, spill.KeptSpillRef(segment, 0, nbytes, 0, ())
+                        ), nbytes
+                    return spill.write(obj, segment)
                 if not self.on_control(msg):
                     link.deferred.append(msg)
                     continue
                 if type(msg) in (P.Free, P.Budget) and nbytes <= self.alloc.limit:
-                    payload, nbytes = arena.encode(obj, self.alloc, self.seg)
+                    if kept:
+                        payload, nbytes = self._keep(obj, nbytes)
+                    else:
+                        payload, nbytes = arena.encode(obj, self.alloc, self.seg)
                     if payload is not None:
                         link.say(P.Unblocked(link.wid))
                         return payload, nbytes
@@ -103,14 +134,18 @@ class Emitter:
                 self.cell[stats.IN_FN_SINCE_NS] = since + waited
 
     def emit_frames(
-        self, items: list[Any], frame_items: int, count: bool = True
+        self, items: list[Any], frame_items: int, count: bool = True, hand_over: bool = True
     ) -> list[tuple[Any, int]] | None:
-        """Encode outputs of a stateful stage; None when an error was reported instead."""
+        """Encode outputs of a stateful stage; None when an error was reported instead.
+        ``hand_over`` False: items given back to their own stage (never handed over as
+        objects, :meth:`encode`)."""
         outs: list[tuple[Any, int]] = []
         if frame_items > 1 and len(items) > 1:
             frame_items = policy.frame_items(estimated_size(items[0]), frame_items)
         for i in range(0, len(items), frame_items):
-            encoded = self.encode_items(None, items[i : i + frame_items], lambda: "output")
+            encoded = self.encode_items(
+                None, items[i : i + frame_items], lambda: "output", hand_over=hand_over
+            )
             if encoded is None:
                 return None
             payload, nbytes, chunk = encoded
@@ -122,14 +157,19 @@ class Emitter:
         return outs
 
     def encode_items(
-        self, frame_id: Any, items: list[Any], where: Callable[[], str], depth: int = 0
+        self,
+        frame_id: Any,
+        items: list[Any],
+        where: Callable[[], str],
+        depth: int = 0,
+        hand_over: bool = True,
     ) -> Encoded | None:
         """Encode a frame of items; an item that does not pickle is reported, naming it and
         its type, or dropped under ``on_error='skip'``. Returns ``(payload, nbytes, items)``,
         or None when the error was reported (the stage stops). ``where()`` names the frame
         (called only on failure: a repr per frame would cost every frame)."""
         try:
-            payload, nbytes = self.encode(items)
+            payload, nbytes = self.encode(items, depth, hand_over)
             return payload, nbytes, items
         except Exception as e:
             bad = unpicklable(items)
@@ -146,5 +186,5 @@ class Emitter:
                 if not self.on_error(frame_id, exc, f"{named}, item {i}", depth):
                     return None
             keep = [x for i, x in enumerate(items) if i not in bad]
-            payload, nbytes = self.encode(keep)
+            payload, nbytes = self.encode(keep, depth, hand_over)
             return payload, nbytes, keep

@@ -36,7 +36,7 @@ class Ledger:
         f = Frame(next(s.frame_ids), seq, payload, n, producer, inline=inline_size(payload))
         if payload[0] == "shm":
             ref = payload[1]
-            if type(ref) is spill.SpillRef:
+            if isinstance(ref, spill.SpillRef):
                 s.spills.add(ref.segment)
             else:
                 s.seg_refs[ref.segment] += 1

@@ -176,6 +176,8 @@ class WorkerPool:
                 size,
                 policy.budget_share(st.budget, n_alive),
                 chain,
+                # A local thread's frames for the consumer stay objects (arena.keep).
+                len(state.spec.stages) - 1 - stage if kind == "thread" else -1,
             )
             h.start_ns = time.monotonic_ns()
             server = None if launch.snapshot is None else launch.snapshot.server

@@ -165,7 +165,7 @@ def _stack_in_private_memory(batch, *, collate_fn_map=None):
     try:
         return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
     finally:
-        if token is not None:
+        if var is not None and token is not None:
             var.reset(token)
         _torch_worker._worker_info = saved
 

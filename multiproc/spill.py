@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import arena, serialize, shm
-from .arena import MappingCache, ShmRef
+from .arena import KeptRef, MappingCache, ShmRef
 
 # Buffers per writev() call: Linux's IOV_MAX.
 _IOV_MAX = 1024
@@ -49,6 +49,12 @@ class SpillRef(ShmRef):
             return mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
         finally:
             os.close(fd)
+
+
+@dataclass(frozen=True)
+class KeptSpillRef(KeptRef, SpillRef):
+    """A frame too big for its worker's budget, kept as objects in this process
+    (:func:`multiproc.arena.keep`): it holds no block, and no segment is made in its name."""
 
 
 def name(arena_name: str, n: int) -> str:

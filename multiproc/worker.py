@@ -85,6 +85,7 @@ class _Worker:
         seg_size: int,
         budget: int,
         chain: tuple[Any, ...] = (),
+        sink_depth: int = -1,
     ) -> None:
         # The stage's pickle comes in a list emptied here: a tuple of arguments stays alive on
         # the stack of the process's run() for the worker's whole life, and a map-style
@@ -112,8 +113,16 @@ class _Worker:
         self.runq = stats.RunQueue(enabled=False)  # opened by loop(), in the worker's thread
         self.unit_clock = (0, 0)  # wall and CPU clocks when the unit's time was last counted
         self.link = Link(conn, wid, self.row)
+        # A thread worker hands the frames it makes for the consumer over as they are.
         self.emitter = Emitter(
-            self.link, self.alloc, self.seg, self.row, self.cell, self._handle_control, self._error
+            self.link,
+            self.alloc,
+            self.seg,
+            self.row,
+            self.cell,
+            self._handle_control,
+            self._error,
+            sink_depth,
         )
         # Fusion: the specs of the next stages this worker may run too (as its own is given).
         self.chain = Chain(chain, index, self.row, self.calls, self._error)
@@ -426,7 +435,11 @@ class _Worker:
             items.append(x)
             consumed.setdefault(fid, []).append(i)
         # Handed-over items are not outputs; undo their input count, the taker counts them.
-        outs = self.emitter.emit_frames(items, max(len(items), 1), count=False) if items else []
+        outs = (
+            self.emitter.emit_frames(items, max(len(items), 1), count=False, hand_over=False)
+            if items
+            else []
+        )
         if outs is None:
             return
         self.row[stats.ITEMS_IN] -= len(items)

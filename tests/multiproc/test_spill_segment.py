@@ -98,17 +98,29 @@ def wait_for(what, timeout_s: float = 10.0):
     return got
 
 
+class Kinds(list):
+    """Payload kinds the consumer decoded; ``in_workers``: those thread workers decoded."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_workers: list[str] = []
+
+
 @pytest.fixture
 def payload_kinds(monkeypatch):
     """What kind of payload each frame the consumer (this thread) decodes is: ``SpillRef``,
-    ``ShmRef`` (an arena block) or ``inline``."""
-    kinds: list[str] = []
+    ``ShmRef`` (an arena block), ``KeptSpillRef`` (objects a thread worker handed over, too
+    big for its budget) or ``inline``."""
+    kinds = Kinds()
     decode = arena.decode
     consumer = threading.current_thread()
 
     def recording(payload, *args):
-        if threading.current_thread() is consumer:  # not a thread worker
-            kinds.append(payload[0] if payload[0] == "inline" else type(payload[1]).__name__)
+        kind = payload[0] if payload[0] == "inline" else type(payload[1]).__name__
+        if threading.current_thread() is consumer:
+            kinds.append(kind)
+        else:  # a thread worker
+            kinds.in_workers.append(kind)
         return decode(payload, *args)
 
     monkeypatch.setattr(arena, "decode", recording)
@@ -200,4 +212,6 @@ def test_without_room_for_a_segment_a_frame_travels_inline(monkeypatch, payload_
             assert_intact(x, i)
         assert ex.snapshot().stage("big").spilled == 8
         assert not spilled_to(ex)  # none half-written left (a write may be failing just now)
-    assert payload_kinds == ["inline"] * 8
+    assert payload_kinds.in_workers == ["inline"] * 16  # "read"'s (small) and "big"'s
+    # "then"'s frames, for the consumer in their own process: handed over, never written.
+    assert payload_kinds == ["KeptSpillRef"] * 8
