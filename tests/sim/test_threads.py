@@ -107,6 +107,27 @@ def test_gil_releasing_thread_workers_match_processes_and_hold_less():
     assert small.evaluate(threads) == pytest.approx(small.evaluate(procs), rel=1e-9)
 
 
+def test_the_last_stages_thread_workers_hand_their_items_over_without_a_hop():
+    """Live, a thread worker's frames for the consumer are handed over as objects
+    (multiproc.arena.keep): the last stage's thread workers pay no hop, and report none."""
+    big = StageModel("decode", "map", 100 * US, bytes_per_item=4 << 20, gil_share=0.1,
+                     threadable=True)  # fmt: skip
+    wl = Workload("big", (StageModel("read", "source", 5 * US, bytes_per_item=300), big),
+                  hop_s_per_item=20 * US)  # fmt: skip
+    sim = _sim(wl, cpus=2)
+    buf = (64 * MiB, 64 * MiB)
+    procs = Allocation((1, 2), buf, threads=(0, 0))
+    threads = procs.replace(threads=(0, 2))
+    both = procs.replace(threads=(0, 1))
+    assert sim.evaluate(threads) > sim.evaluate(both) > sim.evaluate(procs)
+    p_obs, t_obs = _run(sim, procs), _run(sim, threads)
+    assert p_obs.stages[1].hop_s_per_item > 0 and t_obs.stages[1].hop_s_per_item == 0
+    assert t_obs.stages[1].cpu_s_per_item == pytest.approx(100 * US)  # its function alone
+    assert p_obs.stages[1].cpu_s_per_item > 100 * US
+    # The stage before keeps its hop: its frames go to a worker, not to the consumer.
+    assert t_obs.stages[0].hop_s_per_item == p_obs.stages[0].hop_s_per_item > 0
+
+
 def test_free_threaded_interpreter_removes_the_cap():
     sim = _sim(_workload(gil=False, consumer_gil_s_per_item=100 * US))
     procs = Allocation((1, 6, 1), BUF)

@@ -254,6 +254,7 @@ class SimPipeline:
             w_local, w_threads, w_remote, alloc.buffer_bytes, c, d, cpus, fused
         )
         hop, _, net, _ = rm.hop(c, fused)
+        c_seen = self._threads.handed_over(c, w_local, w_threads, fused)  # as solve() ran it
         x = ss.throughput
         # Buffers move toward their steady fill at the rate imbalance across them. A group's
         # stages run in lockstep: the host's buffer holds the group's last stage's items.
@@ -304,8 +305,8 @@ class SimPipeline:
                     blocked_out=idle * (1.0 - share_in),
                     buffer_bytes=alloc.buffer_bytes[i],
                     buffer_fill=fills[i],
-                    cpu_s_per_item=noisy(c[i] * sm.ratio),
-                    hop_s_per_item=0.0 if fused[i] else self._hop_out(i, fused),
+                    cpu_s_per_item=noisy(c_seen[i] * sm.ratio),
+                    hop_s_per_item=0.0 if fused[i] else self._hop_out(i, fused, w_threads, w_local),
                     io_bound=waits_on_io(c[i], c[i] + dl[i]),  # per item: CPU, CPU + wait
                     concurrency=calls[i],
                     max_concurrency=sm.max_concurrency,
@@ -501,12 +502,19 @@ class SimPipeline:
         now = self._s.alloc
         return now.threads, local_workers(now)
 
-    def _hop_out(self, i: int, fused: Sequence[bool]) -> float:
+    def _hop_out(
+        self, i: int, fused: Sequence[bool], threads: Sequence[float], local: Sequence[float]
+    ) -> float:
         """Seconds per item stage ``i`` emits that its group's output pays to cross its
-        channel (the host reports it, as live: its workers encode the group's output)."""
+        channel (the host reports it, as live: its workers encode the group's output). The
+        group's last stage's thread workers hand theirs to the consumer as objects: no hop
+        (:meth:`~torchtune_pipe.sim.threads.ThreadModel.handed_over`)."""
         co, last = self._coef, self._rule.last(i, fused)
         st = self.workload.stages[last]
-        return co.c_out[last] * st.ratio * co.S[last] / co.S[i]
+        hop = co.c_out[last] * st.ratio * co.S[last] / co.S[i]
+        if last == self.n_stages - 1 and threads[i] > 0 and local[i] > 0:
+            hop *= 1.0 - min(1.0, threads[i] / local[i])
+        return hop
 
     def _concurrency(self, a: Allocation, fused: Sequence[bool] = ()) -> tuple[int, ...]:
         st = self.workload.stages

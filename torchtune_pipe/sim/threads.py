@@ -5,7 +5,11 @@
 and is a process worker in every other respect: it takes a core as a process does (processor
 sharing, oversubscription), its output crosses its channel as a process's does (the executor
 encodes it into a shared-memory arena: the hop is kept), and it holds the stage's
-``worker_bytes`` (in the consumer's process) but no worker RSS of its own.
+``worker_bytes`` (in the consumer's process) but no worker RSS of its own. One output is not
+encoded: what the thread workers of the last stage (or of the host of a group ending there)
+make for the consumer, in their own process, is handed over as it is
+(:func:`multiproc.arena.keep`): their share of that stage's items pays no hop
+(:meth:`ThreadModel.handed_over`).
 
 What threads add is the lock. ``g_i = StageModel.gil_share`` of a thread worker's CPU time
 ``c_i`` holds it, and so does the consumer for ``Workload.consumer_gil_s_per_item`` per item it
@@ -110,6 +114,7 @@ class ThreadModel:
         """The steady state with ``local`` workers per stage on the host, ``threads`` of them
         threads, and ``remote`` on the cluster (module docstring)."""
         wl = self.workload
+        c = self.handed_over(c, local, threads, fused)
         cg = wl.consumer_gil_s_per_item if wl.gil else 0.0
         if not wl.gil or (not any(threads) and cg <= 0):
             held = threads if any(threads) else ()
@@ -153,6 +158,31 @@ class ThreadModel:
         if lo <= 0.0:  # every root within 2**-24 of 0: the lock lets next to nothing through
             solved = at(hi)[0]
         return solved
+
+    def handed_over(
+        self,
+        c: Sequence[float],
+        local: Sequence[float],
+        threads: Sequence[float],
+        fused: Sequence[bool],
+    ) -> Sequence[float]:
+        """``c`` with the last stage's hop left out for the share of its local workers that are
+        threads (of the group's host where it is fused): their frames reach the consumer as
+        objects. The hop's share of the stage's cost is taken off in proportion, so a drift or
+        noise scaling the cost scales what is left the same way."""
+        last = len(c) - 1
+        h = last
+        while h > 0 and fused[h]:
+            h -= 1
+        if threads[h] <= 0 or local[h] <= 0:
+            return c
+        co = self.coef
+        whole = co.c_fn[last] + co.c_out[last]
+        if whole <= 0:
+            return c
+        out = list(c)
+        out[last] *= 1.0 - min(1.0, threads[h] / local[h]) * co.c_out[last] / whole
+        return out
 
     def _waits(
         self,
