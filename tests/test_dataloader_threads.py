@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 
@@ -267,3 +268,18 @@ def test_thread_workers_stack_batches_in_ordinary_memory(method):
     assert len(flags) == 50 and not any(flags)
     if method == "thread":
         assert threads == {2}  # read on thread workers
+
+
+def test_a_probe_counts_a_read_alone_without_its_waits_for_a_cpu(tmp_path, monkeypatch):
+    """What another process's load takes from a read alone (the thread's run-queue delay) is
+    not its cost: a read reported as waiting 90% of its time for a CPU counts a tenth as long,
+    so k reads at once on threads no longer look to scale."""
+    from torchtune_pipe.loader import faststart
+
+    start = time.perf_counter()
+    monkeypatch.setattr(faststart, "_runq_s", lambda: 0.9 * (time.perf_counter() - start))
+    log = tmp_path / "tuning.jsonl"
+    with DataLoader(Slow(400), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
+        assert len(list(dl)) == 100
+    (said,) = _kind_events(log)
+    assert re.search(r"start on processes: \d reads at once on threads ran 0\.\d+x", said), said

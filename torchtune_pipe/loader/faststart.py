@@ -319,7 +319,7 @@ class FastStart:
         return ex.serving()
 
     def _read_inline(self, work: Work) -> list:
-        return self._read_timed(work, self._inline_read)
+        return self._read_timed(work, self._inline_read)[0]
 
     @contextlib.contextmanager
     def _inline_read(self) -> Iterator[None]:
@@ -327,21 +327,25 @@ class FastStart:
         with _isolated_rng(), self.inline_context():
             yield
 
-    def _read_timed(self, work: Work, context: Callable[[], Any] = contextlib.nullcontext) -> list:
+    def _read_timed(
+        self, work: Work, context: Callable[[], Any] = contextlib.nullcontext
+    ) -> tuple[list, float]:
         """Read ``work`` in this thread within ``context()``, its time counted in
-        :attr:`probe` (the consumer's inline reads, and a kind probe's reads alone)."""
+        :attr:`probe` (the consumer's inline reads, and a kind probe's reads alone): its items
+        and the seconds it took less those it waited for a CPU."""
         t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
         with context():
             items = list(run_inline(self.pipeline, [work], self.epoch))
         # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
         # fork server and the workers' imports take the cores from this thread.
+        took = max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
         p = self.probe
         with self._lock:
-            p.inline_s += max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+            p.inline_s += took
             p.inline_cpu_s += time.thread_time() - c0
             p.inline_items += sum(1 for t in items if t[1] >= 0)
             self.inline_units += 1
-        return items
+        return items, took
 
     def _read_together(
         self, works: list[Work], helpers: list[_Helper]
@@ -412,12 +416,12 @@ class FastStart:
         while rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
             if self._stop_probe.is_set() or time.perf_counter() - start >= KIND_PROBE_MAX_S:
                 break
-            t0 = time.perf_counter()
             try:
-                items = self._read_timed(works[i])
+                # Less its waits for a CPU: another process's load is not what one read costs
+                # (it would make k reads at once look to scale where they do not).
+                items, one_s = self._read_timed(works[i])
             except Exception as e:
                 return (e, rounds, alone_s, alone_items, together_s, together_items)
-            one_s = time.perf_counter() - t0
             one_items = sum(1 for t in items if t[1] >= 0)
             units.put(items)
             i += 1
