@@ -141,6 +141,10 @@ def test_auto_starts_reads_that_scale_on_threads_measured_before_the_workers(tmp
     (said,) = _kind_events(log)
     assert "start on threads" in said and "reads at once on threads ran" in said
     assert dl.loader._kinds.decisions[0][:3] == ("start", 0, True)
+    # The reads wait: run with several calls at once, their CPU may contend for the lock,
+    # which reads measured one call at a time cannot show. The rule tries processes later.
+    assert "calls in flight per worker" in said
+    assert 0 not in dl.loader._kinds.tried
 
 
 def test_auto_starts_reads_that_hold_the_lock_on_processes(tmp_path):
