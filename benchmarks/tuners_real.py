@@ -8,13 +8,15 @@ For each recipe of :mod:`_real_fns` (UDF-heavy, remote-read, batch-heavy) the sc
    settles for ``--settle`` seconds (worker start, buffers refilling) and is then measured for
    ``--measure`` seconds at the consumer. The best one is the oracle allocation.
 2. **Tuner runs.** Starts a fresh loader per tuner (``unoptimized``, ``heuristic``,
-   ``autotune``, ``plumber``, ``intune``, and ``oracle``: the oracle allocation as a static
-   pipeline), all from one worker per stage, and consumes for ``--duration`` seconds counted
+   ``autotune``, ``plumber``, ``intune``, its ablations ``planner`` and ``network-only``, and
+   ``oracle``: the oracle allocation as a static pipeline), all from one worker per stage,
+   ``--rounds`` times, the tuners interleaved round by round, and consumes for ``--duration`` seconds counted
    from the first item delivered (worker start-up, a few seconds and the same for every tuner,
    is reported apart as ``startup_s``). Throughput is binned every tuning interval, with the
    allocation in force at each bin's end.
 
-Reported per run: steady state (mean of the last third of the bins), time-averaged throughput,
+Reported per tuner (the run of its median steady state, and the steady states' spread over the
+rounds): steady state (mean of the last third of the bins), time-averaged throughput,
 both as ratios to the oracle run's steady state and to the unoptimized run's, and the time at
 which a 3-bin moving average first reaches 0.9 of the oracle's steady state. Throughput is in
 samples per second (a batch counts its samples).
@@ -47,7 +49,9 @@ from torchtune_pipe.tuning.oracle import oracle_search  # noqa: E402
 
 log = logging.getLogger("tuners_real")
 
-TUNERS = ("unoptimized", "heuristic", "autotune", "plumber", "intune", "oracle")
+# "planner" and "network-only": InTune's two ablations (the plan alone; the network alone).
+TUNERS = ("unoptimized", "heuristic", "autotune", "plumber", "intune", "planner", "network-only",
+          "oracle")  # fmt: skip
 TARGET = 0.9
 
 
@@ -211,6 +215,13 @@ def summarise(run: dict, duration_s: float, oracle: float, unoptimized: float | 
     }
 
 
+def median_run(runs: list[dict], duration_s: float) -> dict:
+    """The run whose steady state is the median of ``runs``' (the lower of the two middle
+    ones for an even count)."""
+    ranked = sorted(runs, key=lambda r: summarise(r, duration_s, 1.0, None)["steady"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
 def table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     """A plain-text table: ``columns`` are (key, header, format)."""
     cells = [[h for _, h, _ in columns]]
@@ -225,6 +236,7 @@ def table(rows: list[dict], columns: Sequence[tuple[str, str, str]]) -> str:
 COLUMNS = (
     ("tuner", "tuner", "s"),
     ("steady", "steady/s", ".1f"),
+    ("spread", "rounds' steady/s", "s"),
     ("average", "avg/s", ".1f"),
     ("steady_vs_oracle", "vs oracle", ".2f"),
     ("steady_vs_unoptimized", "vs unopt", ".2f"),
@@ -247,6 +259,7 @@ def bench(args: argparse.Namespace) -> dict:
             "quick": args.quick,
             "oracle_max_stage": args.oracle_max_stage,
             "oracle_max_total": args.oracle_max_total,
+            "rounds": args.rounds,
         },
         "pipelines": {},
     }
@@ -256,7 +269,11 @@ def bench(args: argparse.Namespace) -> dict:
             recipe, args.oracle_max_stage, args.oracle_max_total, args.settle, args.measure
         )
         best = search["best"]["workers"]
-        runs = {t: run_tuner(recipe, t, args.duration, args.interval, best) for t in tuners}
+        rounds: dict[str, list[dict]] = {t: [] for t in tuners}
+        for _ in range(max(1, args.rounds)):
+            for t in tuners:
+                rounds[t].append(run_tuner(recipe, t, args.duration, args.interval, best))
+        runs = {t: median_run(rs, args.duration) for t, rs in rounds.items()}
         oracle_run = runs.get("oracle")
         oracle = (
             summarise(oracle_run, args.duration, 1.0, None)["steady"]
@@ -268,12 +285,21 @@ def bench(args: argparse.Namespace) -> dict:
         rows = [summarise(r, args.duration, oracle, unopt_steady) for r in runs.values()]
         for r in rows:
             r["final_workers"] = str(r["final_workers"])
+            steadies = [
+                summarise(x, args.duration, 1.0, None)["steady"] for x in rounds[r["tuner"]]
+            ]
+            r["steady_min"], r["steady_max"] = min(steadies), max(steadies)
+            r["spread"] = f"{min(steadies):.1f}-{max(steadies):.1f}"
         result["pipelines"][name] = {
             "stages": list(recipe.stages),
             "oracle_search": search,
             "oracle_steady": oracle,
             "summary": rows,
             "runs": runs,
+            "round_steadies": {
+                t: [summarise(x, args.duration, 1.0, None)["steady"] for x in rs]
+                for t, rs in rounds.items()
+            },
         }
         print(
             f"\n== {name}  stages {recipe.stages}  oracle allocation {best} "
@@ -288,6 +314,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options (``--quick`` overrides the timing options with small values)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--duration", type=float, default=10.0, help="seconds per tuner run")
+    p.add_argument("--rounds", type=int, default=1, help="runs per tuner, interleaved")
     p.add_argument("--interval", type=float, default=1.0, help="tuning interval and bin, s")
     p.add_argument("--settle", type=float, default=0.75, help="oracle: settle per candidate, s")
     p.add_argument("--measure", type=float, default=1.5, help="oracle: measure per candidate, s")

@@ -511,6 +511,8 @@ def test_the_planner_is_a_tuner_of_its_own_and_the_network_runs_without_the_plan
     udf = StageStats("udf", 2, items_per_s=10.0, busy=0.5, cpu_s_per_item=0.1, fusable=True)
     obs = Observation((read, udf), 10.0, 4.0, 8 * GiB, GiB, consumer_step_s=0.1)
     alone = InTuneTuner(plan_action=False)
+    assert make_tuner("network-only").name == alone.name == "network-only"
+    assert not make_tuner("network-only").plan_action
     assert not alone.starts_fused
     assert not any(alone.reset(obs, start=Allocation((8, 2), (MiB, MiB))).fused)
     for _ in range(5):

@@ -64,6 +64,14 @@ def _planner(**kw) -> Tuner:
     return InTuneTuner(plan_only=True, **kw)
 
 
+def _network_only(**kw) -> Tuner:
+    # The InTune tuner with the plan action shut (its other ablation): the network's moves
+    # alone, under the same undo, guard and rescale.
+    from torchtune_pipe.tuning.intune.agent import InTuneTuner
+
+    return InTuneTuner(plan_action=False, **kw)
+
+
 _FACTORIES: dict[str, Callable[..., Tuner]] = {
     "static": _static,
     "unoptimized": _unoptimized,
@@ -75,6 +83,7 @@ _FACTORIES: dict[str, Callable[..., Tuner]] = {
     "oracle": _oracle,
     "intune": _intune,
     "planner": _planner,
+    "network-only": _network_only,
 }
 
 TUNERS: tuple[str, ...] = tuple(_FACTORIES)

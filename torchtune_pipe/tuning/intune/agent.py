@@ -220,6 +220,8 @@ class InTuneTuner:
         self.fusion = fusion and plan_action
         if plan_only:
             self.name = "planner"
+        elif not plan_action:
+            self.name = "network-only"
         self.weights = weights
         self.finetune = finetune
         self.epsilon = epsilon
