@@ -18,7 +18,7 @@ from . import arena, policy, spill, stats
 from . import protocol as P
 from .arena import Allocator, Segment
 from .errors import StageError
-from .items import estimated_size, unpicklable
+from .items import estimated_size, own_memory, unpicklable
 from .link import Link
 
 _ns = time.perf_counter_ns
@@ -69,13 +69,16 @@ class Emitter:
 
     def _keep(self, obj: Any, nbytes: int) -> tuple[Any, int]:
         """``obj`` handed over as it is, holding a block of ``nbytes``; (None, nbytes) where
-        the arena has no room for it (a small frame travels inline, as any would)."""
+        the arena has no room for it (a small frame travels inline, as any would). Tensors and
+        arrays that view memory they do not own (the dataset's) are copied, as a hop would
+        (:func:`~multiproc.items.own_memory`): the consumer may write to what it gets."""
         if nbytes <= arena.INLINE_MAX_BYTES:
             return arena.encode(obj, None, None)
         off = self.alloc.alloc(nbytes)
         if off is None:
             return None, nbytes
-        return arena.keep(obj, arena.KeptRef(self.seg.name, off, nbytes, 0, ())), nbytes
+        ref = arena.KeptRef(self.seg.name, off, nbytes, 0, ())
+        return arena.keep(own_memory(obj), ref), nbytes
 
     def encode(self, obj: Any, depth: int = 0, hand_over: bool = True) -> tuple[Any, int]:
         """Write one frame into the arena, waiting for room (backpressure) if needed.
@@ -112,9 +115,8 @@ class Emitter:
                     self.spills += 1
                     segment = spill.name(self.seg.name, self.spills)
                     if kept:
-                        return arena.keep(
-                            obj, spill.KeptSpillRef(segment, 0, nbytes, 0, ())
-                        ), nbytes
+                        alone = spill.KeptSpillRef(segment, 0, nbytes, 0, ())
+                        return arena.keep(own_memory(obj), alone), nbytes
                     return spill.write(obj, segment)
                 if not self.on_control(msg):
                     link.deferred.append(msg)

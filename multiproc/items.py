@@ -9,6 +9,9 @@ import reprlib
 from collections.abc import Iterable
 from typing import Any
 
+import numpy as np
+import torch
+
 from . import arena, serialize
 
 _short = reprlib.Repr()
@@ -52,6 +55,26 @@ def estimated_size(item, depth: int = 0) -> int:
             size += sum(estimated_size(k, depth + 1) for k in itertools.islice(item, _SAMPLED))
         return _SCALAR_BYTES + (size * n // len(head) if head else 0)
     return serialized_size(item)
+
+
+def own_memory(x: Any, depth: int = 0) -> Any:
+    """``x`` with every tensor or array that views memory it does not own (a row of a
+    dataset's tensor, a slice of a memory map) replaced by a copy: what a worker process's
+    output is once it has crossed to the consumer. Containers (lists, tuples, dicts) are
+    rebuilt only where something inside them was copied; anything else is left as it is."""
+    if isinstance(x, torch.Tensor):
+        return x.clone() if x._base is not None else x
+    if isinstance(x, np.ndarray):
+        return x.copy() if x.base is not None else x
+    t = type(x)
+    if depth < _MAX_DEPTH:
+        if t is list or t is tuple:
+            out = [own_memory(v, depth + 1) for v in x]
+            return x if all(a is b for a, b in zip(out, x, strict=True)) else t(out)
+        if t is dict:
+            got = {k: own_memory(v, depth + 1) for k, v in x.items()}
+            return x if all(got[k] is v for k, v in x.items()) else got
+    return x
 
 
 def serialized_size(item) -> int:

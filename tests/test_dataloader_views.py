@@ -132,3 +132,19 @@ def test_views_through_the_prefetch_stage_give_torch_batches(extra):
         # torch takes a timeout only with worker processes.
         expected = _torch_batches(ds, 4, num_workers=2 if "timeout" in extra else 0, **kw)
     _assert_batches_equal(expected, _ours(ds, 4, "auto", **kw))
+
+
+@pytest.mark.parametrize("method", ["process", "thread", "auto"])
+def test_a_batch_from_workers_never_aliases_the_dataset(method):
+    """torch's workers hand over copies: writing into a batch leaves the dataset as it was.
+    Ours read the first units in this process while the workers start, and thread workers
+    hand their batches over as objects; neither may give a view of the dataset's tensor."""
+    x = torch.arange(200.0).view(100, 2)
+    want = x.clone()
+    ds = torch.utils.data.TensorDataset(x)
+    with DataLoader(ds, batch_size=None, num_workers=2, worker_method=method) as dl:
+        got = [b for (b,) in dl]
+    for b in got:
+        b.mul_(-1)  # the training loop's own in-place work
+    assert torch.equal(x, want)
+    assert torch.equal(torch.stack(got), -want)

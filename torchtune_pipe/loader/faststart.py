@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiproc import intraop
+from multiproc.items import own_memory
 from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
 from torchtune_pipe.loader.tagging import Work
@@ -197,6 +198,14 @@ def _isolated_rng() -> Iterator[None]:
         yield
     finally:
         set_rng_states(saved)
+
+
+def _owned(items: list) -> list:
+    """Tagged items read in this process for the workers, as the workers' would arrive: what
+    views memory it does not own (a row of the dataset's tensor) copied
+    (:func:`multiproc.items.own_memory`), so the consumer may write to its batches as it may
+    to a worker's. Not once the loader reads inline for good (``num_workers=0``'s way)."""
+    return [(u, k, own_memory(x)) for u, k, x in items]
 
 
 def fast_start_fits(pipeline: PipelineLike, interleave: bool, timeout_s: float) -> bool:
@@ -464,12 +473,12 @@ class FastStart:
             target=self._probe_kinds, name="torchtune_pipe-kind-probe", daemon=True
         )
         self._probe_thread.start()
-        yield from items
+        yield from _owned(items)
         while (got := self._units.get()) is not None:
             if isinstance(got, BaseException):
                 raise got
             self._probed += 1
-            yield from got
+            yield from _owned(got)
 
     def stream(self) -> Iterator[tuple]:
         """The tagged items of the epoch (as ``Executor.run`` yields them)."""
@@ -484,7 +493,7 @@ class FastStart:
         while i < len(self.works) and not self._ready():
             items = self._read_inline(self.works[i])
             i += 1
-            yield from items
+            yield from _owned(items)
         self.join()
         if self._error is not None:
             raise self._error
