@@ -7,6 +7,7 @@ killed by a signal, exiting without ``close()``.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -18,8 +19,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHM = "/dev/shm"
 
 
+def _as_from_a_shell() -> None:
+    """In the child, before exec: SIGINT and SIGTERM at their defaults and no signal blocked,
+    as a program started from a shell has them, whatever this test process holds."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
+
+
 def start(code: str, **kw) -> subprocess.Popen:
-    """Start ``python -c code`` with this checkout's packages first on the path."""
+    """Start ``python -c code`` with this checkout's packages first on the path, its signals
+    as a shell would start it (:func:`_as_from_a_shell`)."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(code)],
@@ -28,6 +38,7 @@ def start(code: str, **kw) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_from_a_shell,
         **kw,
     )
 
