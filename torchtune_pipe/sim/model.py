@@ -512,8 +512,8 @@ class SimPipeline:
         co, last = self._coef, self._rule.last(i, fused)
         st = self.workload.stages[last]
         hop = co.c_out[last] * st.ratio * co.S[last] / co.S[i]
-        if last == self.n_stages - 1 and threads[i] > 0 and local[i] > 0:
-            hop *= 1.0 - min(1.0, threads[i] / local[i])
+        if last == self.n_stages - 1:
+            hop *= 1.0 - self._threads.handed_share(local, threads, fused)
         return hop
 
     def _concurrency(self, a: Allocation, fused: Sequence[bool] = ()) -> tuple[int, ...]:

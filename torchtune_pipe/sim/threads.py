@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from torchtune_pipe.sim.fused import FusionRule
 from torchtune_pipe.sim.remote import RemoteModel
 from torchtune_pipe.sim.workload import Coefficients, SteadyState, Workload
-from torchtune_pipe.tuning.base import Allocation
+from torchtune_pipe.tuning.base import Allocation, fusion_host
 
 # Bisection steps for the lock's rate psi (ThreadModel.solve): psi within 2**-24 of its root.
 _PSI_STEPS = 24
@@ -166,23 +166,29 @@ class ThreadModel:
         threads: Sequence[float],
         fused: Sequence[bool],
     ) -> Sequence[float]:
-        """``c`` with the last stage's hop left out for the share of its local workers that are
-        threads (of the group's host where it is fused): their frames reach the consumer as
-        objects. The hop's share of the stage's cost is taken off in proportion, so a drift or
-        noise scaling the cost scales what is left the same way."""
+        """``c`` with the last stage's hop left out for :meth:`handed_share` of its items: their
+        frames reach the consumer as objects. The hop's share of the stage's cost is taken off
+        in proportion, so a drift or noise scaling the cost scales what is left the same way."""
         last = len(c) - 1
-        h = last
-        while h > 0 and fused[h]:
-            h -= 1
-        if threads[h] <= 0 or local[h] <= 0:
-            return c
+        share = self.handed_share(local, threads, fused)
         co = self.coef
         whole = co.c_fn[last] + co.c_out[last]
-        if whole <= 0:
+        if share <= 0 or whole <= 0:
             return c
         out = list(c)
-        out[last] *= 1.0 - min(1.0, threads[h] / local[h]) * co.c_out[last] / whole
+        out[last] *= 1.0 - share * co.c_out[last] / whole
         return out
+
+    @staticmethod
+    def handed_share(
+        local: Sequence[float], threads: Sequence[float], fused: Sequence[bool]
+    ) -> float:
+        """The share of the last stage's items handed to the consumer as objects: that of the
+        local workers of its host (itself, or the stage its group runs in) that are threads."""
+        h = fusion_host(fused, len(local) - 1)
+        if threads[h] <= 0 or local[h] <= 0:
+            return 0.0
+        return min(1.0, threads[h] / local[h])
 
     def _waits(
         self,
