@@ -10,8 +10,8 @@ For each recipe of :mod:`_real_fns` (UDF-heavy, remote-read, batch-heavy) the sc
 2. **Tuner runs.** Starts a fresh loader per tuner (``unoptimized``, ``heuristic``,
    ``autotune``, ``plumber``, ``intune``, its ablations ``planner`` and ``network-only``, and
    ``oracle``: the oracle allocation as a static pipeline), all from one worker per stage,
-   ``--rounds`` times, the tuners interleaved round by round, and consumes for ``--duration`` seconds counted
-   from the first item delivered (worker start-up, a few seconds and the same for every tuner,
+   ``--rounds`` times, the tuners interleaved round by round, and consumes for ``--duration``
+   seconds counted from the first item delivered (worker start-up, a few seconds and the same for every tuner,
    is reported apart as ``startup_s``). Throughput is binned every tuning interval, with the
    allocation in force at each bin's end.
 
@@ -215,10 +215,10 @@ def summarise(run: dict, duration_s: float, oracle: float, unoptimized: float | 
     }
 
 
-def median_run(runs: list[dict], duration_s: float) -> dict:
-    """The run whose steady state is the median of ``runs``' (the lower of the two middle
-    ones for an even count)."""
-    ranked = sorted(runs, key=lambda r: summarise(r, duration_s, 1.0, None)["steady"])
+def median_index(values: Sequence[float]) -> int:
+    """The index of the median of ``values`` (the lower of the two middle ones for an even
+    count)."""
+    ranked = sorted(range(len(values)), key=values.__getitem__)
     return ranked[(len(ranked) - 1) // 2]
 
 
@@ -273,7 +273,11 @@ def bench(args: argparse.Namespace) -> dict:
         for _ in range(max(1, args.rounds)):
             for t in tuners:
                 rounds[t].append(run_tuner(recipe, t, args.duration, args.interval, best))
-        runs = {t: median_run(rs, args.duration) for t, rs in rounds.items()}
+        steadies = {
+            t: [summarise(x, args.duration, 1.0, None)["steady"] for x in rs]
+            for t, rs in rounds.items()
+        }
+        runs = {t: rs[median_index(steadies[t])] for t, rs in rounds.items()}
         oracle_run = runs.get("oracle")
         oracle = (
             summarise(oracle_run, args.duration, 1.0, None)["steady"]
@@ -285,21 +289,16 @@ def bench(args: argparse.Namespace) -> dict:
         rows = [summarise(r, args.duration, oracle, unopt_steady) for r in runs.values()]
         for r in rows:
             r["final_workers"] = str(r["final_workers"])
-            steadies = [
-                summarise(x, args.duration, 1.0, None)["steady"] for x in rounds[r["tuner"]]
-            ]
-            r["steady_min"], r["steady_max"] = min(steadies), max(steadies)
-            r["spread"] = f"{min(steadies):.1f}-{max(steadies):.1f}"
+            lo, hi = min(steadies[r["tuner"]]), max(steadies[r["tuner"]])
+            r["steady_min"], r["steady_max"] = lo, hi
+            r["spread"] = f"{lo:.1f}-{hi:.1f}"
         result["pipelines"][name] = {
             "stages": list(recipe.stages),
             "oracle_search": search,
             "oracle_steady": oracle,
             "summary": rows,
             "runs": runs,
-            "round_steadies": {
-                t: [summarise(x, args.duration, 1.0, None)["steady"] for x in rs]
-                for t, rs in rounds.items()
-            },
+            "round_steadies": steadies,
         }
         print(
             f"\n== {name}  stages {recipe.stages}  oracle allocation {best} "
