@@ -195,9 +195,24 @@ def test_intune_proposes_and_the_guard_fits_memory():
     assert memory_parts(obs).worst_case_bytes(fitted) <= MEMORY_SAFE_SHARE * obs.memory_limit_bytes
 
 
+def test_a_buffer_grows_only_while_its_reader_at_times_finds_it_empty():
+    # Half full, read by a stage that waits for input a fifth of its time: items come in
+    # bursts, and more room helps.
+    obs = _obs(busy=(0.5, 0.6, 0.3))
+    assert ActionSpace(3).mask(obs, obs.allocation())[_index(0, 4)]
+    # Read by a stage that never waits for input: the buffer only holds its producer ahead.
+    obs = _obs(busy=(0.5, 1.0, 0.3))
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    assert not mask[_index(0, 4)] and mask[_index(1, 4)]  # stage 2 waits: s1's may grow
+    # A fused reader reads nothing: the next stage with workers of its own does.
+    s1 = dataclasses.replace(obs.stages[1], fused=True, workers=0)
+    fused = dataclasses.replace(obs, stages=(obs.stages[0], s1, obs.stages[2]))
+    assert ActionSpace(3).mask(fused, fused.allocation())[_index(0, 4)]
+
+
 def test_buffers_do_not_grow_while_the_model_is_the_bottleneck():
     obs = _obs()  # buffers half full
-    assert ActionSpace(3).mask(obs, obs.allocation())[_index(0, 4)]
+    assert ActionSpace(3).mask(obs, obs.allocation())[_index(2, 4)]
     # The consumer takes 9.5 ms per item at 100 items/s: busy 95 % of the time.
     waiting = dataclasses.replace(obs, consumer_step_s=0.0095)
     mask = ActionSpace(3).mask(waiting, waiting.allocation())
@@ -207,9 +222,11 @@ def test_buffers_do_not_grow_while_the_model_is_the_bottleneck():
 
 def test_mask_respects_memory_limit_in_the_worst_case():
     # 3 workers use ~900 MiB beyond buffers (300 MiB each); limit leaves room for none more.
+    # (Each buffer's reader waits for input a tenth of its time: its buffer may grow.)
     obs = _obs(
-        workers=(1, 1, 1), cpus=64, limit=1000 * MiB, used=900 * MiB + 6 * MiB, busy=(1, 1, 1)
-    )
+        workers=(1, 1, 1), cpus=64, limit=1000 * MiB, used=900 * MiB + 6 * MiB,
+        busy=(1, 0.8, 0.8),
+    )  # fmt: skip
     mask = ActionSpace(3).mask(obs, obs.allocation())
     for stage in range(3):
         assert not mask[_index(stage, 0)], "a new 300 MiB worker would pass the limit"

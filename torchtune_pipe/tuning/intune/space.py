@@ -89,7 +89,8 @@ class ActionSpace:
     ) -> Allocation:
         """The allocation after taking action ``index``.
 
-        The plan action takes the workers of ``planned`` (no change without one). With
+        The plan action takes the workers of ``planned``, and its buffers where smaller (no
+        change without one). With
         ``obs``, a worker increase that does not fit in the CPU budget takes the missing workers
         from the other stages with the most idle workers (:func:`idlest_donor`), one at a time,
         and only from stages less busy than the one growing: growing a stage on a full machine
@@ -98,11 +99,11 @@ class ActionSpace:
         """
         act = self.decode(index)
         if act.plan:
-            return (
-                alloc
-                if planned is None
-                else planned.allocation.replace(buffer_bytes=alloc.buffer_bytes)
-            )
+            if planned is None:
+                return alloc
+            # The plan's buffers where it shrank them (for memory that buys workers).
+            kept = zip(alloc.buffer_bytes, planned.allocation.buffer_bytes, strict=True)
+            return planned.allocation.replace(buffer_bytes=tuple(min(b, p) for b, p in kept))
         if act.stage is None:
             return alloc
         workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
@@ -174,19 +175,32 @@ class ActionSpace:
                     fits_cpu = grown <= 0 or sum(new.workers) <= cpu_cap(obs, new)
                     mask[base + k] = fits_mem and fits_cpu and new.workers[i] == w + dw
             up = _buffer_step(b, True)
-            # More room only helps a buffer that fills: growing an idle one reserves memory
-            # (the budget other stages and the model could use) for nothing.
+            # More room only helps a buffer that fills while its reader at times finds it
+            # empty (items come and go in bursts): growing an idle one reserves memory (the
+            # budget other stages and the model could use) for nothing, and one that stays
+            # full holds its producer ahead of a slower reader, whose wait is not for room.
             mask[base + 4] = (
                 not over_memory
                 and not consumer_bound
                 and worst + (up - b) <= limit
                 and st.buffer_fill >= BUFFER_GROW_MIN_FILL
+                and _reader_waits(obs, i)
             )
             # Below KEEP_BUFFER_BYTES a buffer shrinks only for memory or when every buffer
             # just holds items waiting for the model: a small buffer between two busy stages
             # makes them wait on each other, and the workers hold most of the memory anyway.
             mask[base + 5] = b > MiB and (over_memory or consumer_bound or b > KEEP_BUFFER_BYTES)
         return mask
+
+
+def _reader_waits(obs: Observation, i: int) -> bool:
+    """Whether the stage that reads stage ``i``'s buffer (the next one that runs its own
+    workers) waited for input at least ``READER_WAIT_MIN`` of its time; True for the last
+    stage's (the consumer reads it: ``CONSUMER_BOUND`` judges that one)."""
+    for st in obs.stages[i + 1 :]:
+        if not st.fused:
+            return st.blocked_in >= READER_WAIT_MIN
+    return True
 
 
 # Workers busy at least this share of the time, less the time they waited for a CPU, work
@@ -218,6 +232,8 @@ def working_flat_out(obs: Observation) -> list[bool]:
 CONSUMER_BOUND = 0.9
 # A buffer may grow only when at least this share of it is in use.
 BUFFER_GROW_MIN_FILL = 0.5
+# ... and only when its reader waited for input at least this share of its time.
+READER_WAIT_MIN = 0.05
 
 
 def changes_workers(old: Allocation, new: Allocation) -> bool:
