@@ -76,7 +76,12 @@ from torchtune_pipe.tuning.item_costs import (
     worker_seconds,
 )
 from torchtune_pipe.tuning.placement import local_headroom, local_wall, movable, place, remote_terms
-from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound
+from torchtune_pipe.tuning.safety import (
+    MAX_OVERSUBSCRIBE,
+    SHED_BUFFER_FLOOR_BYTES,
+    charge_floor,
+    is_io_bound,
+)
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
 HEADROOM = 1.2
@@ -95,6 +100,13 @@ FUSE_MIN_GAIN = 0.02
 # A stage whose own CPU per item is at most this many hops is cheap: fused whenever that loses
 # nothing (a hop then costs a third or more of what the stage does).
 CHEAP_HOPS = 2.0
+# Where memory bounds the plan, a buffer may shrink to LEAN_S seconds of its stage's output and
+# LEAN_ITEMS items (or LEAN_FILL times the bytes it held where item sizes are not measured:
+# lean_buffers), when that buys more than LEAN_MIN_GAIN.
+LEAN_S = 0.1
+LEAN_ITEMS = 4
+LEAN_FILL = 4.0
+LEAN_MIN_GAIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -118,11 +130,16 @@ def plan(
     known_hops: Sequence[float] = (),
 ) -> Plan | None:
     """The worker counts (and fusion) that balance the stages of ``obs`` at the highest
-    feasible rate.
+    feasible rate, and buffers no larger than ``alloc``'s.
+
+    The buffers are ``alloc``'s, unless memory bounds the plan: then each buffer that holds
+    far more than it used (:func:`lean_buffers`) shrinks where the memory it frees buys
+    workers worth more than ``LEAN_MIN_GAIN`` by the same model. A buffer's budget is
+    memory the hard limits count as full (their worst case), whatever it holds.
 
     Args:
         obs: one measured interval (every stage must have emitted items or be idle).
-        alloc: the allocation in force; its buffers are kept.
+        alloc: the allocation in force; its buffers are kept unless memory bounds the plan.
         per_worker_bytes: memory one more worker costs (:func:`~.safety.memory_parts`), one
             number or one per stage (:func:`_worker_bytes`).
         fixed_bytes: memory outside buffers and workers.
@@ -138,6 +155,52 @@ def plan(
     """
     if headroom < 1.0:
         raise ValueError(f"plan(): headroom must be >= 1, got {headroom}")
+    kw = dict(
+        per_worker_bytes=per_worker_bytes, fixed_bytes=fixed_bytes, headroom=headroom,
+        fusion=fusion, known_hops=known_hops,
+    )  # fmt: skip
+    found = _plan(obs, alloc, **kw)
+    lean = lean_buffers(obs, alloc)
+    if lean == tuple(alloc.buffer_bytes):
+        return found
+    roomier = _plan(obs, alloc.replace(buffer_bytes=lean), **kw)
+    if roomier is not None and (
+        found is None or roomier.throughput > (1.0 + LEAN_MIN_GAIN) * found.throughput
+    ):
+        return roomier
+    return found
+
+
+def lean_buffers(obs: Observation, alloc: Allocation) -> tuple[int, ...]:
+    """Per stage, the least buffer the plan may shrink ``alloc``'s to, at most what it is and
+    at least ``SHED_BUFFER_FLOOR_BYTES``: where the size of its items is measured
+    (``bytes_per_item``), ``LEAN_S`` of the bytes its stage emits and ``LEAN_ITEMS`` items
+    (a full buffer only holds a producer ahead of a slower reader, which the plan rebalances);
+    else ``LEAN_FILL`` times the bytes it held (``buffer_fill``). A fused stage's buffer
+    carries nothing while it runs fused."""
+    out = []
+    for b, st in zip(alloc.buffer_bytes, obs.stages, strict=True):
+        if st.fused:
+            need = 0.0
+        elif st.bytes_per_item > 0:
+            need = st.bytes_per_item * max(LEAN_ITEMS, LEAN_S * st.items_per_s)
+        else:
+            need = LEAN_FILL * st.buffer_fill * b
+        out.append(int(min(b, math.ceil(max(SHED_BUFFER_FLOOR_BYTES, need)))))
+    return tuple(out)
+
+
+def _plan(
+    obs: Observation,
+    alloc: Allocation,
+    *,
+    per_worker_bytes: float | Sequence[float],
+    fixed_bytes: float,
+    headroom: float,
+    fusion: bool,
+    known_hops: Sequence[float],
+) -> Plan | None:
+    """:func:`plan` with ``alloc``'s buffers."""
     x = obs.stages[-1].items_per_s if obs.stages else 0.0
     if x <= 0 or obs.cpus <= 0 or any(s.items_per_s <= 0 and not s.idle for s in obs.stages):
         return None
