@@ -72,7 +72,7 @@ def test_action_space_decodes_every_action():
 
 
 def test_mask_blocks_going_below_one_worker():
-    obs = _obs(workers=(1, 4, 3), busy=(0.5, 0.8, 0.3))
+    obs = _obs(workers=(1, 4, 3), busy=(0.5, 0.5, 0.3))
     mask = ActionSpace(3).mask(obs, obs.allocation())
     assert not mask[_index(0, 1)]  # -1 on a single worker
     assert not mask[_index(0, 3)]  # -5
@@ -115,7 +115,7 @@ def test_only_stages_that_can_use_workers_grow():
     obs = _obs(workers=(1, 1, 3), busy=(0.01, 0.02, 0.85), cpus=16)
     mask = ActionSpace(3).mask(obs, obs.allocation())
     assert [bool(mask[_index(i, 0)]) for i in range(3)] == [False, False, True]
-    assert mask[_index(2, 1)]  # shrinking stays open (below flat out)
+    assert not mask[_index(2, 1)]  # 2.55 workers' work: 2 cannot keep its rate
     st = obs.stages[0]
     assert can_use_workers(dataclasses.replace(st, io_bound=True))  # waits on I/O
     assert can_use_workers(dataclasses.replace(st, items_per_s=0.0))  # not measured yet
@@ -159,6 +159,25 @@ def test_no_worker_is_added_while_the_workers_queue_for_a_cpu():
     # Not measured (the simulator): never saturated.
     unknown = [dataclasses.replace(st, runqueue=None) for st in (fetch, collate)]
     assert not cpu_saturated(dataclasses.replace(obs, stages=tuple(unknown)))
+
+
+def test_no_stage_loses_workers_below_what_they_do_now_unless_cores_or_memory_run_out():
+    from torchtune_pipe.tuning.planner import HEADROOM
+
+    # Stage 1's 10 workers are busy 0.8 of the time: 8 workers' work, 9.6 with the planner's
+    # headroom. One fewer cannot keep the rate; stage 2's (busy 0.3: 3 of 10) may lose five.
+    obs = _obs(workers=(2, 10, 10), busy=(0.5, 0.8, 0.3), cpus=64.0)
+    assert 10 - 1 < HEADROOM * 8 and 10 - 5 >= HEADROOM * 3
+    mask = ActionSpace(3).mask(obs, obs.allocation())
+    assert not mask[_index(1, 1)] and not mask[_index(1, 3)]
+    assert mask[_index(2, 1)] and mask[_index(2, 3)]
+    # Every core taken (the stages use 8 of 8 CPUs): a worker fewer frees a core for others.
+    full = [dataclasses.replace(st, cpu_s_per_item=8.0 / 3 / st.items_per_s) for st in obs.stages]
+    full = dataclasses.replace(obs, stages=tuple(full), cpus=8.0)
+    assert ActionSpace(3).mask(full, full.allocation())[_index(1, 1)]
+    # Over the memory limit in the worst case: workers go wherever they are.
+    tight = _obs(workers=(2, 10, 10), busy=(0.5, 0.8, 0.3), cpus=64.0, limit=GiB, used=GiB)
+    assert ActionSpace(3).mask(tight, tight.allocation())[_index(1, 1)]
 
 
 def test_buffers_shrink_below_the_floor_only_for_memory_or_a_waiting_model():

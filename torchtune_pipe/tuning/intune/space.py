@@ -13,7 +13,7 @@ import torch
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, fusion_host
 from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
 from torchtune_pipe.tuning.cluster import local_total, remote_of
-from torchtune_pipe.tuning.planner import Plan, cpu_saturated
+from torchtune_pipe.tuning.planner import HEADROOM, Plan, cpu_saturated
 from torchtune_pipe.tuning.safety import (
     MEMORY_SAFE_SHARE,
     is_io_bound,
@@ -134,7 +134,10 @@ class ActionSpace:
 
         The plan action is open when ``planned`` changes the workers or which stages run
         fused (the planner already kept the plan within the CPU and memory budgets). A stage
-        whose workers run flat out (:func:`working_flat_out`) loses none but for memory.
+        whose workers run flat out (:func:`working_flat_out`) loses none but for memory; nor
+        does one go below ``HEADROOM`` times the workers' worth of work it does now (its busy
+        share of those that ran) but for memory or while every core is taken
+        (``CORES_FULL``).
         Memory is the guard's worst case (:meth:`~.safety.MemoryParts.worst_case_bytes`):
         a worker added to a stage costs what one of its workers holds now.
         """
@@ -157,6 +160,12 @@ class ActionSpace:
         # plan's budget, planner.cpu_saturated); workers only move or go.
         saturated = cpu_saturated(obs)
         flat_out = working_flat_out(obs)
+        # What each stage's workers do now, in workers (its busy share of those that ran):
+        # fewer than HEADROOM times it cannot keep its rate, unless they free cores others
+        # wait for (every core taken).
+        need = [b * st.workers for b, st in zip(group_busy(obs, True), obs.stages, strict=True)]
+        used = sum(st.cpu_s_per_item * st.items_per_s for st in obs.stages)
+        cores_full = saturated or used >= CORES_FULL * obs.cpus
         for i, st in enumerate(obs.stages):
             base = 1 + ACTIONS_PER_STAGE * i
             if st.fused:
@@ -164,7 +173,8 @@ class ActionSpace:
             w, b = alloc.workers[i], alloc.buffer_bytes[i]
             for k, dw in enumerate(WORKER_DELTAS):
                 if dw < 0:
-                    keep = flat_out[i] and not over_memory
+                    short = w + dw < HEADROOM * need[i] and not cores_full
+                    keep = (flat_out[i] or short) and not over_memory
                     mask[base + k] = w + dw >= max(1, st.min_workers) and not keep
                 elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
                     new = self.apply(alloc, base + k, obs)
@@ -203,6 +213,8 @@ def _reader_waits(obs: Observation, i: int) -> bool:
     return True
 
 
+# The pipeline's workers use at least this share of the CPUs: every core is taken.
+CORES_FULL = 0.95
 # Workers busy at least this share of the time, less the time they waited for a CPU, work
 # flat out: one fewer slows their stage by its share (unless for memory, none is removed).
 FLAT_OUT_BUSY = 0.9
