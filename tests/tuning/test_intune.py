@@ -229,6 +229,23 @@ def test_a_buffer_grows_only_while_its_reader_at_times_finds_it_empty():
     assert ActionSpace(3).mask(fused, fused.allocation())[_index(0, 4)]
 
 
+def test_an_undo_brings_back_the_shape_it_returns_to():
+    # Every stage split, 200 items/s; the plan fused stage 1 into stage 0 and the next
+    # interval measured 150: the undo returns to the split shape, not to its workers in the
+    # fused one (an allocation's empty shape means "as now").
+    tuner = InTuneTuner()
+    split = _obs(workers=(4, 4, 4), throughput=200.0)
+    tuner.reset(split)
+    tuner._before = (tuner._ran(split), 200.0)
+    s1 = dataclasses.replace(split.stages[1], fused=True, workers=0)
+    fused = dataclasses.replace(
+        split, stages=(split.stages[0], s1, split.stages[2]), throughput=150.0
+    )
+    got = tuner.step(fused)
+    assert got.fused == (False, False, False)
+    assert got.workers == (4, 4, 4)
+
+
 def test_buffers_do_not_grow_while_the_model_is_the_bottleneck():
     obs = _obs()  # buffers half full
     assert ActionSpace(3).mask(obs, obs.allocation())[_index(2, 4)]

@@ -457,7 +457,8 @@ class InTuneTuner:
         """The allocation ``obs`` ran under: the last decision as the hard limits let it
         through (:class:`~.safety.Guarded` clamps it; the tuner does not)."""
         assert self._alloc is not None
-        ran = obs.allocation()
+        # Its shape explicit ("as now" would not bring back a shape an undo returns to).
+        ran = obs.allocation().replace(fused=tuple(s.fused for s in obs.stages))
         return ran.replace(concurrency=self._alloc.concurrency) if self._alloc.concurrency else ran
 
     def _guard(self, obs: Observation, current: Allocation) -> Allocation:
