@@ -530,14 +530,8 @@ def test_a_fused_stage_is_charged_what_its_workers_held_when_it_last_ran_split()
 
 
 def test_where_memory_bounds_the_plan_buffers_that_hold_little_shrink_to_buy_workers():
-    from torchtune_pipe.tuning.planner import (
-        HEADROOM,
-        LEAN_FILL,
-        MEMORY_SHARE,
-        _plan,
-        lean_buffers,
-    )
-    from torchtune_pipe.tuning.safety import SHED_BUFFER_FLOOR_BYTES
+    from torchtune_pipe.tuning.planner import HEADROOM, MEMORY_SHARE, _plan
+    from torchtune_pipe.tuning.safety import LEAN_FILL, SHED_BUFFER_FLOOR_BYTES, lean_buffers
 
     # Read (waits on I/O) -> a CPU map, each worker 100 MiB; two 512 MiB buffers a tenth full
     # (item sizes not measured, as live). Under 2 GiB the buffers leave room for fewer

@@ -76,12 +76,7 @@ from torchtune_pipe.tuning.item_costs import (
     worker_seconds,
 )
 from torchtune_pipe.tuning.placement import local_headroom, local_wall, movable, place, remote_terms
-from torchtune_pipe.tuning.safety import (
-    MAX_OVERSUBSCRIBE,
-    SHED_BUFFER_FLOOR_BYTES,
-    charge_floor,
-    is_io_bound,
-)
+from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound, lean_buffers
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
 HEADROOM = 1.2
@@ -100,12 +95,8 @@ FUSE_MIN_GAIN = 0.02
 # A stage whose own CPU per item is at most this many hops is cheap: fused whenever that loses
 # nothing (a hop then costs a third or more of what the stage does).
 CHEAP_HOPS = 2.0
-# Where memory bounds the plan, a buffer may shrink to LEAN_S seconds of its stage's output and
-# LEAN_ITEMS items (or LEAN_FILL times the bytes it held where item sizes are not measured:
-# lean_buffers), when that buys more than LEAN_MIN_GAIN.
-LEAN_S = 0.1
-LEAN_ITEMS = 4
-LEAN_FILL = 4.0
+# Where memory bounds the plan, buffers shrink to their lean size (safety.lean_buffers) when
+# the memory that frees buys more than this.
 LEAN_MIN_GAIN = 0.02
 
 
@@ -133,7 +124,7 @@ def plan(
     feasible rate, and buffers no larger than ``alloc``'s.
 
     The buffers are ``alloc``'s, unless memory bounds the plan: then each buffer that holds
-    far more than it used (:func:`lean_buffers`) shrinks where the memory it frees buys
+    far more than it used (:func:`~.safety.lean_buffers`) shrinks where the memory it frees buys
     workers worth more than ``LEAN_MIN_GAIN`` by the same model. A buffer's budget is
     memory the hard limits count as full (their worst case), whatever it holds.
 
@@ -169,25 +160,6 @@ def plan(
     ):
         return roomier
     return found
-
-
-def lean_buffers(obs: Observation, alloc: Allocation) -> tuple[int, ...]:
-    """Per stage, the least buffer the plan may shrink ``alloc``'s to, at most what it is and
-    at least ``SHED_BUFFER_FLOOR_BYTES``: where the size of its items is measured
-    (``bytes_per_item``), ``LEAN_S`` of the bytes its stage emits and ``LEAN_ITEMS`` items
-    (a full buffer only holds a producer ahead of a slower reader, which the plan rebalances);
-    else ``LEAN_FILL`` times the bytes it held (``buffer_fill``). A fused stage's buffer
-    carries nothing while it runs fused."""
-    out = []
-    for b, st in zip(alloc.buffer_bytes, obs.stages, strict=True):
-        if st.fused:
-            need = 0.0
-        elif st.bytes_per_item > 0:
-            need = st.bytes_per_item * max(LEAN_ITEMS, LEAN_S * st.items_per_s)
-        else:
-            need = LEAN_FILL * st.buffer_fill * b
-        out.append(int(min(b, math.ceil(max(SHED_BUFFER_FLOOR_BYTES, need)))))
-    return tuple(out)
 
 
 def _plan(

@@ -39,6 +39,7 @@ buffers are shed first, then workers, before the kernel acts.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -81,6 +82,11 @@ MEMORY_SAFE_SHARE = 0.95
 # Buffers shed down to this before any worker goes (small buffers make neighbouring stages
 # wait on each other); past the workers' minimum they go down to the stage minimum.
 SHED_BUFFER_FLOOR_BYTES = 4 * MiB
+# A buffer's lean size (lean_buffers): LEAN_S seconds of its stage's output and LEAN_ITEMS
+# items where item sizes are measured, else LEAN_FILL times the bytes it held.
+LEAN_S = 0.1
+LEAN_ITEMS = 4
+LEAN_FILL = 4.0
 
 
 def _core_share(stage: StageStats) -> float:
@@ -319,6 +325,26 @@ def fit_memory(
         workers[j] -= 1
     shed_buffers(0)
     return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
+
+
+def lean_buffers(obs: Observation, alloc: Allocation) -> tuple[int, ...]:
+    """Per stage, the least buffer a plan may shrink ``alloc``'s to where memory bounds it (the
+    planner's), at most what it is and at least ``SHED_BUFFER_FLOOR_BYTES``: where the size
+    of its items is measured
+    (``bytes_per_item``), ``LEAN_S`` of the bytes its stage emits and ``LEAN_ITEMS`` items
+    (a full buffer only holds a producer ahead of a slower reader, which the plan rebalances);
+    else ``LEAN_FILL`` times the bytes it held (``buffer_fill``). A fused stage's buffer
+    carries nothing while it runs fused."""
+    out = []
+    for b, st in zip(alloc.buffer_bytes, obs.stages, strict=True):
+        if st.fused:
+            need = 0.0
+        elif st.bytes_per_item > 0:
+            need = st.bytes_per_item * max(LEAN_ITEMS, LEAN_S * st.items_per_s)
+        else:
+            need = LEAN_FILL * st.buffer_fill * b
+        out.append(int(min(b, math.ceil(max(SHED_BUFFER_FLOOR_BYTES, need)))))
+    return tuple(out)
 
 
 def within_limits(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> Allocation:
