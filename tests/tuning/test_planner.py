@@ -1,5 +1,4 @@
 import dataclasses
-import math
 
 import pytest
 
@@ -527,53 +526,3 @@ def test_a_fused_stage_is_charged_what_its_workers_held_when_it_last_ran_split()
     assert lightest == 150 * MiB
     assert own == [150 * MiB, 550 * MiB, 150 * MiB, 150 * MiB]
     assert _worker_bytes(obs, 200 * MiB) == ([200 * MiB] * 4, 200 * MiB)
-
-
-def test_where_memory_bounds_the_plan_buffers_that_hold_little_shrink_to_buy_workers():
-    from torchtune_pipe.tuning.planner import HEADROOM, MEMORY_SHARE, _plan
-    from torchtune_pipe.tuning.safety import LEAN_FILL, SHED_BUFFER_FLOOR_BYTES, lean_buffers
-
-    # Read (waits on I/O) -> a CPU map, each worker 100 MiB; two 512 MiB buffers a tenth full
-    # (item sizes not measured, as live). Under 2 GiB the buffers leave room for fewer
-    # workers than the 16 cores could run.
-    read = StageStats("read", 2, items_per_s=100.0, busy=1.0, cpu_s_per_item=0.002,
-                      io_bound=True, buffer_bytes=512 * MiB, buffer_fill=0.1)  # fmt: skip
-    udf = StageStats("udf", 2, items_per_s=100.0, busy=1.0, cpu_s_per_item=0.02,
-                     buffer_bytes=512 * MiB, buffer_fill=0.1)  # fmt: skip
-    obs = Observation((read, udf), 100.0, 16.0, 2048 * MiB, 0)
-    alloc = obs.allocation()
-    lean = lean_buffers(obs, alloc)
-    assert lean == (math.ceil(LEAN_FILL * 0.1 * 512 * MiB),) * 2
-    p = plan(obs, alloc, per_worker_bytes=100 * MiB)
-    assert p.allocation.buffer_bytes == lean
-    worst = sum(p.allocation.workers) * 100 * MiB + sum(p.allocation.buffer_bytes)
-    assert worst <= MEMORY_SHARE * obs.memory_limit_bytes
-    # What the buffers as they are allow: fewer workers, a lower rate.
-    as_is = _plan(obs, alloc, per_worker_bytes=100 * MiB, fixed_bytes=0.0, headroom=HEADROOM,
-                  fusion=True, known_hops=())  # fmt: skip
-    assert sum(as_is.allocation.workers) < sum(p.allocation.workers)
-    assert p.throughput > as_is.throughput
-    # Roomy memory: the plan keeps the buffers it was given.
-    roomy = dataclasses.replace(obs, memory_limit_bytes=64 << 30)
-    kept = plan(roomy, alloc, per_worker_bytes=100 * MiB)
-    assert kept.allocation.buffer_bytes == (512 * MiB,) * 2
-    assert kept.allocation.workers == p.allocation.workers or kept.throughput >= p.throughput
-    # Item sizes measured: a buffer needs LEAN_S of its stage's bytes and LEAN_ITEMS items,
-    # never less than the shed floor nor more than it has; a full buffer only holds a
-    # producer ahead of a slower reader, so its fill does not count then.
-    sized = [dataclasses.replace(s, bytes_per_item=1e6, buffer_fill=1.0) for s in obs.stages]
-    sized = dataclasses.replace(obs, stages=tuple(sized))
-    assert lean_buffers(sized, alloc) == (10**7,) * 2  # 0.1 s of 100 items/s of 1 MB
-    tiny = [dataclasses.replace(s, bytes_per_item=10.0) for s in sized.stages]
-    tiny = dataclasses.replace(obs, stages=tuple(tiny))
-    assert lean_buffers(tiny, alloc) == (SHED_BUFFER_FLOOR_BYTES,) * 2
-
-
-def test_the_plan_action_takes_the_buffers_the_plan_shrank():
-    from torchtune_pipe.tuning.planner import Plan
-
-    space = ActionSpace(2)
-    now = Allocation((2, 2), (512 * MiB, 64 * MiB))
-    planned = Plan(Allocation((6, 7), (8 * MiB, 128 * MiB)), 10.0, 5.0)
-    got = space.apply(now, space.plan_index, planned=planned)
-    assert got.workers == (6, 7) and got.buffer_bytes == (8 * MiB, 64 * MiB)  # never grown

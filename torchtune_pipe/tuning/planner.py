@@ -76,7 +76,13 @@ from torchtune_pipe.tuning.item_costs import (
     worker_seconds,
 )
 from torchtune_pipe.tuning.placement import local_headroom, local_wall, movable, place, remote_terms
-from torchtune_pipe.tuning.safety import MAX_OVERSUBSCRIBE, charge_floor, is_io_bound, lean_buffers
+from torchtune_pipe.tuning.safety import (
+    MAX_OVERSUBSCRIBE,
+    charge_floor,
+    floored_buffers,
+    is_io_bound,
+    lean_buffers,
+)
 
 # Workers planned per unit of measured need: room for noise and heavy-tailed items.
 HEADROOM = 1.2
@@ -121,16 +127,17 @@ def plan(
     known_hops: Sequence[float] = (),
 ) -> Plan | None:
     """The worker counts (and fusion) that balance the stages of ``obs`` at the highest
-    feasible rate, and buffers no larger than ``alloc``'s.
+    feasible rate, and the buffers for it.
 
-    The buffers are ``alloc``'s, unless memory bounds the plan: then each buffer that holds
-    far more than it used (:func:`~.safety.lean_buffers`) shrinks where the memory it frees buys
-    workers worth more than ``LEAN_MIN_GAIN`` by the same model. A buffer's budget is
-    memory the hard limits count as full (their worst case), whatever it holds.
+    The buffers are ``alloc``'s, each raised to its floor where its reader's takes are
+    measured (:func:`~.safety.floored_buffers`); where memory bounds the plan, each buffer
+    that holds far more than it used (:func:`~.safety.lean_buffers`) shrinks where the memory
+    it frees buys workers worth more than ``LEAN_MIN_GAIN`` by the same model. A buffer's
+    budget is memory the hard limits count as full (their worst case), whatever it holds.
 
     Args:
         obs: one measured interval (every stage must have emitted items or be idle).
-        alloc: the allocation in force; its buffers are kept unless memory bounds the plan.
+        alloc: the allocation in force (its buffers: above).
         per_worker_bytes: memory one more worker costs (:func:`~.safety.memory_parts`), one
             number or one per stage (:func:`_worker_bytes`).
         fixed_bytes: memory outside buffers and workers.
@@ -150,6 +157,7 @@ def plan(
         per_worker_bytes=per_worker_bytes, fixed_bytes=fixed_bytes, headroom=headroom,
         fusion=fusion, known_hops=known_hops,
     )  # fmt: skip
+    alloc = alloc.replace(buffer_bytes=floored_buffers(obs, alloc))
     found = _plan(obs, alloc, **kw)
     lean = lean_buffers(obs, alloc)
     if lean == tuple(alloc.buffer_bytes):

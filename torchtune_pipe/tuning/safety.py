@@ -40,7 +40,7 @@ buffers are shed first, then workers, before the kernel acts.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from multiproc.stats import MAX_FUSED
@@ -60,6 +60,7 @@ from torchtune_pipe.tuning.base import (
     threads_as_now,
 )
 from torchtune_pipe.tuning.cluster import remote_of
+from torchtune_pipe.tuning.item_costs import per_delivered
 
 LimitsFn = Callable[[Observation], Limits]
 
@@ -82,8 +83,9 @@ MEMORY_SAFE_SHARE = 0.95
 # Buffers shed down to this before any worker goes (small buffers make neighbouring stages
 # wait on each other); past the workers' minimum they go down to the stage minimum.
 SHED_BUFFER_FLOOR_BYTES = 4 * MiB
-# A buffer's lean size (lean_buffers): LEAN_S seconds of its stage's output and LEAN_ITEMS
-# items where item sizes are measured, else LEAN_FILL times the bytes it held.
+# A buffer's lean size (lean_buffers): LEAN_S seconds of its stage's output where item sizes
+# are measured, else LEAN_FILL times the bytes it held; never below room for LEAN_ITEMS takes
+# of its reader (buffer_floors), which is also where shedding for memory stops first.
 LEAN_S = 0.1
 LEAN_ITEMS = 4
 LEAN_FILL = 4.0
@@ -269,7 +271,7 @@ def fit_memory(
 
     In order, until the worst case (:meth:`MemoryParts.worst_case_bytes`) fits: refuse buffer
     growth past what runs now, then worker growth (stage by stage, the stage whose workers hold
-    the most first); halve the largest buffer down to ``SHED_BUFFER_FLOOR_BYTES``; remove a
+    the most first); halve the largest buffer down to its floor (:func:`buffer_floors`); remove a
     worker from the stage whose workers hold the most (never below its ``min_workers``); halve
     the largest buffer down to ``min_buffer_bytes``. An allocation that fits is returned
     unchanged.
@@ -288,14 +290,16 @@ def fit_memory(
     def over() -> bool:
         return parts.worst_case_bytes(alloc.replace(workers=workers, buffer_bytes=buffers)) > limit
 
-    def shed_buffers(floor: int) -> None:
-        # The largest buffer halves first, never below floor (nor min_buffer_bytes).
-        floor = max(floor, min_buffer_bytes)
+    def shed_buffers(floors: Sequence[int]) -> None:
+        # The largest buffer above its floor halves first, never below it (nor
+        # min_buffer_bytes).
+        low = [max(f, min_buffer_bytes) for f in floors]
         while over():
-            i = max(range(len(buffers)), key=buffers.__getitem__)
-            if buffers[i] <= floor:
+            above = [i for i in range(len(buffers)) if buffers[i] > low[i]]
+            if not above:
                 return
-            buffers[i] = max(floor, buffers[i] // 2)
+            i = max(above, key=buffers.__getitem__)
+            buffers[i] = max(low[i], buffers[i] // 2)
 
     buffers = [min(b, c) for b, c in zip(buffers, now.buffer_bytes, strict=True)]
     # Worker growth is refused stage by stage, the costliest workers first: one stage whose
@@ -311,7 +315,7 @@ def fit_memory(
         if not over():
             break
         workers[j] = remote[j] + was[j]
-    shed_buffers(SHED_BUFFER_FLOOR_BYTES)
+    shed_buffers(buffer_floors(obs))
     floors = [max(1, s.min_workers) for s in obs.stages]
     while over():
         costly = [
@@ -323,27 +327,60 @@ def fit_memory(
             break
         j = max(costly, key=lambda k: (parts.per_worker_bytes[k], workers[k]))
         workers[j] -= 1
-    shed_buffers(0)
+    shed_buffers([0] * len(buffers))
     return alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
+
+
+def take_bytes(obs: Observation) -> list[float]:
+    """Per stage, the bytes of its items that the stage reading its buffer (the next one that
+    runs workers of its own; the consumer after the last) takes for one item of its own: a
+    collate of 8192 rows takes 8192 rows. 0 where item sizes are not measured
+    (``bytes_per_item``) and for a fused stage (its buffer carries nothing)."""
+    r = per_delivered(obs)
+    n = len(obs.stages)
+    out = []
+    for i, st in enumerate(obs.stages):
+        j = next((k for k in range(i + 1, n) if not obs.stages[k].fused), None)
+        takes = 1.0 if j is None or r[j] <= 0 else max(1.0, r[i] / r[j])
+        out.append(0.0 if st.fused else max(0.0, st.bytes_per_item) * takes)
+    return out
+
+
+def buffer_floors(obs: Observation) -> list[int]:
+    """Per stage, the least its buffer is shed to for memory before workers go: room for
+    ``LEAN_ITEMS`` takes of its reader (:func:`take_bytes`; a collate's buffer smaller than
+    one batch's rows stalls it and every stage before it), at least
+    ``SHED_BUFFER_FLOOR_BYTES``."""
+    return [max(SHED_BUFFER_FLOOR_BYTES, math.ceil(LEAN_ITEMS * b)) for b in take_bytes(obs)]
+
+
+def floored_buffers(obs: Observation, alloc: Allocation) -> tuple[int, ...]:
+    """``alloc``'s buffers, each raised to its floor (:func:`buffer_floors`) where its reader's
+    takes are measured: a collate's buffer smaller than its batch's rows stalls it and every
+    stage before it."""
+    floors, takes = buffer_floors(obs), take_bytes(obs)
+    return tuple(
+        max(b, f) if t > 0 else b for b, f, t in zip(alloc.buffer_bytes, floors, takes, strict=True)
+    )
 
 
 def lean_buffers(obs: Observation, alloc: Allocation) -> tuple[int, ...]:
     """Per stage, the least buffer a plan may shrink ``alloc``'s to where memory bounds it (the
-    planner's), at most what it is and at least ``SHED_BUFFER_FLOOR_BYTES``: where the size
-    of its items is measured
-    (``bytes_per_item``), ``LEAN_S`` of the bytes its stage emits and ``LEAN_ITEMS`` items
-    (a full buffer only holds a producer ahead of a slower reader, which the plan rebalances);
-    else ``LEAN_FILL`` times the bytes it held (``buffer_fill``). A fused stage's buffer
-    carries nothing while it runs fused."""
+    planner's), at most what it is and at least its floor (:func:`buffer_floors`): where the
+    size of its items is measured (``bytes_per_item``), ``LEAN_S`` of the bytes its stage
+    emits (a full buffer only holds a producer ahead of a slower reader, which the plan
+    rebalances); else ``LEAN_FILL`` times the bytes it held (``buffer_fill``). A fused stage's
+    buffer carries nothing while it runs fused."""
     out = []
-    for b, st in zip(alloc.buffer_bytes, obs.stages, strict=True):
+    floors = buffer_floors(obs)
+    for b, st, floor in zip(alloc.buffer_bytes, obs.stages, floors, strict=True):
         if st.fused:
             need = 0.0
         elif st.bytes_per_item > 0:
-            need = st.bytes_per_item * max(LEAN_ITEMS, LEAN_S * st.items_per_s)
+            need = st.bytes_per_item * LEAN_S * st.items_per_s
         else:
             need = LEAN_FILL * st.buffer_fill * b
-        out.append(int(min(b, math.ceil(max(SHED_BUFFER_FLOOR_BYTES, need)))))
+        out.append(int(min(b, math.ceil(max(floor, need)))))
     return tuple(out)
 
 

@@ -15,10 +15,12 @@ from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
 from torchtune_pipe.tuning.cluster import local_total, remote_of
 from torchtune_pipe.tuning.planner import HEADROOM, Plan, cpu_saturated
 from torchtune_pipe.tuning.safety import (
+    LEAN_ITEMS,
     MEMORY_SAFE_SHARE,
     is_io_bound,
     memory_parts,
     oversubscribe_factor,
+    take_bytes,
 )
 
 WORKER_DELTAS = (1, -1, 5, -5)
@@ -89,8 +91,8 @@ class ActionSpace:
     ) -> Allocation:
         """The allocation after taking action ``index``.
 
-        The plan action takes the workers of ``planned``, and its buffers where smaller (no
-        change without one). With
+        The plan action takes ``planned`` as it is, workers, fusion and buffers (no change
+        without one). With
         ``obs``, a worker increase that does not fit in the CPU budget takes the missing workers
         from the other stages with the most idle workers (:func:`idlest_donor`), one at a time,
         and only from stages less busy than the one growing: growing a stage on a full machine
@@ -101,9 +103,7 @@ class ActionSpace:
         if act.plan:
             if planned is None:
                 return alloc
-            # The plan's buffers where it shrank them (for memory that buys workers).
-            kept = zip(alloc.buffer_bytes, planned.allocation.buffer_bytes, strict=True)
-            return planned.allocation.replace(buffer_bytes=tuple(min(b, p) for b, p in kept))
+            return planned.allocation  # its buffers too (planner.plan sizes them)
         if act.stage is None:
             return alloc
         workers, buffers = list(alloc.workers), list(alloc.buffer_bytes)
@@ -160,6 +160,7 @@ class ActionSpace:
         # plan's budget, planner.cpu_saturated); workers only move or go.
         saturated = cpu_saturated(obs)
         flat_out = working_flat_out(obs)
+        takes = [LEAN_ITEMS * b for b in take_bytes(obs)]
         # What each stage's workers do now, in workers (its busy share of those that ran):
         # fewer than HEADROOM times it cannot keep its rate, unless they free cores others
         # wait for (every core taken).
@@ -199,7 +200,13 @@ class ActionSpace:
             # Below KEEP_BUFFER_BYTES a buffer shrinks only for memory or when every buffer
             # just holds items waiting for the model: a small buffer between two busy stages
             # makes them wait on each other, and the workers hold most of the memory anyway.
-            mask[base + 5] = b > MiB and (over_memory or consumer_bound or b > KEEP_BUFFER_BYTES)
+            # Never below room for a few takes of its reader (a collate's buffer smaller than
+            # its batch's rows stalls every stage before it): workers go instead.
+            mask[base + 5] = (
+                b > MiB
+                and (over_memory or consumer_bound or b > KEEP_BUFFER_BYTES)
+                and _buffer_step(b, False) >= takes[i]
+            )
         return mask
 
 
