@@ -94,12 +94,23 @@ def test_growing_on_a_full_machine_moves_workers_from_the_idlest_stage():
     # Stage 2 is the idlest (4 workers x 10 % idle); every stage is busy enough to be charged
     # close to a core, so the machine is full: 8 CPUs, 0.4 of a core freed and the spare core
     # hold 9 workers.
+    # Their workers use every core (2 + 3 + 3.6 of 8).
     obs = _obs(workers=(2, 3, 4), busy=(1.0, 1.0, 0.9), cpus=8)
+    computing = [
+        dataclasses.replace(st, cpu_s_per_item=st.busy * st.workers / st.items_per_s)
+        for st in obs.stages
+    ]
+    obs = dataclasses.replace(obs, stages=tuple(computing))
     space = ActionSpace(3)
     assert space.mask(obs, obs.allocation())[_index(1, 0)]
     new = space.apply(obs.allocation(), _index(1, 0), obs)
     assert new.workers == (2, 4, 3)
     assert sum(new.workers) == 9
+    # The same stages waiting on I/O for most of that time (a tenth of it on a CPU): no
+    # donor keeps its work with a worker fewer, and the move takes none.
+    waiting = [dataclasses.replace(st, cpu_s_per_item=st.cpu_s_per_item / 10) for st in computing]
+    waiting = dataclasses.replace(obs, stages=tuple(waiting))
+    assert space.apply(waiting.allocation(), _index(1, 0), waiting).workers == (2, 4, 4)
     # A source next to a UDF that keeps three workers busy: five more source workers fit the
     # cap only by taking UDF workers, a move from a busier stage to an idler one (a real run
     # lost half its throughput to it): masked.

@@ -6,6 +6,7 @@ See :mod:`torchtune_pipe.tuning.intune.agent` for the action set and the masking
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -115,9 +116,9 @@ class ActionSpace:
             need = sum(workers) - cpu_cap(
                 obs, alloc.replace(workers=tuple(workers), buffer_bytes=tuple(buffers))
             )
-            below = group_busy(obs)[act.stage]
+            below, least = group_busy(obs)[act.stage], least_workers(obs)
             for _ in range(max(0, need)):
-                j = idlest_donor(workers, obs, keep=act.stage, below=below)
+                j = idlest_donor(workers, obs, keep=act.stage, below=below, least=least)
                 if j is None:
                     break
                 workers[j] -= 1
@@ -161,12 +162,7 @@ class ActionSpace:
         saturated = cpu_saturated(obs)
         flat_out = working_flat_out(obs)
         takes = [LEAN_ITEMS * b for b in take_bytes(obs)]
-        # What each stage's workers do now, in workers (its busy share of those that ran):
-        # fewer than HEADROOM times it cannot keep its rate, unless they free cores others
-        # wait for (every core taken).
-        need = [b * st.workers for b, st in zip(group_busy(obs, True), obs.stages, strict=True)]
-        used = sum(st.cpu_s_per_item * st.items_per_s for st in obs.stages)
-        cores_full = saturated or used >= CORES_FULL * obs.cpus
+        least = least_workers(obs)
         for i, st in enumerate(obs.stages):
             base = 1 + ACTIONS_PER_STAGE * i
             if st.fused:
@@ -174,7 +170,7 @@ class ActionSpace:
             w, b = alloc.workers[i], alloc.buffer_bytes[i]
             for k, dw in enumerate(WORKER_DELTAS):
                 if dw < 0:
-                    short = w + dw < HEADROOM * need[i] and not cores_full
+                    short = w + dw < least[i]
                     keep = (flat_out[i] or short) and not over_memory
                     mask[base + k] = w + dw >= max(1, st.min_workers) and not keep
                 elif not over_memory and w + dw <= st.max_workers and can_use_workers(st):
@@ -302,18 +298,38 @@ def cpu_cap(obs: Observation, alloc: Allocation) -> int:
     return local + sum(remote_of(alloc, obs))
 
 
+def least_workers(obs: Observation) -> list[float]:
+    """Per stage, the fewest workers that keep its rate: ``HEADROOM`` times the work its
+    workers do now, in workers (their busy share, less the run queue, of those that ran); 0
+    for every stage while every core is taken (the stages use ``CORES_FULL`` of the CPUs, or
+    their workers queue for one): a worker fewer then frees a core others wait for."""
+    used = sum(st.cpu_s_per_item * st.items_per_s for st in obs.stages)
+    if cpu_saturated(obs) or used >= CORES_FULL * obs.cpus:
+        return [0.0] * len(obs.stages)
+    busy = group_busy(obs, less_runqueue=True)
+    return [HEADROOM * b * st.workers for b, st in zip(busy, obs.stages, strict=True)]
+
+
 def idlest_donor(
-    workers: list[int], obs: Observation, keep: int | None = None, below: float = math.inf
+    workers: list[int],
+    obs: Observation,
+    keep: int | None = None,
+    below: float = math.inf,
+    least: Sequence[float] = (),
 ) -> int | None:
     """The stage that can best give up a worker: the most idle workers (``workers * (1 -
     busy)``, a stage hosting fused stages busy for its group, :func:`group_busy`) among
-    stages above their minimum and busy less than ``below``, ``keep`` excepted; None when
-    none can."""
+    stages above their minimum and ``least`` (:func:`least_workers`; empty: none) and busy
+    less than ``below``, ``keep`` excepted; None when none can."""
     busy = group_busy(obs)
+    least = least or [0.0] * len(workers)
     donors = [
         j
         for j, st in enumerate(obs.stages)
-        if j != keep and workers[j] > max(1, st.min_workers) and busy[j] < below
+        if j != keep
+        and workers[j] > max(1, st.min_workers)
+        and workers[j] - 1 >= least[j]
+        and busy[j] < below
     ]
     if not donors:
         return None
