@@ -101,3 +101,15 @@ def test_a_buffer_holds_a_few_takes_of_its_reader():
     fitted = fit_memory(tight.allocation(), tight)
     assert fitted.buffer_bytes == (floors[0], floors[1])
     assert fitted.workers == tight.workers
+
+
+def test_a_hosts_buffer_is_sized_by_its_groups_last_items():
+    from torchtune_pipe.tuning.safety import take_bytes
+
+    # A reader of 520 B rows with a map fused into it that makes 2 KB rows, read by a collate
+    # of 8192: the host's buffer carries the map's rows.
+    obs = _rows_into_a_collate(64 * MiB)
+    rows, batch = obs.stages
+    wider = dataclasses.replace(rows, name="widen", workers=0, fused=True, bytes_per_item=2048.0)
+    obs = dataclasses.replace(obs, stages=(rows, wider, batch))
+    assert take_bytes(obs) == [pytest.approx(2048.0 * 8192), 0.0, pytest.approx(520.0 * 8192)]

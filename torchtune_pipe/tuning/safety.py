@@ -332,17 +332,19 @@ def fit_memory(
 
 
 def take_bytes(obs: Observation) -> list[float]:
-    """Per stage, the bytes of its items that the stage reading its buffer (the next one that
-    runs workers of its own; the consumer after the last) takes for one item of its own: a
-    collate of 8192 rows takes 8192 rows. 0 where item sizes are not measured
-    (``bytes_per_item``) and for a fused stage (its buffer carries nothing)."""
+    """Per stage, the bytes that the stage reading its buffer (the next one that runs workers
+    of its own; the consumer after the last) takes for one item of its own: a collate of 8192
+    rows takes 8192 rows. A host's buffer carries its group's last stage's items. 0 where
+    item sizes are not measured (``bytes_per_item``) and for a fused stage (its buffer carries
+    nothing)."""
     r = per_delivered(obs)
     n = len(obs.stages)
     out = []
     for i, st in enumerate(obs.stages):
-        j = next((k for k in range(i + 1, n) if not obs.stages[k].fused), None)
-        takes = 1.0 if j is None or r[j] <= 0 else max(1.0, r[i] / r[j])
-        out.append(0.0 if st.fused else max(0.0, st.bytes_per_item) * takes)
+        j = next((k for k in range(i + 1, n) if not obs.stages[k].fused), n)
+        last = obs.stages[j - 1]  # the group's last stage (i itself when nothing is fused)
+        takes = 1.0 if j == n or r[j] <= 0 else max(1.0, r[j - 1] / r[j])
+        out.append(0.0 if st.fused else max(0.0, last.bytes_per_item) * takes)
     return out
 
 
