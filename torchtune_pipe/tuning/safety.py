@@ -43,6 +43,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from multiproc.spec import fused_depth
 from multiproc.stats import MAX_FUSED
 from torchtune_pipe.tuning.base import (
     Allocation,
@@ -339,12 +340,13 @@ def take_bytes(obs: Observation) -> list[float]:
     nothing)."""
     r = per_delivered(obs)
     n = len(obs.stages)
+    fused = tuple(s.fused for s in obs.stages)
     out = []
     for i, st in enumerate(obs.stages):
-        j = next((k for k in range(i + 1, n) if not obs.stages[k].fused), n)
-        last = obs.stages[j - 1]  # the group's last stage (i itself when nothing is fused)
-        takes = 1.0 if j == n or r[j] <= 0 else max(1.0, r[j - 1] / r[j])
-        out.append(0.0 if st.fused else max(0.0, last.bytes_per_item) * takes)
+        last = i + fused_depth(fused, i)  # the group's last stage (i when nothing is fused)
+        j = last + 1  # its reader
+        takes = 1.0 if j == n or r[j] <= 0 else max(1.0, r[last] / r[j])
+        out.append(0.0 if st.fused else max(0.0, obs.stages[last].bytes_per_item) * takes)
     return out
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from multiproc.spec import fused_depth
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, fusion_host
 from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
 from torchtune_pipe.tuning.cluster import local_total, remote_of
@@ -210,10 +211,8 @@ def _reader_waits(obs: Observation, i: int) -> bool:
     """Whether the stage that reads stage ``i``'s buffer (the next one that runs its own
     workers) waited for input at least ``READER_WAIT_MIN`` of its time; True for the last
     stage's (the consumer reads it: ``CONSUMER_BOUND`` judges that one)."""
-    for st in obs.stages[i + 1 :]:
-        if not st.fused:
-            return st.blocked_in >= READER_WAIT_MIN
-    return True
+    j = i + fused_depth(tuple(st.fused for st in obs.stages), i) + 1
+    return j >= len(obs.stages) or obs.stages[j].blocked_in >= READER_WAIT_MIN
 
 
 # The pipeline's workers use at least this share of the CPUs: every core is taken.
