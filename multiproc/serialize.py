@@ -17,8 +17,10 @@ from __future__ import annotations
 import contextlib
 import copyreg
 import io
+import mmap
 import pickle
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -260,10 +262,59 @@ def copy_into(dst: memoryview, buffers: list[pickle.PickleBuffer]) -> None:
         pos += n
 
 
+# A hop's copy is timed on at most this many bytes and scaled to the rest: the copy's rate,
+# not the whole copy, is what is measured.
+HOP_SCRATCH_BYTES = 4 << 20
+
+
+def hop_s(objs: list, arena_bytes: int | None = None) -> float:
+    """Seconds one hop between processes costs ``objs`` here, measured: pickled as a worker
+    sends them (:func:`dumps`), their buffers copied once (timed on up to
+    ``HOP_SCRATCH_BYTES`` and scaled), and rebuilt as the consumer rebuilds them
+    (:func:`loads`). Where they fit ``arena_bytes`` (a worker's arena; None: no bound) the
+    copy goes to pages written before, as an arena's are once it has cycled; else
+    to pages the kernel must first give, as a frame bigger than its worker's arena pays
+    (:mod:`multiproc.spill`: a segment of its own each time). 0.0 where they cannot be
+    pickled (the hop is then not theirs to make), or none are given."""
+    if not objs:
+        return 0.0
+    t0 = time.perf_counter()
+    try:
+        sent = [dumps(o) for o in objs]
+    except Exception:
+        return 0.0
+    took = time.perf_counter() - t0
+    total = sum(b.raw().nbytes for _, bufs in sent for b in bufs)
+    if total:
+        frames = total + sum(len(header) for header, _ in sent)
+        fresh_pages = arena_bytes is not None and frames > arena_bytes
+        size = min(total, HOP_SCRATCH_BYTES)
+        fresh = mmap.mmap(-1, size) if fresh_pages else None
+        scratch = memoryview(bytearray(size) if fresh is None else fresh)  # bytearray: written
+        copied = 0
+        t0 = time.perf_counter()
+        for b in (b for _, bufs in sent for b in bufs):
+            n = min(b.raw().nbytes, size - copied)
+            scratch[copied : copied + n] = b.raw()[:n]
+            copied += n
+            if copied >= size:
+                break
+        took += (time.perf_counter() - t0) * total / copied
+        scratch.release()
+        if fresh is not None:
+            fresh.close()
+    t0 = time.perf_counter()
+    for header, bufs in sent:
+        loads(header, [b.raw() for b in bufs])
+    return took + time.perf_counter() - t0
+
+
 __all__ = [
     "dumps",
     "loads",
     "copy_into",
+    "hop_s",
+    "HOP_SCRATCH_BYTES",
     "buffer_nbytes",
     "collate_into_private_memory",
     "private_collate",

@@ -281,9 +281,33 @@ def test_a_probe_counts_a_read_alone_without_its_waits_for_a_cpu(tmp_path, monke
     from torchtune_pipe.loader import faststart
 
     start = time.perf_counter()
-    monkeypatch.setattr(faststart, "_runq_s", lambda: 0.9 * (time.perf_counter() - start))
+    monkeypatch.setattr(faststart, "runq_s", lambda: 0.9 * (time.perf_counter() - start))
     log = tmp_path / "tuning.jsonl"
     with DataLoader(Slow(400), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
         assert len(list(dl)) == 100
     (said,) = _kind_events(log)
     assert re.search(r"start on processes: \d reads at once on threads ran 0\.\d+x", said), said
+
+
+def test_a_probe_weighs_the_hop_a_process_would_pay(tmp_path, monkeypatch):
+    """Reads that hold the lock start on processes, unless each unit's hop between processes
+    (pickle, copy into shared memory, rebuild) costs more than the read: then k processes
+    would be slower than k threads taking turns, and the stage starts on threads."""
+    from torchtune_pipe.loader import faststart
+
+    hops = []
+
+    def hop(items, arena_bytes):
+        hops.append(arena_bytes)
+        return 0.05  # seconds per unit: some 20x a unit of these reads
+
+    monkeypatch.setattr(faststart, "hop_s", hop)
+    log = tmp_path / "tuning.jsonl"
+    want = list(TorchLoader(Busy(400), batch_size=4, num_workers=2))
+    with DataLoader(Busy(400), batch_size=4, num_workers="auto", tuning_log=str(log)) as dl:
+        got = list(dl)
+    assert_same(got, want)
+    (said,) = _kind_events(log)
+    assert re.search(r"start on threads: 2 reads at once on threads ran \d\.\d+x one alone "
+                     r"and \d+\.\d+x what 2 processes would", said), said  # fmt: skip
+    assert hops and all(b == 64 * 2**20 // 2 for b in hops)  # the stage's budget over k workers

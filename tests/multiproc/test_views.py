@@ -233,3 +233,11 @@ def test_a_tensor_collate_a_user_registered_is_kept(monkeypatch):
     monkeypatch.setitem(collate.default_collate_fn_map, torch.Tensor, mine)
     serialize.collate_into_private_memory()
     assert collate.default_collate_fn_map[torch.Tensor] is mine
+
+
+def test_a_hop_is_timed_for_what_it_pickles_and_copies():
+    big = [(0, 0, torch.ones(1 << 20))]  # 4 MiB
+    assert serialize.hop_s(big) > 0.0
+    assert serialize.hop_s(big, arena_bytes=1 << 20) > 0.0  # a frame bigger than its arena
+    assert serialize.hop_s([(0, 0, lambda: 1)]) == 0.0  # does not pickle: no hop to make
+    assert serialize.hop_s([]) == 0.0

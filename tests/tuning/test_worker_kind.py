@@ -95,13 +95,16 @@ def test_the_guard_keeps_a_stage_that_is_not_threadable_on_its_kind():
     assert kinds(open_, obs) is open_
 
 
-def test_reads_that_scale_on_threads_start_there():
-    assert start_on_threads(100.0, 190.0, 2)  # reads that release the lock
-    assert start_on_threads(100.0, 310.0, 4)
-    assert not start_on_threads(100.0, 120.0, 2)  # reads that hold it
-    assert not start_on_threads(100.0, 250.0, 4)
-    assert not start_on_threads(0.0, 0.0, 2)  # not measured: processes
-    assert not start_on_threads(100.0, 200.0, 1)  # one thread shows nothing
+def test_reads_that_keep_up_with_processes_on_threads_start_there():
+    # (k reads at once on threads, k processes each as fast as one read alone plus its hop)
+    assert start_on_threads(190.0, 200.0)  # reads that release the lock
+    assert start_on_threads(310.0, 400.0)
+    assert not start_on_threads(120.0, 200.0)  # reads that hold it
+    assert not start_on_threads(250.0, 400.0)
+    # 8 MiB items: two reads at once make 1.3x one alone, but a process's hop into fresh
+    # shared memory costs as much as its read (processes: 2 x 0.5x of one alone)
+    assert start_on_threads(130.0, 100.0)
+    assert not start_on_threads(0.0, 0.0)  # not measured: processes
 
 
 def test_a_kind_measured_at_the_start_holds_until_the_cpus_change():
@@ -131,8 +134,9 @@ def test_a_stage_whose_reads_failed_on_threads_is_never_tried_there():
 
 
 def test_a_start_measure_settles_the_kind_only_where_clear():
-    assert start_settled(100.0, 195.0, 2)  # threads near 2x: settled
-    assert start_settled(100.0, 110.0, 2)  # 1.1x of 2: processes, settled
-    assert not start_settled(100.0, 170.0, 2)  # threads chosen, but processes may be faster
-    assert not start_settled(100.0, 140.0, 2)  # processes chosen, threads may hold as much
-    assert not start_settled(0.0, 0.0, 2)
+    assert start_settled(195.0, 200.0)  # threads as fast as processes: settled
+    assert start_settled(130.0, 100.0)
+    assert start_settled(110.0, 200.0)  # 0.55x of the processes: processes, settled
+    assert not start_settled(170.0, 200.0)  # threads chosen, but processes may be faster
+    assert not start_settled(140.0, 200.0)  # processes chosen, threads may hold as much
+    assert not start_settled(0.0, 0.0)

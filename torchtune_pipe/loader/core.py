@@ -45,12 +45,12 @@ from torchtune_pipe.loader.epoch import (
 )
 from torchtune_pipe.loader.faststart import (
     FastStart,
-    KindProbe,
     ShapeProbe,
     fast_start_fits,
     inline_context,
 )
 from torchtune_pipe.loader.inline import run_inline
+from torchtune_pipe.loader.kindprobe import KindProbe
 from torchtune_pipe.loader.kindstart import kind_probe
 from torchtune_pipe.loader.prefetch import END
 from torchtune_pipe.loader.progress import STATE_VERSION, Progress, plan_epoch

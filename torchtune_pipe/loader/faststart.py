@@ -35,8 +35,10 @@ from typing import Any
 
 from multiproc import intraop
 from multiproc.items import own_memory
+from multiproc.serialize import hop_s
 from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
+from torchtune_pipe.loader.kindprobe import Helper, KindProbe, read_or_error, runq_s
 from torchtune_pipe.loader.tagging import Work
 from torchtune_pipe.sources.rng import rng_states, set_rng_states
 from torchtune_pipe.stages import PipelineLike
@@ -60,101 +62,27 @@ INLINE_MAX_WAIT_RATIO = 1.5
 # share the interpreter with the threads starting the workers, which reads as waiting.
 WAIT_EVIDENCE_S = 0.1
 # Kind probe (KindProbe): rounds of one unit alone then k at once, at most; the measured read
-# time after which it stops with KIND_ROUNDS_MIN rounds (with one, from twice that); its own
-# wall time after which it starts no more reads; and the first unit's read time below which a
-# round is first read to warm the helpers up (their first reads cost a few ms).
+# time after which it stops with KIND_ROUNDS_MIN rounds (with one, from twice that); and its
+# own wall time after which it starts no more reads.
 KIND_ROUNDS_MIN = 2
 KIND_ROUNDS_MAX = 6
 KIND_PROBE_S = 0.06
 KIND_PROBE_MAX_S = 0.3
-KIND_WARM_S = 0.015
 
 
 @dataclass
-class KindProbe:
-    """A fast start that measures, before its executor starts, whether reads scale on threads
-    of this process: after a first unit (warm-up), it alternates one unit read alone with
-    ``threads`` units read at once (its thread and ``threads - 1`` helpers), in rounds: one not
-    counted where units are short (the helpers' first reads), then counted ones until their
-    read time reaches ``KIND_PROBE_S`` over ``KIND_ROUNDS_MIN`` rounds (or twice that in one).
-    It starts no read past ``KIND_PROBE_MAX_S``: units so long that no round was counted by
-    then leave the kind unmeasured (processes, tried by the rule later). Units are delivered
-    in order whatever thread read them; the executor starts once ``decide`` has been called.
+class _Measured:
+    """What a kind probe's counted rounds measured (:meth:`FastStart._rounds`): seconds and
+    items of the units read alone and of those read at once, the hops of the former between
+    processes (:func:`multiproc.serialize.hop_s`), and what a read raised."""
 
-    The first unit is read in the calling thread (the first batch is not delayed); the rest
-    are read on a thread of the probe's own, which then builds the executor, so the workers
-    start whether or not the consumer asks for more meanwhile. The probe's threads count as
-    thread workers (:func:`multiproc.worker.act_as_thread_worker`): they seed no global
-    generator, and the reads they run are ones that draw from none (``may_run``).
-
-    Attributes:
-        threads: units read at once (k >= 2).
-        may_run: asked after the first unit: whether the reads may run on threads now (e.g.
-            ``__getitem__`` draws nothing from the global random generators).
-        decide: called once, on the probe's thread, with the rate of units read alone and of
-            units read ``threads`` at once (items/s; 0.0: not measured), the reads' wall per
-            CPU time (None: not measured) and what a read on a probe thread raised (None:
-            nothing).
-        thread_context: entered around a probe thread's reads, to make it look like a worker
-            to the source, in that thread only (``get_worker_info()``).
-        torch_threads: torch intra-op threads of a probe thread (the source stage's, as a
-            thread worker of it has: :mod:`multiproc.intraop`).
-    """
-
-    threads: int
-    may_run: Callable[[], bool]
-    decide: Callable[[float, float, float | None, Exception | None], None]
-    thread_context: Callable[[], Any] = contextlib.nullcontext
-    torch_threads: int = 1
-
-
-def _read_or_error(fast: FastStart, work: Work) -> list | BaseException:
-    """A unit's items read in the calling thread, or what its read raised (raised where the
-    consumer reaches the unit)."""
-    try:
-        return list(run_inline(fast.pipeline, [work], fast.epoch))
-    except BaseException as e:
-        return e
-
-
-class _Helper:
-    """A thread of a kind probe that reads the units it is given, one at a time, as a thread
-    worker would (:class:`KindProbe`); ``give(None)`` ends it."""
-
-    def __init__(self, fast: FastStart, kp: KindProbe) -> None:
-        self._work: queue.SimpleQueue = queue.SimpleQueue()
-        self._out: queue.SimpleQueue = queue.SimpleQueue()
-        self._fast, self._kp = fast, kp
-        self._thread = threading.Thread(
-            target=self._run, name="torchtune_pipe-kind-helper", daemon=True
-        )
-        self._thread.start()
-
-    def give(self, work: Work | None) -> None:
-        self._work.put(work)
-
-    def stop(self) -> None:
-        """End the thread and wait for it: its context is left before the probe's is (what
-        the contexts swap process-wide, such as the collate of ``private_collate``, is put
-        back in the order it was taken)."""
-        if self._thread.is_alive():
-            self._work.put(None)
-            self._thread.join()
-
-    def result(self) -> list | BaseException:
-        return self._out.get()
-
-    def _run(self) -> None:
-        act_as_thread_worker()
-        intraop.set_here(self._kp.torch_threads)
-        with self._kp.thread_context():
-            while (work := self._work.get()) is not None:
-                self._out.put(_read_or_error(self._fast, work))
-
-
-# What a kind probe's rounds measured: (what a read raised, counted rounds, time and items
-# alone, time and items at once).
-_Measured = tuple[Exception | None, int, float, int, float, int]
+    rounds: int = 0
+    alone_s: float = 0.0
+    alone_items: int = 0
+    together_s: float = 0.0
+    together_items: int = 0
+    hop_s: float = 0.0
+    error: Exception | None = None
 
 
 @dataclass
@@ -179,16 +107,6 @@ class ShapeProbe:
     windows: int = 0
     wins: int = 0
     decided: str | None = None
-
-
-def _runq_s() -> float:
-    """This thread's time runnable but waiting for a CPU (the kernel's run-queue delay), in
-    seconds; 0 where ``/proc/thread-self/schedstat`` is not exported."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0
 
 
 @contextlib.contextmanager
@@ -342,12 +260,12 @@ class FastStart:
         """Read ``work`` in this thread within ``context()``, its time counted in
         :attr:`probe` (the consumer's inline reads, and a kind probe's reads alone): its items
         and the seconds it took less those it waited for a CPU."""
-        t0, q0, c0 = time.perf_counter(), _runq_s(), time.thread_time()
+        t0, q0, c0 = time.perf_counter(), runq_s(), time.thread_time()
         with context():
             items = list(run_inline(self.pipeline, [work], self.epoch))
         # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
         # fork server and the workers' imports take the cores from this thread.
-        took = max(0.0, time.perf_counter() - t0 - (_runq_s() - q0))
+        took = max(0.0, time.perf_counter() - t0 - (runq_s() - q0))
         p = self.probe
         with self._lock:
             p.inline_s += took
@@ -356,14 +274,18 @@ class FastStart:
             self.inline_units += 1
         return items, took
 
+    def _read_unit(self, work: Work) -> list:
+        return list(run_inline(self.pipeline, [work], self.epoch))
+
     def _read_together(
-        self, works: list[Work], helpers: list[_Helper]
+        self, works: list[Work], helpers: list[Helper]
     ) -> list[list | BaseException]:
         """Read ``works`` at once, the first on this thread and each other on one of
         ``helpers``: each unit's items, or what its read raised."""
         for h, w in zip(helpers, works[1:], strict=False):
             h.give(w)
-        out = [_read_or_error(self, works[0])] + [h.result() for h in helpers[: len(works) - 1]]
+        out = [read_or_error(self._read_unit, works[0])]
+        out += [h.result() for h in helpers[: len(works) - 1]]
         with self._lock:
             self.inline_units += len(works)
         return out
@@ -374,7 +296,7 @@ class FastStart:
         stopped)."""
         kp = self.kind_probe
         assert kp is not None
-        got: _Measured = (None, 0, 0.0, 0, 0.0, 0)
+        got = _Measured()
         act_as_thread_worker()
         intraop.set_here(kp.torch_threads)  # as a worker's: not the interpreter's default
         try:
@@ -382,28 +304,34 @@ class FastStart:
                 with kp.thread_context():
                     # Started before the rounds: a thread's start (a millisecond or more on
                     # some machines) is not a cost of reading on threads.
-                    helpers = [_Helper(self, kp) for _ in range(kp.threads - 1)]
+                    helpers = [Helper(self._read_unit, kp) for _ in range(kp.threads - 1)]
                     try:
                         got = self._rounds(helpers)
                     finally:
                         for h in helpers:
-                            h.stop()  # inside this thread's context: see _Helper.stop
+                            h.stop()  # inside this thread's context: see Helper.stop
             if self._stop_probe.is_set():
                 return
-            error, rounds, alone_s, alone_items, together_s, together_items = got
             p = self.probe
             with self._lock:
                 ratio = (
                     p.inline_s / p.inline_cpu_s if p.inline_cpu_s > 0 and p.inline_items else None
                 )
-            if error is not None:
+            if got.error is not None:
                 # The reads fail on a thread (a handle bound to the thread that opened it, or
                 # bad data): the consumer reads the failing unit again, in its own thread.
-                kp.decide(0.0, 0.0, ratio, error)
-            elif rounds >= 1 and alone_s > 0 and together_s > 0:
-                kp.decide(alone_items / alone_s, together_items / together_s, ratio, None)
+                kp.decide(0.0, 0.0, 0.0, ratio, got.error)
+            elif got.rounds >= 1 and got.alone_s > 0 and got.together_s > 0:
+                kp.decide(
+                    got.alone_items / got.alone_s,
+                    got.together_items / got.together_s,
+                    # k processes, each reading units as fast as one alone, then their hops
+                    kp.threads * got.alone_items / (got.alone_s + got.hop_s),
+                    ratio,
+                    None,
+                )
             else:
-                kp.decide(0.0, 0.0, ratio, None)
+                kp.decide(0.0, 0.0, 0.0, ratio, None)
             self._thread.start()
         except BaseException as e:  # the consumer gets it in the unit's place
             self._units.put(e)
@@ -411,18 +339,21 @@ class FastStart:
             act_as_thread_worker(False)
             self._units.put(None)  # the probe's units end here
 
-    def _rounds(self, helpers: list[_Helper]) -> _Measured:
+    def _rounds(self, helpers: list[Helper]) -> _Measured:
         """Rounds of one unit alone then ``k`` at once, each unit's items put on
-        :attr:`_units` in order: (what a read raised, counted rounds, their time and items
-        alone, at once). A read that raises ends them: the units before it are delivered, it
-        and the rest are the consumer's to read."""
+        :attr:`_units` in order; what the counted ones measured. A read that raises ends them:
+        the units before it are delivered, it and the rest are the consumer's to read."""
         k, works, units = len(helpers) + 1, self.works, self._units
+        kp = self.kind_probe
+        assert kp is not None
         i = 1
-        alone_s = together_s = 0.0
-        alone_items = together_items = rounds = 0
-        warm = self._first_s < KIND_WARM_S  # short units: a first round warms the helpers up
+        got = _Measured()
+        # A first round warms the helpers up (a new thread's first reads pay for its
+        # allocator's first pages and its caches, as a new worker's do, once), where it and a
+        # counted round fit in the probe's time.
+        warm = 4 * self._first_s <= KIND_PROBE_MAX_S / 2
         start = time.perf_counter()
-        while rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
+        while got.rounds < KIND_ROUNDS_MAX and i + 1 + k <= len(works):
             if self._stop_probe.is_set() or time.perf_counter() - start >= KIND_PROBE_MAX_S:
                 break
             try:
@@ -430,34 +361,39 @@ class FastStart:
                 # (it would make k reads at once look to scale where they do not).
                 items, one_s = self._read_timed(works[i])
             except Exception as e:
-                return (e, rounds, alone_s, alone_items, together_s, together_items)
+                got.error = e
+                return got
             one_items = sum(1 for t in items if t[1] >= 0)
             units.put(items)
             i += 1
             if time.perf_counter() - start >= KIND_PROBE_MAX_S:
                 break  # its round would end past the bound: not counted
             t0 = time.perf_counter()
-            got = self._read_together(works[i : i + k], helpers)
+            reads = self._read_together(works[i : i + k], helpers)
             k_s = time.perf_counter() - t0
             k_items = 0
-            for items in got:
-                if isinstance(items, Exception):
-                    return (items, rounds, alone_s, alone_items, together_s, together_items)
-                if isinstance(items, BaseException):
-                    raise items
-                units.put(items)
+            for r in reads:
+                if isinstance(r, Exception):
+                    got.error = r
+                    return got
+                if isinstance(r, BaseException):
+                    raise r
+                units.put(r)
                 i += 1
-                k_items += sum(1 for t in items if t[1] >= 0)
+                k_items += sum(1 for t in r if t[1] >= 0)
             if warm:
                 warm = False
                 continue
-            alone_s, alone_items = alone_s + one_s, alone_items + one_items
-            together_s, together_items = together_s + k_s, together_items + k_items
-            rounds += 1
-            read_s = alone_s + together_s
-            if read_s >= 2 * KIND_PROBE_S or (rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S):
+            got.alone_s, got.alone_items = got.alone_s + one_s, got.alone_items + one_items
+            got.together_s, got.together_items = got.together_s + k_s, got.together_items + k_items
+            got.hop_s += hop_s(items, kp.arena_bytes)  # what a worker process would add
+            got.rounds += 1
+            read_s = got.alone_s + got.together_s
+            if read_s >= 2 * KIND_PROBE_S or (
+                got.rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S
+            ):
                 break
-        return (None, rounds, alone_s, alone_items, together_s, together_items)
+        return got
 
     def _probed_start(self) -> Iterator[tuple]:
         """The first unit in the calling thread, then the probe's units in order (the number

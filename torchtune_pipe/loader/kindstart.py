@@ -4,8 +4,10 @@ Forking worker processes takes about a second, and a run that starts on the wron
 for it twice: processes for reads that threads would serve in the consumer's process (their
 memory, the hops, the fork), or threads for reads that hold the interpreter lock. So where a
 pipeline has ``worker_type="auto"`` stages that no measurement has placed yet, its fast start
-reads its first units both ways (:class:`~torchtune_pipe.loader.faststart.KindProbe`): one
-unit alone, then ``k`` at once on threads of this process. Where they scaled
+reads its first units both ways (:class:`~torchtune_pipe.loader.kindprobe.KindProbe`): one
+unit alone, then ``k`` at once on threads of this process, against ``k`` processes each as
+fast as a unit alone plus its hop between processes
+(:func:`multiproc.serialize.hop_s`). Where the threads kept up with those processes
 (:func:`~torchtune_pipe.tuning.worker_kind.start_on_threads`) the stages start on threads,
 else on processes, and the kind rule starts from that measure
 (:meth:`~torchtune_pipe.tuning.worker_kind.KindRule.start`). The same first reads give the
@@ -26,7 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from multiproc.spec import ExecutorSpec
-from torchtune_pipe.loader.faststart import KindProbe
+from torchtune_pipe.loader.kindprobe import KindProbe
 from torchtune_pipe.sources.base import max_readers
 from torchtune_pipe.stages import PipelineLike
 from torchtune_pipe.telemetry import measure as telemetry
@@ -85,9 +87,13 @@ def kind_probe(
         return True if check is None else bool(check())
 
     def decide(
-        alone: float, together: float, wait_ratio: float | None, error: Exception | None
+        alone: float,
+        together: float,
+        processes: float,
+        wait_ratio: float | None,
+        error: Exception | None,
     ) -> None:
-        threads = error is None and start_on_threads(alone, together, k)
+        threads = error is None and start_on_threads(together, processes)
         nxt = holder._next
         if nxt is None:
             return
@@ -100,12 +106,12 @@ def kind_probe(
                 s, start_threads=threads, concurrency=max(s.concurrency, calls if i == 0 else 1)
             )
         holder._next = (dataclasses.replace(now, stages=tuple(changed)), nxt[1])
-        measured = alone > 0 and together > 0
+        measured = min(alone, together, processes) > 0
         # The reads were measured one call at a time: where they wait, the run makes several
         # calls at once per worker, and their CPU, then the most of a unit's time, may hold
         # the interpreter lock the threads share. That measure settles nothing: the rule
         # compares the kinds on the running pipeline.
-        settled = start_settled(alone, together, k) and k >= cpus and calls <= 1
+        settled = start_settled(together, processes) and k >= cpus and calls <= 1
         if error is not None:
             kinds.bar(stages)
         else:
@@ -117,8 +123,9 @@ def kind_probe(
             )
         elif measured:
             why = (
-                f"{k} reads at once on threads ran {together / alone:.2f}x one alone "
-                f"({together:.0f} against {alone:.0f} items/s)"
+                f"{k} reads at once on threads ran {together / alone:.2f}x one alone and "
+                f"{together / processes:.2f}x what {k} processes would "
+                f"({together:.0f} against {alone:.0f} and {processes:.0f} items/s)"
             )
         else:
             why = "the reads were not measured on threads"
@@ -133,7 +140,15 @@ def kind_probe(
         log.info("Loader: %s", said)
         note("kind", said)
 
-    return KindProbe(k, may_run, decide, thread_context, first.stages[0].torch_threads)
+    last = first.stages[-1]  # hands the units to the consumer; k processes share its budget
+    return KindProbe(
+        k,
+        may_run,
+        decide,
+        thread_context,
+        first.stages[0].torch_threads,
+        last.buffer_bytes // max(k, last.workers),
+    )
 
 
 __all__ = ["KIND_THREADS_MAX", "auto_stages", "kind_probe"]

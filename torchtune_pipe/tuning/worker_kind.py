@@ -17,7 +17,8 @@ free-threaded CPython) threads are the first candidate: a threadable stage start
 and processes are what is tried.
 
 A loader can measure the kind before its executor starts (:func:`start_on_threads`, from a fast
-start's reads of ``k`` units at once on threads of the consumer's process): the stages then
+start's reads of ``k`` units at once on threads of the consumer's process, against what ``k``
+worker processes would take for them): the stages then
 start on the kind measured (:meth:`KindRule.start`), and the trial above is left for when the
 CPUs change, for machines with more CPUs than the ``k`` threads measured, and for a measure
 that does not settle the kind (:func:`start_settled`).
@@ -38,36 +39,39 @@ from torchtune_pipe.tuning.base import Allocation, Observation, local_workers, t
 SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
 TOLERANCE = 0.05  # threads stay at >= 95% of what processes delivered (noise of one interval)
-# Threads start where k reads at once ran at least this share of k times one read's rate; the
-# start measure settles the kind (no trial at these CPUs) from SETTLED_ABOVE up, or up to
-# SETTLED_BELOW: in between, the rule tries the other kind on the running pipeline.
+# Threads start where k reads at once on threads ran at least this share of the rate k worker
+# processes would read them at; the start measure settles the kind (no trial at these CPUs)
+# from SETTLED_ABOVE up, or up to SETTLED_BELOW: in between, the rule tries the other kind on
+# the running pipeline.
 START_SCALING = 0.75
 SETTLED_ABOVE = 0.95
 SETTLED_BELOW = 0.6
 
 
-def start_on_threads(single_rate: float, together_rate: float, k: int) -> bool:
-    """Whether a stage should start on threads: ``k`` reads at once on ``k`` threads of one
-    process (``together_rate``, items/s) ran at least ``START_SCALING * k`` times the rate of
-    one read alone (``single_rate``). Reads that hold the interpreter lock (pure Python) stay
-    near 1x whatever ``k``; reads that release it (decoding in C, torch and numpy kernels,
-    waits on files or the network) approach ``k``x. Unmeasured rates give False (processes:
-    the kind that scales whatever the reads hold)."""
-    if k < 2 or single_rate <= 0.0 or together_rate <= 0.0:
+def start_on_threads(threads_rate: float, processes_rate: float) -> bool:
+    """Whether a stage should start on threads: units read ``k`` at once on threads of one
+    process (``threads_rate``, items/s) came at least ``START_SCALING`` times as fast as ``k``
+    worker processes would read them (``processes_rate``: each unit's CPU and waits but its
+    waits for the interpreter lock, plus its hop between processes). Reads that hold the lock
+    (pure Python) run one at a time on threads, near ``1/k`` of the processes; reads that
+    release it (decoding in C, torch and numpy kernels, waits on files or the network) or that
+    the memory's bandwidth bounds run as fast on threads, and skip the hop. Unmeasured rates
+    give False (processes: the kind that scales whatever the reads hold)."""
+    if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
-    return together_rate >= START_SCALING * k * single_rate
+    return threads_rate >= START_SCALING * processes_rate
 
 
-def start_settled(single_rate: float, together_rate: float, k: int) -> bool:
-    """Whether the start measure of :func:`start_on_threads` settles the kind: threads that
-    scaled near ``k``x (``SETTLED_ABOVE``), or reads that scaled so little
-    (``SETTLED_BELOW``) that processes are clearly faster. In between, threads may hold less
-    memory for a little less speed, or processes a little more speed for their memory: the
-    rule measures both on the running pipeline."""
-    if k < 2 or single_rate <= 0.0 or together_rate <= 0.0:
+def start_settled(threads_rate: float, processes_rate: float) -> bool:
+    """Whether the start measure of :func:`start_on_threads` settles the kind: threads as fast
+    as the processes would be (``SETTLED_ABOVE``), or so much slower (``SETTLED_BELOW``) that
+    processes are clearly faster. In between, threads may hold less memory for a little less
+    speed, or processes a little more speed for their memory: the rule measures both on the
+    running pipeline."""
+    if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
-    scaling = together_rate / (k * single_rate)
-    return scaling >= SETTLED_ABOVE or scaling <= SETTLED_BELOW
+    ratio = threads_rate / processes_rate
+    return ratio >= SETTLED_ABOVE or ratio <= SETTLED_BELOW
 
 
 def gil_enabled() -> bool:

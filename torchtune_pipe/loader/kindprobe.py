@@ -1,0 +1,123 @@
+"""The reads of a kind probe: units read on threads of the consumer's process before the
+executor starts, to choose the kind its ``auto`` stages start on
+(:mod:`torchtune_pipe.loader.kindstart`).
+
+A unit read on a process of its own costs what it costs alone (its CPU, its waits on files or
+the network) plus its hop between processes (:func:`multiproc.serialize.hop_s`: pickling, the
+copy into shared memory, the rebuild in the consumer); ``k`` units read at once on threads
+cost what they measured together: reads that hold the interpreter lock run one at a time,
+reads that release it (a decode in C, torch and numpy kernels, waits) side by side, and none
+of them pays the hop. Items of several MiB can make the hop cost as much as the read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from multiproc import intraop
+from multiproc.worker import act_as_thread_worker
+from torchtune_pipe.loader.tagging import Work
+
+
+@dataclass
+class KindProbe:
+    """A fast start that measures, before its executor starts, whether reads scale on threads
+    of this process: after a first unit (warm-up), it alternates one unit read alone with
+    ``threads`` units read at once (its thread and ``threads - 1`` helpers), in rounds: one not
+    counted where it fits the probe's time twice (the helpers' first reads: a new thread's
+    allocator and caches warm up, as a new worker's do, once), then counted ones until their
+    read time reaches ``KIND_PROBE_S`` over ``KIND_ROUNDS_MIN`` rounds (or twice that in one).
+    It starts no read past ``KIND_PROBE_MAX_S``: units so long that no round was counted by
+    then leave the kind unmeasured (processes, tried by the rule later). Units are delivered
+    in order whatever thread read them; the executor starts once ``decide`` has been called.
+
+    The first unit is read in the calling thread (the first batch is not delayed); the rest
+    are read on a thread of the probe's own, which then builds the executor, so the workers
+    start whether or not the consumer asks for more meanwhile. The probe's threads count as
+    thread workers (:func:`multiproc.worker.act_as_thread_worker`): they seed no global
+    generator, and the reads they run are ones that draw from none (``may_run``).
+
+    Attributes:
+        threads: units read at once (k >= 2).
+        may_run: asked after the first unit: whether the reads may run on threads now (e.g.
+            ``__getitem__`` draws nothing from the global random generators).
+        decide: called once, on the probe's thread, with the rate of units read alone, of
+            units read ``threads`` at once, and of the units ``threads`` worker processes
+            would read, their hops included (items/s; 0.0: not measured), the reads' wall per
+            CPU time (None: not measured) and what a read on a probe thread raised (None:
+            nothing).
+        thread_context: entered around a probe thread's reads, to make it look like a worker
+            to the source, in that thread only (``get_worker_info()``).
+        torch_threads: torch intra-op threads of a probe thread (the source stage's, as a
+            thread worker of it has: :mod:`multiproc.intraop`).
+        arena_bytes: what a worker process's arena would hold of a unit (its hop is measured
+            for that arena: :func:`multiproc.serialize.hop_s`); None: no bound.
+    """
+
+    threads: int
+    may_run: Callable[[], bool]
+    decide: Callable[[float, float, float, float | None, Exception | None], None]
+    thread_context: Callable[[], Any] = contextlib.nullcontext
+    torch_threads: int = 1
+    arena_bytes: int | None = None
+
+
+def runq_s() -> float:
+    """This thread's time runnable but waiting for a CPU (the kernel's run-queue delay), in
+    seconds; 0 where ``/proc/thread-self/schedstat`` is not exported."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def read_or_error(read: Callable[[Work], list], work: Work) -> list | BaseException:
+    """``read(work)``, or what it raised (raised where the consumer reaches the unit)."""
+    try:
+        return read(work)
+    except BaseException as e:
+        return e
+
+
+class Helper:
+    """A thread of a kind probe that reads the units it is given, one at a time, as a thread
+    worker would (:class:`KindProbe`); ``give(None)`` ends it."""
+
+    def __init__(self, read: Callable[[Work], list], kp: KindProbe) -> None:
+        self._work: queue.SimpleQueue = queue.SimpleQueue()
+        self._out: queue.SimpleQueue = queue.SimpleQueue()
+        self._read, self._kp = read, kp
+        self._thread = threading.Thread(
+            target=self._run, name="torchtune_pipe-kind-helper", daemon=True
+        )
+        self._thread.start()
+
+    def give(self, work: Work | None) -> None:
+        self._work.put(work)
+
+    def stop(self) -> None:
+        """End the thread and wait for it: its context is left before the probe's is (what
+        the contexts swap process-wide, such as the collate of ``private_collate``, is put
+        back in the order it was taken)."""
+        if self._thread.is_alive():
+            self._work.put(None)
+            self._thread.join()
+
+    def result(self) -> list | BaseException:
+        return self._out.get()
+
+    def _run(self) -> None:
+        act_as_thread_worker()
+        intraop.set_here(self._kp.torch_threads)
+        with self._kp.thread_context():
+            while (work := self._work.get()) is not None:
+                self._out.put(read_or_error(self._read, work))
+
+
+__all__ = ["Helper", "KindProbe", "read_or_error", "runq_s"]
