@@ -78,9 +78,9 @@ class PackedEntries(Sequence):
         strings)."""
         try:
             if not batched:
-                if all(type(e) is int for e in entries):
+                if set(map(type, entries)) <= {int}:
                     return PackedEntries(array("q", entries))
-            elif all(type(i) is int for e in entries for i in e):
+            elif all(set(map(type, e)) <= {int} for e in entries):
                 return PackedEntries(
                     array("q", chain.from_iterable(entries)),
                     array("q", accumulate(map(len, entries))),
@@ -389,13 +389,15 @@ class MapDatasetSource:
 
 def _read_each(ds: Any, entry: list, n: int) -> list:
     """``[ds[i] for i in entry]``, the failing index noted."""
-    out = []
-    for i in entry:
-        try:
-            out.append(ds[i])
-        except Exception as e:
-            _note(e, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
-            raise
+    out: list = []
+    append, get = out.append, ds.__getitem__
+    i = None
+    try:
+        for i in entry:
+            append(get(i))
+    except Exception as e:
+        _note(e, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
+        raise
     return out
 
 
