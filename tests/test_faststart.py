@@ -178,3 +178,30 @@ def test_reads_that_wait_are_never_chosen_inline():
         list(dl)
         list(dl)
         assert probe.decided == "workers" and not dl.loader.inline
+
+
+class SlowPid(Dataset):
+    """Samples of ~60 ms that say which process read them."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        time.sleep(0.06)
+        return {"i": i, "pid": os.getpid()}
+
+
+def test_workers_that_restart_sooner_than_a_unit_reads_read_the_first_unit():
+    """Non-persistent workers restart every epoch: once an executor was seen to serve sooner
+    than a unit reads inline (~0.5 s here), an epoch's first unit waits for the workers
+    rather than keep them idle while this process reads it."""
+    g = torch.Generator().manual_seed(1)
+    firsts, seen = [], []
+    with DataLoader(SlowPid(), batch_size=8, shuffle=True, generator=g, num_workers=2) as dl:
+        for _ in range(3):
+            batches = list(dl)
+            firsts.append(int(batches[0]["pid"][0]))
+            seen.append(sorted(int(i) for b in batches for i in b["i"]))
+    assert firsts[0] == os.getpid()  # the first epoch's: read here while the workers start
+    assert firsts[2] != os.getpid()  # by then: the restarted workers read it
+    assert seen == [list(range(32))] * 3  # every sample once per epoch

@@ -64,6 +64,8 @@ WAIT_EVIDENCE_S = 0.1
 # Kind probe (KindProbe): rounds of one unit alone then k at once, at most; the measured read
 # time after which it stops with KIND_ROUNDS_MIN rounds (with one, from twice that); and its
 # own wall time after which it starts no more reads.
+# How often the build's thread asks a built executor whether it serves (_time_serving).
+SERVING_POLL_S = 0.002
 KIND_ROUNDS_MIN = 2
 KIND_ROUNDS_MAX = 6
 KIND_PROBE_S = 0.06
@@ -98,11 +100,17 @@ class ShapeProbe:
             have not run yet).
         windows: windows measured; wins: consecutive windows inline won.
         decided: ``"inline"`` or ``"workers"`` once chosen.
+        units_read: units read one at a time (inline, or alone by a kind probe), in
+            ``inline_s``.
+        serving_s: seconds the last executor took to serve, from its epoch's start (None:
+            none has yet).
     """
 
     inline_s: float = 0.0
     inline_cpu_s: float = 0.0
     inline_items: int = 0
+    units_read: int = 0
+    serving_s: float | None = None
     settle_until: float | None = None
     windows: int = 0
     wins: int = 0
@@ -209,6 +217,8 @@ class FastStart:
         self.delivered = delivered
         self.interval_s = max(0.05, float(interval_s))
         self.inline_units = 0
+        self._t0 = time.perf_counter()
+        self._joined = threading.Event()
         self.probe = probe if probe is not None else ShapeProbe()
         self._executor: Any = None
         self._error: BaseException | None = None
@@ -234,6 +244,31 @@ class FastStart:
             self._error = e
         finally:
             self._built.set()
+        self._time_serving()
+
+    def _time_serving(self) -> None:
+        """On the build's thread: note when the executor serves (:attr:`ShapeProbe.serving_s`,
+        what the next epoch's start expects of its own)."""
+        ex = self._executor
+        while ex is not None and not self._joined.is_set():
+            try:
+                if ex.serving():
+                    self.probe.serving_s = time.perf_counter() - self._t0
+                    return
+            except Exception:  # closed meanwhile: nothing to time
+                return
+            self._joined.wait(SERVING_POLL_S)
+
+    def _workers_sooner(self) -> bool:
+        """Whether the workers, as quick to serve as the last executor was, will serve before
+        one more unit read inline would be (the mean of those read one at a time): then they
+        read it, and the consumer waits for them rather than read inline while they idle
+        (every epoch of non-persistent workers starts an executor)."""
+        p = self.probe
+        if p.serving_s is None or not p.units_read:
+            return False
+        left = p.serving_s - (time.perf_counter() - self._t0)
+        return left < p.inline_s / p.units_read
 
     def _ready(self) -> bool:
         """Built, and serving (its first workers have started; the rest start while it
@@ -271,6 +306,7 @@ class FastStart:
             p.inline_s += took
             p.inline_cpu_s += time.thread_time() - c0
             p.inline_items += sum(1 for t in items if t[1] >= 0)
+            p.units_read += 1
             self.inline_units += 1
         return items, took
 
@@ -426,11 +462,11 @@ class FastStart:
             finally:
                 self._stop_probe.set()
             i = self._probed
-        while i < len(self.works) and not self._ready():
+        while i < len(self.works) and not self._ready() and not self._workers_sooner():
             items = self._read_inline(self.works[i])
             i += 1
             yield from _owned(items)
-        self.join()
+        self._wait_built()
         if self._error is not None:
             raise self._error
         log.debug("fast start: %d unit(s) read inline", i)
@@ -512,7 +548,12 @@ class FastStart:
 
     def join(self) -> None:
         """Wait until the executor is built (or failed), so that nothing is left half made;
-        at once where its build never started (a kind probe that stopped)."""
+        at once where its build never started (a kind probe that stopped). The epoch is over:
+        its executor's start is no longer timed."""
+        self._joined.set()
+        self._wait_built()
+
+    def _wait_built(self) -> None:
         if self._probe_thread is not None:
             self._stop_probe.set()
             self._probe_thread.join()
