@@ -6,7 +6,9 @@ that. So the first units of an epoch are read inline, one at a time, in the cons
 while the executor starts in a background thread; once every worker has said hello, the units
 not yet taken go to the executor. Units are taken in order and an inline unit is read whole
 before it is delivered, so the order, the batch boundaries and the exactly-once bookkeeping are
-those of a run on workers alone.
+those of a run on workers alone. Workers that are not persistent start again every epoch, in
+tens of milliseconds once the first start has warmed up: where the last start served sooner
+than a unit reads inline, the epoch's first units are left to them.
 
 Per-unit seeds make an inline unit draw the numbers a worker would draw; the global generators
 of the calling thread are saved around each inline read and restored, so the training loop's
@@ -61,11 +63,11 @@ INLINE_MAX_WAIT_RATIO = 1.5
 # Wall time of inline reads below which their waits are not judged: a few reads at a start
 # share the interpreter with the threads starting the workers, which reads as waiting.
 WAIT_EVIDENCE_S = 0.1
+# How often the build's thread asks a built executor whether it serves (_time_serving).
+SERVING_POLL_S = 0.002
 # Kind probe (KindProbe): rounds of one unit alone then k at once, at most; the measured read
 # time after which it stops with KIND_ROUNDS_MIN rounds (with one, from twice that); and its
 # own wall time after which it starts no more reads.
-# How often the build's thread asks a built executor whether it serves (_time_serving).
-SERVING_POLL_S = 0.002
 KIND_ROUNDS_MIN = 2
 KIND_ROUNDS_MAX = 6
 KIND_PROBE_S = 0.06
