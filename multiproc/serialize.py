@@ -284,7 +284,8 @@ def hop_s(objs: list, arena_bytes: int | None = None) -> float:
     except Exception:
         return 0.0
     took = time.perf_counter() - t0
-    total = sum(b.raw().nbytes for _, bufs in sent for b in bufs)
+    raws = [b.raw() for _, bufs in sent for b in bufs]
+    total = sum(r.nbytes for r in raws)
     if total:
         frames = total + sum(len(header) for header, _ in sent)
         fresh_pages = arena_bytes is not None and frames > arena_bytes
@@ -293,9 +294,9 @@ def hop_s(objs: list, arena_bytes: int | None = None) -> float:
         scratch = memoryview(bytearray(size) if fresh is None else fresh)  # bytearray: written
         copied = 0
         t0 = time.perf_counter()
-        for b in (b for _, bufs in sent for b in bufs):
-            n = min(b.raw().nbytes, size - copied)
-            scratch[copied : copied + n] = b.raw()[:n]
+        for raw in raws:  # copy_into's copy, cut at the scratch's size
+            n = min(raw.nbytes, size - copied)
+            scratch[copied : copied + n] = raw[:n]
             copied += n
             if copied >= size:
                 break

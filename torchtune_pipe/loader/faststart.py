@@ -299,7 +299,7 @@ class FastStart:
         and the seconds it took less those it waited for a CPU."""
         t0, q0, c0 = time.perf_counter(), runq_s(), time.thread_time()
         with context():
-            items = list(run_inline(self.pipeline, [work], self.epoch))
+            items = self._read_unit(work)
         # Time spent waiting for a CPU is not the reads' cost: while the workers start, the
         # fork server and the workers' imports take the cores from this thread.
         took = max(0.0, time.perf_counter() - t0 - (runq_s() - q0))

@@ -390,11 +390,11 @@ class MapDatasetSource:
 def _read_each(ds: Any, entry: list, n: int) -> list:
     """``[ds[i] for i in entry]``, the failing index noted."""
     out: list = []
-    append, get = out.append, ds.__getitem__
+    append = out.append
     i = None
     try:
         for i in entry:
-            append(get(i))
+            append(ds[i])  # as torch fetches: the type's __getitem__, never an instance's
     except Exception as e:
         _note(e, f"dataset[{i!r}] raised it: {_batch(n, entry)}")
         raise
