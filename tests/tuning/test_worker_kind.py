@@ -98,9 +98,11 @@ def test_the_guard_keeps_a_stage_that_is_not_threadable_on_its_kind():
 def test_reads_that_keep_up_with_processes_on_threads_start_there():
     # (k reads at once on threads, k processes each as fast as one read alone plus its hop)
     assert start_on_threads(190.0, 200.0)  # reads that release the lock
-    assert start_on_threads(310.0, 400.0)
+    assert start_on_threads(390.0, 400.0)
     assert not start_on_threads(120.0, 200.0)  # reads that hold it
-    assert not start_on_threads(250.0, 400.0)
+    # decodes that release the lock for most of a read: 0.92x of the processes, which the
+    # trial would not keep on threads either (TOLERANCE)
+    assert not start_on_threads(368.0, 400.0)
     # 8 MiB items: two reads at once make 1.3x one alone, but a process's hop into fresh
     # shared memory costs as much as its read (processes: 2 x 0.5x of one alone)
     assert start_on_threads(130.0, 100.0)
@@ -137,6 +139,6 @@ def test_a_start_measure_settles_the_kind_only_where_clear():
     assert start_settled(195.0, 200.0)  # threads as fast as processes: settled
     assert start_settled(130.0, 100.0)
     assert start_settled(110.0, 200.0)  # 0.55x of the processes: processes, settled
-    assert not start_settled(170.0, 200.0)  # threads chosen, but processes may be faster
-    assert not start_settled(140.0, 200.0)  # processes chosen, threads may hold as much
+    assert not start_settled(170.0, 200.0)  # processes chosen, threads may hold as much
+    assert not start_settled(140.0, 200.0)
     assert not start_settled(0.0, 0.0)

@@ -40,11 +40,11 @@ SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
 TOLERANCE = 0.05  # threads stay at >= 95% of what processes delivered (noise of one interval)
 # Threads start where k reads at once on threads ran at least this share of the rate k worker
-# processes would read them at; the start measure settles the kind (no trial at these CPUs)
-# from SETTLED_ABOVE up, or up to SETTLED_BELOW: in between, the rule tries the other kind on
-# the running pipeline.
-START_SCALING = 0.75
-SETTLED_ABOVE = 0.95
+# processes would read them at: the share at which the trial keeps threads. The start measure
+# settles the kind (no trial at these CPUs) from SETTLED_ABOVE up, or up to SETTLED_BELOW: in
+# between, processes start and the rule tries threads on the running pipeline.
+START_SCALING = 1.0 - TOLERANCE
+SETTLED_ABOVE = START_SCALING
 SETTLED_BELOW = 0.6
 
 
@@ -65,8 +65,8 @@ def start_on_threads(threads_rate: float, processes_rate: float) -> bool:
 def start_settled(threads_rate: float, processes_rate: float) -> bool:
     """Whether the start measure of :func:`start_on_threads` settles the kind: threads as fast
     as the processes would be (``SETTLED_ABOVE``), or so much slower (``SETTLED_BELOW``) that
-    processes are clearly faster. In between, threads may hold less memory for a little less
-    speed, or processes a little more speed for their memory: the rule measures both on the
+    processes are clearly faster. In between, processes start (a little faster by the
+    measure) and threads may hold less memory for as much: the rule measures both on the
     running pipeline."""
     if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
