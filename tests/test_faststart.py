@@ -205,3 +205,29 @@ def test_workers_that_restart_sooner_than_a_unit_reads_read_the_first_unit():
     assert firsts[0] == os.getpid()  # the first epoch's: read here while the workers start
     assert firsts[2] != os.getpid()  # by then: the restarted workers read it
     assert seen == [list(range(32))] * 3  # every sample once per epoch
+
+
+class Sleepy(Dataset):
+    """Samples of ~2 ms: epochs far shorter than the tuner's interval."""
+
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        time.sleep(0.002)
+        return i
+
+
+def test_the_tuner_steps_on_whole_epochs_where_each_starts_its_workers(tmp_path):
+    """Non-persistent workers start anew every epoch: the tuner's first decision there is
+    taken on what the last epoch's workers measured, never on the new ones' first
+    milliseconds (which measured no batch and once set 7 workers on 2 cores)."""
+    log = tmp_path / "tuning.jsonl"
+    with DataLoader(Sleepy(), batch_size=8, num_workers="auto", tuning_log=str(log)) as dl:
+        for _ in range(4):
+            assert sorted(int(i) for b in dl for i in b) == list(range(96))
+    records = read_log(log)
+    assert len(records) >= 2  # a decision per epoch after the first (none held: each measured)
+    assert all(r["obs"]["throughput"] > 0 for r in records[1:]), [
+        r["obs"]["throughput"] for r in records
+    ]

@@ -248,6 +248,28 @@ def test_a_continued_loop_holds_on_its_first_interval_when_told(tmp_path):
         assert len(pipe.applied) == len(tuner.stepped_on)
 
 
+def test_a_loop_on_a_pipeline_started_anew_steps_first_on_the_last_ones_observation():
+    # The next epoch's workers (non-persistent): the first tick steps on what the last
+    # pipeline measured since its last tick, not on the new one's first milliseconds; with
+    # nothing carried it is held.
+    import dataclasses
+
+    last = dataclasses.replace(SignallingTunable((0.01, 0.02), cpus=4, target=3).observe(), t=7.5)
+    assert last.throughput > 0
+    for carried, stepped_first in ((last, True), (None, False)):
+        pipe = SignallingTunable((0.01, 0.02), cpus=4, target=3)
+        tuner = CountingTuner()
+        loop = TuningLoop(
+            pipe, tuner, interval_s=0.005, reset=False, carried=lambda c=carried: c
+        ).start()
+        assert pipe.observed.wait(WAIT_S)
+        loop.stop()
+        assert (tuner.stepped_on[:1] == [7.5]) == stepped_first
+        assert 7.5 not in tuner.stepped_on[1:]
+        assert len(tuner.stepped_on) == loop.steps - (0 if stepped_first else 1)
+        assert len(pipe.applied) == len(tuner.stepped_on)
+
+
 class RecordingTuner(ShiftingTuner):
     """Keeps every observation it was given."""
 

@@ -571,10 +571,12 @@ class Loader:
         if prev is not None and prev.steps >= 1:
             self._tuner_started = True  # its reset was made: later loops step on
         first = not self._tuner_started
-        hold = prev is not None and prev.steps >= 2 and prev.tunable.tunable is self._tunable
+        same = prev is not None and prev.tunable.tunable is self._tunable
+        final = self._final  # the last pipeline's last observation, once it is taken
         self._last_tuning = start_tuning(
             self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first,
-            hold_first=hold, labels=consumer_labels(self.pipeline),
+            hold_first=same and prev.steps >= 2, labels=consumer_labels(self.pipeline),
+            carried=None if same else lambda: final.get("obs"),
         )  # fmt: skip
         return self._last_tuning
 

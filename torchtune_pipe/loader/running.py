@@ -359,16 +359,19 @@ def start_tuning(
     reset: bool,
     hold_first: bool = False,
     labels: dict[str, Any] | None = None,
+    carried: Any = None,
 ) -> Any:
     """A started :class:`~torchtune_pipe.tuning.loop.TuningLoop` stepping ``tuner`` on
     ``tunable`` every ``interval_s`` (``reset``: the tuner's first decision; ``hold_first``:
-    its first interval is only logged, see the loop; ``labels``: what every logged decision
-    says of its consumer, :func:`consumer_labels`)."""
+    its first interval is only logged, and ``carried``: the last pipeline's last observation,
+    see the loop; ``labels``: what every logged decision says of its consumer,
+    :func:`consumer_labels`)."""
     from torchtune_pipe.tuning.loop import TuningLoop
 
     loop = TuningLoop(
-        tunable, tuner, interval_s, log_path, reset=reset, hold_first=hold_first, labels=labels
-    )
+        tunable, tuner, interval_s, log_path, reset=reset, hold_first=hold_first,
+        labels=labels, carried=carried,
+    )  # fmt: skip
     return loop.start()
 
 

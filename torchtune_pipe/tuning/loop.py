@@ -201,6 +201,7 @@ class TuningLoop:
         reset: bool = True,
         hold_first: bool = False,
         labels: Mapping[str, Any] | None = None,
+        carried: Callable[[], Observation | None] | None = None,
     ) -> None:
         if not interval_s > 0:
             raise ValueError(f"TuningLoop: interval_s must be positive, got {interval_s}")
@@ -218,6 +219,12 @@ class TuningLoop:
         # stages emptying) and the pause between epochs, which says nothing of the allocation
         # in force. (After a shorter epoch it spans the whole epoch, and is stepped on.)
         self.hold_first = bool(hold_first) and not self.reset
+        # For a tuner continued on a pipeline started anew (the next epoch's workers): the
+        # last observation of the one before it, which the first tick steps on. The new
+        # pipeline's first tick has measured a few milliseconds of workers starting, which
+        # say nothing of the allocation; the last pipeline's measured it since its last tick
+        # (a whole epoch shorter than the interval). None from it: the first tick is held.
+        self.carried = None if self.reset else carried
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -346,6 +353,12 @@ class TuningLoop:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         try:
             obs = self.tunable.observe()
+            if self.carried is not None and not first and self._steps == 0:
+                last = self.carried()
+                if last is not None and last.throughput > 0:
+                    obs = last
+                else:
+                    self.hold_first = True
             if self.hold_first and not first and self._steps == 0:
                 # See __init__: logged, the pipeline keeps running as it was, and the tuner
                 # steps on the next interval.
