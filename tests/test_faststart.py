@@ -169,6 +169,23 @@ def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
     assert len(read_log(log)) == len(events) - 2
 
 
+def test_a_shape_window_goes_on_across_epochs_shorter_than_it():
+    """Epochs of a few batches, each restarting the workers, end long before one measurement
+    window (the tuner's interval): the window goes on in the next epoch, so the choice is
+    made (free inline reads: inline) rather than never."""
+    ds = Cheap(n=640)
+    with DataLoader(ds, batch_size=64, num_workers="auto", tuning_interval_s=0.1) as dl:
+        # Inline reads that cost ~0 and do not wait.
+        probe = ShapeProbe(inline_s=10.0, inline_cpu_s=10.0, inline_items=10**12)
+        dl.loader._shape_probe = probe
+        for _ in range(200):
+            assert sorted(int(i) for b in dl for i in b[1]) == list(range(len(ds)))
+            if dl.loader.inline:
+                break
+        assert dl.loader.inline and probe.decided == "inline", probe
+        assert probe.windows >= 2
+
+
 def test_reads_that_wait_are_never_chosen_inline():
     """Inline reads whose wall time is well past their CPU time cannot overlap their waits."""
     probe = ShapeProbe(inline_s=1.0, inline_cpu_s=0.1, inline_items=100)

@@ -101,6 +101,8 @@ class ShapeProbe:
         settle_until: ``perf_counter`` time from which the workers are measured (None: they
             have not run yet).
         windows: windows measured; wins: consecutive windows inline won.
+        window_s, window_items, window_waited_s: the window being measured (its seconds,
+            items and the consumer's waits for the workers), over as many epochs as it takes.
         decided: ``"inline"`` or ``"workers"`` once chosen.
         units_read: units read one at a time (inline, or alone by a kind probe), in
             ``inline_s``.
@@ -117,6 +119,9 @@ class ShapeProbe:
     windows: int = 0
     wins: int = 0
     decided: str | None = None
+    window_s: float = 0.0
+    window_items: int = 0
+    window_waited_s: float = 0.0
 
 
 @contextlib.contextmanager
@@ -500,8 +505,10 @@ class FastStart:
         (closing the run) when inline is chosen."""
         p = self.probe
         in_s_per_item = p.inline_s / p.inline_items
-        t_start: float | None = None
-        items, waited_s = 0, 0.0
+        # A window goes on from epoch to epoch (an epoch shorter than a window would never
+        # complete one): this epoch's part of it runs from its first measured item.
+        seg_start: float | None = None
+        base_s = 0.0
         while True:
             t0 = time.perf_counter()
             try:
@@ -510,11 +517,12 @@ class FastStart:
                 return
             now = time.perf_counter()
             if p.decided is None and p.settle_until is not None and now >= p.settle_until:
-                if t_start is None:
-                    t_start, items, waited_s = t0, 0, 0.0
-                waited_s += now - t0  # in here, waiting for the workers; the rest is the consumer's
-                items += t[1] >= 0
-                span = now - t_start
+                if seg_start is None:
+                    seg_start, base_s = t0, p.window_s
+                p.window_waited_s += now - t0  # waiting for the workers; the rest: the consumer
+                p.window_items += t[1] >= 0
+                p.window_s = span = base_s + (now - seg_start)
+                items, waited_s = p.window_items, p.window_waited_s
                 if span >= self.interval_s and items >= WINDOW_MIN_ITEMS:
                     consumer_s = max(0.0, span - waited_s)
                     workers_rate = items / span
@@ -536,7 +544,7 @@ class FastStart:
                         return
                     if inline_rate * INLINE_GAIN < workers_rate or p.windows >= MAX_WINDOWS:
                         p.decided = "workers"  # faster, or as fast: keep them
-                    t_start = None
+                    seg_start, p.window_s, p.window_items, p.window_waited_s = None, 0.0, 0, 0.0
             yield t
 
     def _left(self) -> list[Work]:
