@@ -63,6 +63,17 @@ def test_random_draws_do_not_depend_on_the_worker_count():
     assert not torch.equal(one[0]["torch"], one[1]["torch"])  # batches draw different numbers
 
 
+def test_the_first_batch_of_each_worker_draws_what_torchs_worker_draws():
+    """Default: batch ``j`` is seeded as torch seeds its worker ``j`` (torch and random with
+    ``base_seed + j``, numpy from ``_generate_state``), so with ``w`` workers the epoch's
+    first ``w`` batches are torch's, numpy draws included."""
+    want = _torch(Noisy, 2)
+    got = _batches(Noisy, 2)
+    for a, b in zip(want[:2], got[:2], strict=True):
+        assert_same(a, b)
+    assert not torch.equal(want[2]["torch"], got[2]["torch"])  # then each batch its own seed
+
+
 def test_seeding_each_worker_once_is_torchs_seeding():
     """``seed_each_batch=False``: one stream per worker, seeded as torch seeds its workers, so
     a single worker draws exactly torch's numbers (torch, numpy and random)."""

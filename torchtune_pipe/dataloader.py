@@ -259,9 +259,10 @@ class DataLoader:
             ``torchtune-pipe watch LOG``, plot it with ``torchtune-pipe report LOG``.
         progress: show a live per-stage table (plain text without ``rich``).
         seed_each_batch: with workers, seed ``random``, ``torch`` and ``numpy`` before each
-            batch's ``__getitem__`` calls from the epoch's base seed and the batch's position,
-            so random draws in the dataset give the same batches whatever the worker count,
-            the tuner's moves or a resume (default). ``False``: seed each worker process once,
+            batch's ``__getitem__`` calls as torch seeds its worker ``j`` at its start, ``j``
+            the batch's position in the epoch, so random draws in the dataset give the same
+            batches whatever the worker count, the tuner's moves or a resume (default; with
+            ``w`` workers the epoch's first ``w`` batches draw what torch's draw). ``False``: seed each worker process once,
             at its start, with ``base_seed + worker_id`` as torch does (draws then depend on
             which worker fetches which batch, as they do under torch).
         max_concurrency: with ``"auto"``, the most ``__getitem__`` calls one fetch worker may

@@ -16,7 +16,7 @@ from torchtune_pipe.sources.rng import (
     rng_state_text,
     rng_states,
     same_rng_states,
-    seed_all,
+    seed_as_torch_worker,
 )
 
 __all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
@@ -150,9 +150,11 @@ class MapDatasetSource:
             resume bookkeeping, and what travels together between stages). Default: 1 batch
             when batched, else :data:`SAMPLES_PER_UNIT` samples (a unit of one sample would
             make every sample a frame of its own, paying a hop per sample).
-        seed_units: seed ``random``, ``numpy`` and ``torch`` with ``base_seed + unit.id``
+        seed_units: seed ``random``, ``numpy`` and ``torch`` as torch seeds its worker
+            ``unit.id`` (``base_seed + unit.id``; numpy through torch's ``_generate_state``)
             before reading a unit, so random transforms in ``__getitem__`` do not depend on
-            which worker reads which unit.
+            which worker reads which unit, and the first unit of each of torch's workers
+            draws what it draws there.
         rank: this process's rank; units are sharded ``units[rank::world_size]``.
         world_size: number of ranks.
 
@@ -343,7 +345,9 @@ class MapDatasetSource:
         What ``__getitem__`` (or ``__getitems__``) raises gets a note naming the index and
         the item's place in the epoch (the batch and its samples)."""
         if unit.seed is not None and not in_thread_worker():
-            seed_all(unit.seed)  # a thread worker's generators are the consumer's: left alone
+            # As torch seeds its worker unit.id (seed = base seed + id); a thread worker's
+            # generators are the consumer's: left alone.
+            seed_as_torch_worker(unit.seed - unit.id, unit.id)
         ds = self.dataset
         getitems = getattr(ds, "__getitems__", None) if self.batched else None
         for k, entry in enumerate(unit.entries):

@@ -43,8 +43,9 @@ def same_rng_states(a: tuple, b: tuple) -> bool:
     )
 
 
-def seed_all(seed: int) -> None:
-    """Seed the three generators with ``seed`` (numpy's with its low 32 bits).
+def seed_all(seed: int, numpy_seed: Any = None) -> None:
+    """Seed the three generators with ``seed`` (numpy's with its low 32 bits, or with
+    ``numpy_seed`` where given).
 
     torch's CPU generator is seeded, MPS's where it exists, and CUDA's (XPU's, MTIA's) where
     this process has initialised it. ``torch.manual_seed`` would also queue a seed for every
@@ -61,7 +62,16 @@ def seed_all(seed: int) -> None:
         device = getattr(torch, name, None)
         if device is not None and device.is_initialized():
             device.manual_seed_all(seed)
-    np.random.seed(seed % (1 << 32))
+    np.random.seed(seed % (1 << 32) if numpy_seed is None else numpy_seed)
+
+
+def seed_as_torch_worker(base_seed: int, index: int) -> None:
+    """Seed the three generators as torch seeds its worker ``index`` of an epoch whose base
+    seed is ``base_seed``: ``random`` and ``torch`` with ``base_seed + index``, ``numpy``
+    from torch's ``_generate_state(base_seed, index)``."""
+    from torch.utils.data._utils.worker import _generate_state
+
+    seed_all(base_seed + index, _generate_state(base_seed, index))
 
 
 def rng_state_text(state: Any) -> str:
