@@ -128,3 +128,38 @@ def test_lightning_limits_with_the_callback(limits, tuner, tmp_path, caplog):
     assert model.seen > 0
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not errors, [r.getMessage() for r in errors]
+
+
+def _orders(make, stop_at):
+    """Three epochs of a shuffled loader, the first stopped after ``stop_at`` batches without
+    asking for its end; each epoch's order."""
+    loader, out = make(), []
+    for epoch in range(3):
+        got = []
+        for k, b in enumerate(loader):
+            got.append(b.tolist())
+            if epoch == 0 and k + 1 == stop_at:
+                break
+        out.append(got)
+    getattr(loader, "close", lambda: None)()
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stop_at", [3, 11, len(WANT)])
+def test_the_order_after_an_epoch_that_stopped_early_is_torchs(workers, stop_at):
+    """torch's RandomSampler draws from the generator when a pull finds the sampler's end,
+    and its iterator pulls ``prefetch_factor * num_workers`` batches ahead: where an epoch
+    stops (mid-epoch, or at ``len()`` without asking for the end) decides the next epochs'
+    orders. They are torch's."""
+    kw = dict(batch_size=BATCH, shuffle=True, num_workers=workers)
+    want = _orders(
+        lambda: torch.utils.data.DataLoader(
+            Ids(), generator=torch.Generator().manual_seed(7), **kw
+        ),
+        stop_at,
+    )
+    got = _orders(
+        lambda: DataLoader(Ids(), generator=torch.Generator().manual_seed(7), **kw), stop_at
+    )
+    assert got == want

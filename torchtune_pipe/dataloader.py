@@ -96,6 +96,11 @@ class _Collated:
     def load_units_state(self, state: Any) -> None:
         load_units_state(self.source, state)
 
+    def left_early(self, delivered: int) -> None:
+        left = getattr(self.source, "left_early", None)
+        if left is not None:
+            left(delivered)
+
     def read(self, unit: Any) -> Iterator[Any]:
         for _, x in self.read_from(unit, frozenset()):
             yield x
@@ -428,6 +433,9 @@ class DataLoader:
                 seed_units=workers > 0 and seed_each_batch,
                 entries_per_unit=1,  # a batch (or, unbatched, a sample) per unit: torch's seeds
             )
+            # What torch's iterator pulls from the sampler ahead of the batches it delivers:
+            # where an epoch stops early, the generator is left where torch's leaves it.
+            self.source.pulled_ahead = (prefetch_factor or 2) * workers if workers > 0 else 0
             self.sampler = self.source.sampler
             self.batch_sampler = (
                 self.source.batch_sampler if batch_sampler is None else batch_sampler

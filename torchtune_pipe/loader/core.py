@@ -484,6 +484,8 @@ class Loader:
                     if complete:
                         progress.finished = True
                         self._epoch = epoch + 1
+                if closed_by_consumer:  # the sampler's generator left as torch's iterator leaves it
+                    getattr(self.pipeline.source, "left_early", lambda n: None)(progress.delivered)
                 loop_error = None
                 if faststart is not None:
                     faststart.join()  # an executor still being built is closed, not leaked
@@ -565,8 +567,7 @@ class Loader:
                 return KindLoop(self._tunable, self.tuning_interval_s).start()
             return None
         # One tuner per Loader: later epochs continue it (no reset), so allocations and what
-        # the agent learned carry over from epoch to epoch.
-        # The last epoch's loop stepped after its first tick: what is left since is its end.
+        # the agent learned carry over (the interval it steps on first: TuningLoop's hold).
         prev = self._last_tuning
         if prev is not None and prev.steps >= 1:
             self._tuner_started = True  # its reset was made: later loops step on

@@ -21,6 +21,8 @@ from torchtune_pipe.sources.rng import (
 
 __all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
 
+_END = object()
+
 
 @dataclass(frozen=True, repr=False)
 class IndexUnit:
@@ -228,6 +230,9 @@ class MapDatasetSource:
         self._rng_state: dict | None = None
         self._replay: dict | None = None
         self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
+        # Entries torch's iterator pulls from the sampler ahead of those delivered (its
+        # prefetch_factor * num_workers; set by the DataLoader): see left_early.
+        self.pulled_ahead = 0
 
     def __len__(self) -> int:
         """This rank's items per epoch (batches when batched), as ``len(DataLoader)`` counts
@@ -280,6 +285,25 @@ class MapDatasetSource:
                 buf = []
         if buf:
             yield PackedEntries.pack(buf, batched)
+
+    def left_early(self, delivered: int) -> None:
+        """The consumer stopped after ``delivered`` entries (batches when batched) of the last
+        :meth:`units` call's epoch, without asking for its end: leave ``generator`` where
+        torch's iterator leaves it, having pulled ``delivered + pulled_ahead`` entries from
+        the sampler (``RandomSampler`` draws a last permutation from it only when a pull
+        finds its end: the next epoch's order depends on where the last one stopped). The
+        epoch's draws are made again from where it started, up to that pull."""
+        import torch
+
+        start = None if self._rng_state is None else self._rng_state["generator"]
+        if start is None or self.world_size != 1:
+            return
+        self.generator.set_state(start)
+        it = iter(self.batch_sampler if self.batched else self.sampler)
+        torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # the base seed
+        for _ in range(delivered + self.pulled_ahead):
+            if next(it, _END) is _END:
+                break
 
     def fingerprint(self) -> dict[str, Any]:
         """What decides which samples an epoch yields, by field, for a saved state to match:
