@@ -225,26 +225,45 @@ def test_workers_that_restart_sooner_than_a_unit_reads_read_the_first_unit():
 
 
 class Sleepy(Dataset):
-    """Samples of ~2 ms: epochs far shorter than the tuner's interval."""
+    """Samples of ~2 ms."""
+
+    def __init__(self, n=96):
+        self.n = n
 
     def __len__(self):
-        return 96
+        return self.n
 
     def __getitem__(self, i):
         time.sleep(0.002)
         return i
 
 
-def test_the_tuner_steps_on_whole_epochs_where_each_starts_its_workers(tmp_path):
-    """Non-persistent workers start anew every epoch: the tuner's first decision there is
-    taken on what the last epoch's workers measured, never on the new ones' first
-    milliseconds (which measured no batch and once set 7 workers on 2 cores)."""
-    log = tmp_path / "tuning.jsonl"
-    with DataLoader(Sleepy(), batch_size=8, num_workers="auto", tuning_log=str(log)) as dl:
+class Watching:
+    """The heuristic tuner, keeping the throughput of every observation it steps on."""
+
+    def __init__(self):
+        from torchtune_pipe.tuning.baselines import HeuristicTuner
+
+        self.inner, self.stepped_on = HeuristicTuner(), []
+
+    def reset(self, obs, start=None):
+        return self.inner.reset(obs, start)
+
+    def step(self, obs):
+        self.stepped_on.append(obs.throughput)
+        return self.inner.step(obs)
+
+
+@pytest.mark.parametrize("n, interval_s", [(96, 1.0), (480, 0.05)])
+def test_restarted_workers_are_tuned_on_measured_intervals_only(n, interval_s):
+    """Non-persistent workers start anew every epoch. The tuner continued there is never
+    stepped on the new workers' first milliseconds (no batch measured: once 7 workers on 2
+    cores): after epochs shorter than the interval, on the last epoch's final observation;
+    after longer ones, from the new epoch's first whole interval."""
+    tuner = Watching()
+    with DataLoader(
+        Sleepy(n), batch_size=8, num_workers=2, tuner=tuner, tuning_interval_s=interval_s
+    ) as dl:
         for _ in range(4):
-            assert sorted(int(i) for b in dl for i in b) == list(range(96))
-    records = read_log(log)
-    assert len(records) >= 2  # a decision per epoch after the first (none held: each measured)
-    assert all(r["obs"]["throughput"] > 0 for r in records[1:]), [
-        r["obs"]["throughput"] for r in records
-    ]
+            assert sorted(int(i) for b in dl for i in b) == list(range(n))
+    assert tuner.stepped_on and all(x > 0 for x in tuner.stepped_on), tuner.stepped_on

@@ -529,8 +529,7 @@ class Loader:
         return kind_probe(self, self._kinds, self.pipeline, note)
 
     def _go_inline(self, why: str) -> None:
-        """Read inline from now on (this epoch's rest and every later one): stop tuning,
-        close the workers."""
+        """Read inline from now on (this epoch's rest, every later one): no tuner, no workers."""
         log.info("Loader: reading in the calling thread from now on: %s", why)
         loop, self._tuning = self._tuning, None
         if loop is not None:
@@ -567,17 +566,18 @@ class Loader:
                 return KindLoop(self._tunable, self.tuning_interval_s).start()
             return None
         # One tuner per Loader: later epochs continue it (no reset), so allocations and what
-        # the agent learned carry over (the interval it steps on first: TuningLoop's hold).
+        # the agent learned carry over. After a last loop that stepped past its first tick,
+        # what is left measured is the epoch's drained end: held; else a new pipeline's first
+        # tick steps on the last one's final observation (the whole short epoch).
         prev = self._last_tuning
         if prev is not None and prev.steps >= 1:
             self._tuner_started = True  # its reset was made: later loops step on
-        first = not self._tuner_started
-        same = prev is not None and prev.tunable.tunable is self._tunable
-        final = self._final  # the last pipeline's last observation, once it is taken
+        first, held = not self._tuner_started, prev is not None and prev.steps >= 2
+        same, final = prev is not None and prev.tunable.tunable is self._tunable, self._final
         self._last_tuning = start_tuning(
             self._tunable, self.tuner, self.tuning_interval_s, self.tuning_log, reset=first,
-            hold_first=same and prev.steps >= 2, labels=consumer_labels(self.pipeline),
-            carried=None if same else lambda: final.get("obs"),
+            hold_first=held, labels=consumer_labels(self.pipeline),
+            carried=None if same or held else lambda: final.get("obs"),
         )  # fmt: skip
         return self._last_tuning
 
