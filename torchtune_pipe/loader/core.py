@@ -484,7 +484,7 @@ class Loader:
                     if complete:
                         progress.finished = True
                         self._epoch = epoch + 1
-                if closed_by_consumer:  # the sampler's generator left as torch's iterator leaves it
+                if closed_by_consumer and not sys.is_finalizing():  # generator as torch's leaves it
                     getattr(self.pipeline.source, "left_early", lambda n: None)(progress.delivered)
                 loop_error = None
                 if faststart is not None:

@@ -293,11 +293,11 @@ class MapDatasetSource:
         the sampler (``RandomSampler`` draws a last permutation from it only when a pull
         finds its end: the next epoch's order depends on where the last one stopped). The
         epoch's draws are made again from where it started, up to that pull."""
-        import torch
-
         start = None if self._rng_state is None else self._rng_state["generator"]
         if start is None or self.world_size != 1:
             return
+        import torch
+
         self.generator.set_state(start)
         it = iter(self.batch_sampler if self.batched else self.sampler)
         torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # the base seed
