@@ -41,6 +41,7 @@ from multiproc.serialize import hop_s
 from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
 from torchtune_pipe.loader.kindprobe import Helper, KindProbe, read_or_error, runq_s
+from torchtune_pipe.loader.switching import quick_switches
 from torchtune_pipe.loader.tagging import Work
 from torchtune_pipe.sources.rng import rng_states, set_rng_states
 from torchtune_pipe.stages import PipelineLike
@@ -244,7 +245,8 @@ class FastStart:
 
     def _build(self, start: Callable[[], Any]) -> None:
         try:
-            self._executor = start()
+            with quick_switches():  # beside inline reads that hold the interpreter lock
+                self._executor = start()
             if self.on_built is not None:
                 self.on_built()
         except BaseException as e:  # raised in the consumer's thread by stream()
