@@ -97,16 +97,22 @@ def test_the_guard_keeps_a_stage_that_is_not_threadable_on_its_kind():
 
 def test_reads_that_keep_up_with_processes_on_threads_start_there():
     # (k reads at once on threads, k processes each as fast as one read alone plus its hop)
-    assert start_on_threads(190.0, 200.0)  # reads that release the lock
-    assert start_on_threads(390.0, 400.0)
-    assert not start_on_threads(120.0, 200.0)  # reads that hold it
+    assert start_on_threads(190.0, 200.0, threads_first=False)  # reads that release the lock
+    assert start_on_threads(390.0, 400.0, threads_first=False)
+    assert not start_on_threads(120.0, 200.0, threads_first=False)  # reads that hold it
     # decodes that release the lock for most of a read: 0.92x of the processes, which the
     # trial would not keep on threads either (TOLERANCE)
-    assert not start_on_threads(368.0, 400.0)
+    assert not start_on_threads(368.0, 400.0, threads_first=False)
+    # without a GIL threads are the first candidate: a little slower by the measure, they
+    # start, and the rule tries processes while running
+    assert start_on_threads(368.0, 400.0, threads_first=True)
+    assert start_on_threads(310.0, 400.0, threads_first=True)
+    assert not start_on_threads(250.0, 400.0, threads_first=True)
     # 8 MiB items: two reads at once make 1.3x one alone, but a process's hop into fresh
     # shared memory costs as much as its read (processes: 2 x 0.5x of one alone)
     assert start_on_threads(130.0, 100.0)
     assert not start_on_threads(0.0, 0.0)  # not measured: processes
+    assert not start_on_threads(0.0, 0.0, threads_first=True)
 
 
 def test_a_kind_measured_at_the_start_holds_until_the_cpus_change():

@@ -40,34 +40,42 @@ SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
 TOLERANCE = 0.05  # threads stay at >= 95% of what processes delivered (noise of one interval)
 # Threads start where k reads at once on threads ran at least this share of the rate k worker
-# processes would read them at: the share at which the trial keeps threads. The start measure
-# settles the kind (no trial at these CPUs) from SETTLED_ABOVE up, or up to SETTLED_BELOW: in
-# between, processes start and the rule tries threads on the running pipeline.
+# processes would read them at: the share at which the trial keeps threads. Without a GIL,
+# where threads are the first candidate, from START_SCALING_THREADS_FIRST (the free-threaded
+# zoo's tiny-rows and hf-arrow measure 0.76-0.92x and run as fast on threads as on processes,
+# BENCHMARKS.md). The start measure settles the kind (no trial at these CPUs) from
+# SETTLED_ABOVE up, or up to SETTLED_BELOW: in between, the rule tries the other kind.
 START_SCALING = 1.0 - TOLERANCE
+START_SCALING_THREADS_FIRST = 0.75
 SETTLED_ABOVE = START_SCALING
 SETTLED_BELOW = 0.6
 
 
-def start_on_threads(threads_rate: float, processes_rate: float) -> bool:
+def start_on_threads(
+    threads_rate: float, processes_rate: float, threads_first: bool | None = None
+) -> bool:
     """Whether a stage should start on threads: units read ``k`` at once on threads of one
     process (``threads_rate``, items/s) came at least ``START_SCALING`` times as fast as ``k``
     worker processes would read them (``processes_rate``: each unit's CPU and waits but its
-    waits for the interpreter lock, plus its hop between processes). Reads that hold the lock
-    (pure Python) run one at a time on threads, near ``1/k`` of the processes; reads that
-    release it (decoding in C, torch and numpy kernels, waits on files or the network) or that
-    the memory's bandwidth bounds run as fast on threads, and skip the hop. Unmeasured rates
-    give False (processes: the kind that scales whatever the reads hold)."""
+    waits for the interpreter lock, plus its hop between processes); with ``threads_first``
+    (default: the interpreter has no GIL), ``START_SCALING_THREADS_FIRST`` times. Reads that
+    hold the lock (pure Python) run one at a time on threads, near ``1/k`` of the processes;
+    reads that release it (decoding in C, torch and numpy kernels, waits on files or the
+    network) or that the memory's bandwidth bounds run as fast on threads, and skip the hop.
+    Unmeasured rates give False (processes: the kind that scales whatever the reads hold)."""
     if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
-    return threads_rate >= START_SCALING * processes_rate
+    first = (not gil_enabled()) if threads_first is None else threads_first
+    return (
+        threads_rate >= (START_SCALING_THREADS_FIRST if first else START_SCALING) * processes_rate
+    )
 
 
 def start_settled(threads_rate: float, processes_rate: float) -> bool:
     """Whether the start measure of :func:`start_on_threads` settles the kind: threads as fast
     as the processes would be (``SETTLED_ABOVE``), or so much slower (``SETTLED_BELOW``) that
-    processes are clearly faster. In between, processes start (a little faster by the
-    measure) and threads may hold less memory for as much: the rule measures both on the
-    running pipeline."""
+    processes are clearly faster. In between (a little slower by the measure, for less
+    memory) the rule measures both kinds on the running pipeline."""
     if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
     ratio = threads_rate / processes_rate
@@ -199,6 +207,7 @@ class KindRule:
 
 
 __all__ = [
-    "PROBE", "SETTLE", "SETTLED_ABOVE", "SETTLED_BELOW", "START_SCALING", "TOLERANCE",
+    "PROBE", "SETTLE", "SETTLED_ABOVE", "SETTLED_BELOW", "START_SCALING",
+    "START_SCALING_THREADS_FIRST", "TOLERANCE",
     "KindRule", "gil_enabled", "start_on_threads", "start_settled",
 ]  # fmt: skip
