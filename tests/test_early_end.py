@@ -163,3 +163,27 @@ def test_the_order_after_an_epoch_that_stopped_early_is_torchs(workers, stop_at)
         lambda: DataLoader(Ids(), generator=torch.Generator().manual_seed(7), **kw), stop_at
     )
     assert got == want
+
+
+class Counting(torch.utils.data.Sampler):
+    """A sampler of the user's that counts the epochs it was iterated for."""
+
+    def __init__(self):
+        self.epochs = 0
+
+    def __len__(self):
+        return N
+
+    def __iter__(self):
+        self.epochs += 1
+        return iter(range(N))
+
+
+def test_a_users_sampler_is_iterated_once_per_epoch_even_when_one_stops_early():
+    """The generator is put back by drawing the epoch again only through torch's own
+    samplers: a sampler of the user's is iterated once per epoch, as torch does."""
+    sampler = Counting()
+    loader = DataLoader(Ids(), batch_size=BATCH, sampler=sampler, generator=torch.Generator())
+    _break(loader)
+    assert [b.tolist() for b in loader] == WANT
+    assert sampler.epochs == 2

@@ -24,6 +24,20 @@ __all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
 _END = object()
 
 
+def _replayable(source: MapDatasetSource) -> bool:
+    """Whether the source draws its order through torch's own samplers only."""
+    from torch.utils.data import sampler as torch_samplers
+
+    own = {
+        torch_samplers.RandomSampler, torch_samplers.SequentialSampler,
+        torch_samplers.SubsetRandomSampler, torch_samplers.WeightedRandomSampler,
+    }  # fmt: skip
+    batches = source.batch_sampler
+    if batches is None:
+        return type(source.sampler) in own
+    return type(batches) is torch_samplers.BatchSampler and type(batches.sampler) in own
+
+
 @dataclass(frozen=True, repr=False)
 class IndexUnit:
     """A work unit of a map-style dataset: consecutive entries of the sampler's order.
@@ -292,9 +306,11 @@ class MapDatasetSource:
         torch's iterator leaves it, having pulled ``delivered + pulled_ahead`` entries from
         the sampler (``RandomSampler`` draws a last permutation from it only when a pull
         finds its end: the next epoch's order depends on where the last one stopped). The
-        epoch's draws are made again from where it started, up to that pull."""
+        epoch's draws are made again from where it started, up to that pull; only through
+        torch's own samplers, whose one state is the generator (a sampler of the user's may
+        count its ``__iter__`` calls)."""
         start = None if self._rng_state is None else self._rng_state["generator"]
-        if start is None or self.world_size != 1:
+        if start is None or self.world_size != 1 or not _replayable(self):
             return
         import torch
 
