@@ -145,23 +145,26 @@ def _orders(make, stop_at):
     return out
 
 
+def _shuffled(cls, workers, where):
+    """A shuffled loader whose generator is given to the loader or to its sampler."""
+    g = torch.Generator().manual_seed(7)
+    if where == "loader":
+        return cls(Ids(), batch_size=BATCH, shuffle=True, generator=g, num_workers=workers)
+    sampler = torch.utils.data.RandomSampler(Ids(), generator=g)
+    return cls(Ids(), batch_size=BATCH, sampler=sampler, num_workers=workers)
+
+
+@pytest.mark.parametrize("where", ["loader", "sampler"])
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("stop_at", [3, 11, len(WANT)])
-def test_the_order_after_an_epoch_that_stopped_early_is_torchs(workers, stop_at):
+def test_the_order_after_an_epoch_that_stopped_early_is_torchs(workers, stop_at, where):
     """torch's RandomSampler draws from the generator when a pull finds the sampler's end,
     and its iterator pulls ``prefetch_factor * num_workers`` batches ahead: where an epoch
     stops (mid-epoch, or at ``len()`` without asking for the end) decides the next epochs'
-    orders. They are torch's."""
-    kw = dict(batch_size=BATCH, shuffle=True, num_workers=workers)
-    want = _orders(
-        lambda: torch.utils.data.DataLoader(
-            Ids(), generator=torch.Generator().manual_seed(7), **kw
-        ),
-        stop_at,
-    )
-    got = _orders(
-        lambda: DataLoader(Ids(), generator=torch.Generator().manual_seed(7), **kw), stop_at
-    )
+    orders, whether the generator was given to the loader or to the sampler. They are
+    torch's."""
+    want = _orders(lambda: _shuffled(torch.utils.data.DataLoader, workers, where), stop_at)
+    got = _orders(lambda: _shuffled(DataLoader, workers, where), stop_at)
     assert got == want
 
 

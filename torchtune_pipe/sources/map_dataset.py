@@ -242,6 +242,7 @@ class MapDatasetSource:
         self.world_size = world_size
         self.base_seed = 0
         self._rng_state: dict | None = None
+        self._own_start: Any = None  # the state of a generator of the user's sampler (units)
         self._replay: dict | None = None
         self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
         # Entries torch's iterator pulls from the sampler ahead of those delivered (its
@@ -277,6 +278,13 @@ class MapDatasetSource:
                 "torch": torch.get_rng_state(),
                 "generator": None if self.generator is None else self.generator.get_state(),
             }
+            # A generator of the user's own sampler, apart from ``generator`` (left_early).
+            own = getattr(getattr(self.batch_sampler, "sampler", self.sampler), "generator", None)
+            self._own_start = (
+                own.get_state()
+                if isinstance(own, torch.Generator) and own is not self.generator
+                else None
+            )
             it = iter(index_sampler)
             self.base_seed = int(
                 torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
@@ -302,21 +310,26 @@ class MapDatasetSource:
 
     def left_early(self, delivered: int) -> None:
         """The consumer stopped after ``delivered`` entries (batches when batched) of the last
-        :meth:`units` call's epoch, without asking for its end: leave ``generator`` where
-        torch's iterator leaves it, having pulled ``delivered + pulled_ahead`` entries from
+        :meth:`units` call's epoch, without asking for its end: leave ``generator`` (and one
+        the user gave the sampler) where torch's iterator leaves it, having pulled ``delivered + pulled_ahead`` entries from
         the sampler (``RandomSampler`` draws a last permutation from it only when a pull
         finds its end: the next epoch's order depends on where the last one stopped). The
         epoch's draws are made again from where it started, up to that pull; only through
         torch's own samplers, whose one state is the generator (a sampler of the user's may
         count its ``__iter__`` calls)."""
         start = None if self._rng_state is None else self._rng_state["generator"]
-        if start is None or self.world_size != 1 or not _replayable(self):
+        own = self._own_start
+        if (start is None and own is None) or self.world_size != 1 or not _replayable(self):
             return
         import torch
 
-        self.generator.set_state(start)
+        if own is not None:
+            getattr(self.batch_sampler, "sampler", self.sampler).generator.set_state(own)
+        if start is not None:
+            self.generator.set_state(start)
         it = iter(self.batch_sampler if self.batched else self.sampler)
-        torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # the base seed
+        if start is not None:  # the base seed (from the global generator, not drawn again)
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         for _ in range(delivered + self.pulled_ahead):
             if next(it, _END) is _END:
                 break
