@@ -267,9 +267,9 @@ class DataLoader:
             batch's ``__getitem__`` calls as torch seeds its worker ``j`` at its start, ``j``
             the batch's position in the epoch, so random draws in the dataset give the same
             batches whatever the worker count, the tuner's moves or a resume (default; with
-            ``w`` workers the epoch's first ``w`` batches draw what torch's draw). ``False``: seed each worker process once,
-            at its start, with ``base_seed + worker_id`` as torch does (draws then depend on
-            which worker fetches which batch, as they do under torch).
+            ``w`` workers the epoch's first ``w`` batches draw what torch's draw). ``False``:
+            seed each worker process once, at its start, with ``base_seed + worker_id`` as
+            torch does (draws then depend on which worker fetches which batch, as under torch).
         max_concurrency: with ``"auto"``, the most ``__getitem__`` calls one fetch worker may
             run at once on its threads when reads wait (raised while running from 1); 1 for a
             dataset that must not be called from several threads at once. A dataset whose

@@ -311,12 +311,12 @@ class MapDatasetSource:
     def left_early(self, delivered: int) -> None:
         """The consumer stopped after ``delivered`` entries (batches when batched) of the last
         :meth:`units` call's epoch, without asking for its end: leave ``generator`` (and one
-        the user gave the sampler) where torch's iterator leaves it, having pulled ``delivered + pulled_ahead`` entries from
-        the sampler (``RandomSampler`` draws a last permutation from it only when a pull
-        finds its end: the next epoch's order depends on where the last one stopped). The
-        epoch's draws are made again from where it started, up to that pull; only through
-        torch's own samplers, whose one state is the generator (a sampler of the user's may
-        count its ``__iter__`` calls)."""
+        the user gave the sampler) where torch's iterator leaves it, having pulled
+        ``delivered + pulled_ahead`` entries from the sampler (``RandomSampler`` draws a last
+        permutation from it only when a pull finds its end: the next epoch's order depends on
+        where the last one stopped). The epoch's draws are made again from where it started,
+        up to that pull; only through torch's own samplers, whose one state is the generator
+        (a sampler of the user's may count its ``__iter__`` calls)."""
         start = None if self._rng_state is None else self._rng_state["generator"]
         own = self._own_start
         if (start is None and own is None) or self.world_size != 1 or not _replayable(self):
@@ -328,7 +328,8 @@ class MapDatasetSource:
         if start is not None:
             self.generator.set_state(start)
         it = iter(self.batch_sampler if self.batched else self.sampler)
-        if start is not None:  # the base seed (from the global generator, not drawn again)
+        if start is not None:
+            # The base seed (without ``generator`` it came from the global one: not again).
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         for _ in range(delivered + self.pulled_ahead):
             if next(it, _END) is _END:
