@@ -35,6 +35,7 @@ from torchtune_pipe.sources.base import (
     IterableDatasetSource,
     MapDatasetSource,
     frame_items,
+    left_early,
     load_units_state,
     max_readers,
     read_indexed,
@@ -97,9 +98,7 @@ class _Collated:
         load_units_state(self.source, state)
 
     def left_early(self, delivered: int) -> None:
-        left = getattr(self.source, "left_early", None)
-        if left is not None:
-            left(delivered)
+        left_early(self.source, delivered)
 
     def read(self, unit: Any) -> Iterator[Any]:
         for _, x in self.read_from(unit, frozenset()):

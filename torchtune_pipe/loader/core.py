@@ -71,7 +71,7 @@ from torchtune_pipe.loader.running import (
     warm_workers,
 )
 from torchtune_pipe.options import Strategy, with_fields
-from torchtune_pipe.sources.base import ShardedSource
+from torchtune_pipe.sources.base import ShardedSource, left_early
 from torchtune_pipe.stages import PipelineLike, items_out
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.tuning.base import Allocation, Observation
@@ -485,7 +485,7 @@ class Loader:
                         progress.finished = True
                         self._epoch = epoch + 1
                 if closed_by_consumer and not sys.is_finalizing():  # generator as torch's leaves it
-                    getattr(self.pipeline.source, "left_early", lambda n: None)(progress.delivered)
+                    left_early(self.pipeline.source, progress.delivered)
                 loop_error = None
                 if faststart is not None:
                     faststart.join()  # an executor still being built is closed, not leaked

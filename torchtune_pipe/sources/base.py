@@ -53,6 +53,7 @@ __all__ = [
     "UnitStats",
     "as_source",
     "frame_items",
+    "left_early",
     "load_units_state",
     "max_readers",
     "read_indexed",
@@ -162,6 +163,15 @@ def load_units_state(source: Source, state: Any) -> None:
     """Make ``source``'s next ``units()`` draw as the call that ``state`` came from did."""
     if isinstance(source, ResumableSource):
         source.load_units_state(state)
+
+
+def left_early(source: Any, delivered: int) -> None:
+    """Tell ``source`` its consumer left the last ``units()`` call's epoch after ``delivered``
+    items without asking for its end (a source with ``left_early``, e.g. one whose sampler
+    draws from a generator as it is read, puts that generator where torch's would be)."""
+    left = getattr(source, "left_early", None)
+    if left is not None:
+        left(delivered)
 
 
 @dataclass(frozen=True)
