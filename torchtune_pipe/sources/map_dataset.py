@@ -242,7 +242,9 @@ class MapDatasetSource:
         self.world_size = world_size
         self.base_seed = 0
         self._rng_state: dict | None = None
-        self._own_start: Any = None  # the state of a generator of the user's sampler (units)
+        # A generator of the user's sampler apart from ``generator``, and its state when the
+        # last units() call began (left_early).
+        self._own: tuple[Any, Any] | None = None
         self._replay: dict | None = None
         self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
         # Entries torch's iterator pulls from the sampler ahead of those delivered (its
@@ -278,10 +280,9 @@ class MapDatasetSource:
                 "torch": torch.get_rng_state(),
                 "generator": None if self.generator is None else self.generator.get_state(),
             }
-            # A generator of the user's own sampler, apart from ``generator`` (left_early).
             own = getattr(getattr(self.batch_sampler, "sampler", self.sampler), "generator", None)
-            self._own_start = (
-                own.get_state()
+            self._own = (
+                (own, own.get_state())
                 if isinstance(own, torch.Generator) and own is not self.generator
                 else None
             )
@@ -318,13 +319,13 @@ class MapDatasetSource:
         up to that pull; only through torch's own samplers, whose one state is the generator
         (a sampler of the user's may count its ``__iter__`` calls)."""
         start = None if self._rng_state is None else self._rng_state["generator"]
-        own = self._own_start
+        own = self._own
         if (start is None and own is None) or self.world_size != 1 or not _replayable(self):
             return
         import torch
 
         if own is not None:
-            getattr(self.batch_sampler, "sampler", self.sampler).generator.set_state(own)
+            own[0].set_state(own[1])
         if start is not None:
             self.generator.set_state(start)
         it = iter(self.batch_sampler if self.batched else self.sampler)
