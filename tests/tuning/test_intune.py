@@ -584,3 +584,20 @@ def test_the_planner_is_a_tuner_of_its_own_and_the_network_runs_without_the_plan
         assert not alone.pending.mask[alone.actions.plan_index]
     with pytest.raises(ValueError, match="plan_only"):
         InTuneTuner(plan_only=True, plan_action=False)
+
+
+def test_the_guard_forgets_what_allocations_delivered_on_another_cpu_count():
+    # Four workers per stage delivered 200 items/s on 16 CPUs; on 8 the same pipeline
+    # delivers 100 with two. The guard must not take the 16-CPU rate for a better allocation
+    # now and bring back four workers per stage to 8 CPUs.
+    tuner = InTuneTuner(plan_action=False)
+    wide = _obs(workers=(4, 4, 4), cpus=16.0, throughput=200.0)
+    tuner.reset(wide, start=wide.allocation())
+    for _ in range(3):
+        tuner.step(wide)
+    narrow = _obs(workers=(2, 2, 2), cpus=8.0, throughput=100.0)
+    for _ in range(3):
+        tuner.step(narrow)
+    tuner.prepare(narrow)
+    assert tuner.pending is not None
+    assert tuner.pending.current.workers == (2, 2, 2)

@@ -345,6 +345,7 @@ class InTuneTuner:
         undone = False
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
+            self._seen = {}  # what allocations delivered on the old CPU count says nothing now
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
             # The last worker move cost throughput: undo it and keep it off for a while.
             current = self._before[0]
@@ -468,8 +469,6 @@ class InTuneTuner:
         ``GUARD_WINDOW`` steps since the CPU count last changed are compared. Small moves can
         drift a pipeline down by less than ``REVERT_DROP`` each; this catches the sum.
         """
-        if self.encoder.since_rescale == 0:
-            self._seen = {}
         now = self.steps
         # Workers are booked with the shape they ran in: a fused stage runs none of its own.
         ran = obs.allocation()
