@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from multiproc.stats import MAX_FUSED
@@ -10,6 +12,7 @@ from torchtune_pipe.tuning.safety import (
     MEMORY_SAFE_SHARE,
     SHED_BUFFER_FLOOR_BYTES,
     Guarded,
+    charges,
     fit_memory,
     fusable_only,
     memory_parts,
@@ -180,3 +183,27 @@ def test_a_fused_stage_split_or_a_stage_fused_is_charged_the_cache_it_may_bring(
     # Fused into the reader, the UDF's cache moves into each of the reader's workers.
     fused = Allocation((4, 3, 2, 1), buffers, fused=(False, True, True, False))
     assert parts.worst_case_bytes(fused) == pytest.approx((4 * 950 + 150) * MiB, abs=1)
+
+
+def test_a_worker_hosting_fused_stages_is_charged_what_the_group_does():
+    # A reader of 7.5 us of CPU per row hosting two lookups that wait ~240 us per row on a
+    # store and a 50 us feature map: each worker computes 70 of its 550 us per row. Charged
+    # the reader's own half core, 16 CPUs held the group to 34 workers while the best
+    # static allocation runs 62.
+    def stage(name, cpu, busy, **kw):
+        return StageStats(name, 0, items_per_s=112_000.0, busy=busy, cpu_s_per_item=cpu, **kw)
+
+    host = dataclasses.replace(stage("read", 7.5e-6, 7.5 / 550), workers=62)
+    lookups = [stage(n, 6e-6, 244 / 550, io_bound=True, fused=True) for n in ("a", "b")]
+    features = stage("features", 50e-6, 50 / 550, fused=True)
+    obs = Observation((host, *lookups, features), 27.0, 16.0, 1 << 40, 0)
+    charge = charges(obs)[0]
+    assert charge == pytest.approx((0.5 * 57.5 + 0.1 * 488) / 545.5, rel=1e-6)  # the floors
+    assert 0.12 < charge < 0.15
+    alloc = Allocation((62, 1, 1, 1), (MiB,) * 4, fused=(False, True, True, True))
+    assert safe(alloc, obs) == alloc
+    # An I/O reader hosting a map that computes all its workers' time is charged its cores.
+    reader = dataclasses.replace(host, workers=8, busy=0.1, cpu_s_per_item=1e-6, io_bound=True)
+    heavy = stage("map", 8 / 112_000.0, 0.9, fused=True)
+    obs = Observation((reader, heavy), 112_000.0, 16.0, 1 << 40, 0)
+    assert charges(obs)[0] == pytest.approx(1.0)

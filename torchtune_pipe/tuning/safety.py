@@ -13,7 +13,8 @@ it measurably uses (CPU seconds per item times items per second per worker; its 
 when CPU time is not measured), floored at ``IO_MIN_CHARGE`` for stages that wait on I/O
 (:func:`~.base.is_io_bound`), on their neighbours at least ``WAITING_MIN_BLOCKED`` of the
 time, or have no work (``StageStats.idle``), and at ``CPU_MIN_CHARGE`` for the others; a full
-core before anything was measured. The factor is ``1 + (freed + spare) / cpus`` where
+core before anything was measured. A worker that hosts fused stages is charged the group's CPU
+and each member's floor for its share of the worker's time (:func:`charges`). The factor is ``1 + (freed + spare) / cpus`` where
 ``freed`` sums ``1 - charge`` over the workers and ``spare`` is ``SPARE_CORES`` once anything
 was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: docs/design.md, "The CPU
 budget", and BENCHMARKS.md.
@@ -122,8 +123,9 @@ def oversubscribe_factor(obs: Observation, alloc: Allocation | None = None) -> f
     workers = local_workers(alloc.replace(remote=remote))
     freed = 0.0
     hops = 0.0
-    for stage, w, r in zip(obs.stages, workers, remote, strict=False):
-        freed += w * (1.0 - charge(stage))
+    charged = charges(obs)
+    for stage, c, w, r in zip(obs.stages, charged, workers, remote, strict=False):
+        freed += w * (1.0 - c)
         hops += r * remote_charge(stage)
     measured = any(s.items_per_s > 0.0 or s.idle for s in obs.stages)
     spare = SPARE_CORES if measured else 0.0
@@ -146,6 +148,33 @@ def charge(stage: StageStats) -> float:
     if stage.items_per_s <= 0.0 and not is_io_bound(stage):
         return 1.0  # nothing measured yet: a full core
     return max(charge_floor(stage), min(1.0, _core_share(stage)))
+
+
+def charges(obs: Observation) -> list[float]:
+    """Per stage, the share of a core one of its workers is charged (module docstring). A
+    host's workers run the stages fused into it too: they are charged the group's CPU, and
+    each member's floor for the share of their time that member takes (its ``busy``), so a
+    reader that waits on I/O with a CPU map fused into it, or a CPU reader with lookups that
+    wait fused into it, is charged what its workers do, not what its own function does."""
+    stages = obs.stages
+    out = [charge(s) for s in stages]
+    for h, host in enumerate(stages):
+        members = [h]
+        while members[-1] + 1 < len(stages) and stages[members[-1] + 1].fused:
+            members.append(members[-1] + 1)
+        if len(members) == 1 or host.idle or host.workers <= 0 or host.items_per_s <= 0.0:
+            continue
+        group = [stages[i] for i in members]
+        time = sum(s.busy for s in group)
+        if time <= 0.0:
+            continue
+        floor = sum(charge_floor(s) * s.busy for s in group) / time
+        used = sum(
+            s.cpu_s_per_item * s.items_per_s if s.cpu_s_per_item > 0 else s.busy * host.workers
+            for s in group
+        )
+        out[h] = max(floor, min(1.0, used / host.workers))
+    return out
 
 
 def charge_floor(stage: StageStats) -> float:
