@@ -61,7 +61,7 @@ VARIANTS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
     ("memory share .9", "planner.MEMORY_SHARE 0.95 -> 0.9", ("planner.MEMORY_SHARE=0.9",)),
     ("need slack off", "NEED_SLACK 0.02 -> 0", ("capacity.NEED_SLACK=0.0",)),
     ("wait noise off", "WAIT_NOISE 0.05 -> 0", ("planner.WAIT_NOISE=0.0",)),
-    ("saturated off", "SATURATED 0.8 -> 0", ("planner.SATURATED=0.0",)),
+    ("saturated off", "SATURATED 0.8 -> 0", ("run_queue.SATURATED=0.0",)),
     ("fuse gain 0", "FUSE_MIN_GAIN 0.02 -> 0", ("planner.FUSE_MIN_GAIN=0.0",)),
     ("cheap hops off", "CHEAP_HOPS 2 -> 0", ("planner.CHEAP_HOPS=0.0",)),
     ("remote headroom off", "REMOTE_HEADROOM 1.05 -> 1.2",

@@ -143,7 +143,7 @@ def test_only_stages_that_can_use_workers_grow():
 
 
 def test_no_worker_is_added_while_the_workers_queue_for_a_cpu():
-    from torchtune_pipe.tuning.planner import cpu_saturated
+    from torchtune_pipe.tuning.run_queue import cpu_saturated
 
     # A map-style loader on 2 cores (numbers of a live run): two workers read with 64 calls in
     # flight each and collate (fused) at 322 batches/s; they waited for a CPU 32% of their
@@ -587,17 +587,13 @@ def test_the_planner_is_a_tuner_of_its_own_and_the_network_runs_without_the_plan
 
 
 def test_the_guard_forgets_what_allocations_delivered_on_another_cpu_count():
-    # Four workers per stage delivered 200 items/s on 16 CPUs; on 8 the same pipeline
-    # delivers 100 with two. The guard must not take the 16-CPU rate for a better allocation
-    # now and bring back four workers per stage to 8 CPUs.
+    # 4 workers per stage delivered 200 items/s on 16 CPUs, 2 deliver 100 on 8: the guard
+    # must not take the 16-CPU rate for a better allocation now and bring the 4 back.
     tuner = InTuneTuner(plan_action=False)
     wide = _obs(workers=(4, 4, 4), cpus=16.0, throughput=200.0)
     tuner.reset(wide, start=wide.allocation())
-    for _ in range(3):
-        tuner.step(wide)
     narrow = _obs(workers=(2, 2, 2), cpus=8.0, throughput=100.0)
-    for _ in range(3):
-        tuner.step(narrow)
+    for obs in (wide,) * 3 + (narrow,) * 3:
+        tuner.step(obs)
     tuner.prepare(narrow)
-    assert tuner.pending is not None
-    assert tuner.pending.current.workers == (2, 2, 2)
+    assert tuner.pending is not None and tuner.pending.current.workers == (2, 2, 2)

@@ -34,7 +34,7 @@ is the largest ``T`` (bisection) with ``T * sum g <= budget``, charged cores ``<
 than the consumer takes items. The budget is ``cpus`` while the busy stages' workers get a CPU
 whenever they can run, and only the CPU they use now (``X * sum g``) once they wait for one a
 fifth of their runnable time (``sum q >= (1 - SATURATED) * sum (g + q)``), in between in
-proportion (:func:`cpu_budget`), and never below what the running workers use at the rate the
+proportion (:func:`~.run_queue.cpu_budget`), and never below what the running workers use at the rate the
 model gives them (it holds back processes, it does not take away those that run): workers that queue for a
 CPU run on cores that are taken, by the pipeline's own threads in their bursts, the consumer
 or other processes, and another process would take its CPU from them. In the simulator ``q`` comes from ``phi``, below 1 only when the machine is
@@ -78,6 +78,7 @@ from torchtune_pipe.tuning.item_costs import (
     worker_seconds,
 )
 from torchtune_pipe.tuning.placement import local_headroom, local_wall, movable, place, remote_terms
+from torchtune_pipe.tuning.run_queue import cpu_budget
 from torchtune_pipe.tuning.safety import (
     MAX_OVERSUBSCRIBE,
     MEMORY_SAFE_SHARE,
@@ -97,9 +98,6 @@ _BISECT_STEPS = 40
 # A group (a stage and those fused into it) whose worker seconds per item exceed its CPU by
 # less than this share is CPU-bound: the rest is measurement noise (_Model.groups).
 WAIT_NOISE = 0.05
-# Workers that got a CPU for less than this share of their runnable time run on a machine
-# whose cores are taken: the plan spends no CPU beyond what the pipeline uses (cpu_budget).
-SATURATED = 0.8
 # A stage is fused only when the model gains more than this by it: a split stage keeps its own
 # workers, calls in flight and buffer, so a tie stays split.
 FUSE_MIN_GAIN = 0.02
@@ -573,42 +571,3 @@ def _worker_bytes(
             h = fusion_host(now, j)
             own[h] = max(lightest, own[h] - max(0.0, own[j] - lightest))
     return own, lightest
-
-
-def cpu_saturated(obs: Observation) -> bool:
-    """Whether the busy stages' workers waited for a CPU ``1 - SATURATED`` of their runnable
-    time or more (live only: the simulator measures no run queue): :func:`cpu_budget` then
-    allows no CPU beyond what they use now, and no tuner adds a worker (a dip in rows/s on
-    cores that are taken, by the pipeline or by others, is not a stage short of processes)."""
-    stages = obs.stages
-    if not stages or any(s.runqueue is None for s in stages):
-        return False
-    if any(s.items_per_s <= 0 and not s.idle for s in stages):
-        return False
-    r = per_delivered(obs)
-    g, idle = cpu_and_idle(obs, r)
-    q = worker_seconds(obs, r)([s.runqueue or 0.0 for s in stages])
-    return _free_share(g, q, idle) == 0.0
-
-
-def cpu_budget(x: float, g: list[float], q: list[float], idle: list[bool], cpus: float) -> float:
-    """The CPUs the plan may spend at most: ``cpus`` while the busy stages' workers get a CPU
-    whenever they can run; only what they use now (``x * sum g``) once they wait for one a
-    ``1 - SATURATED`` share of their runnable time or more, in between in proportion. Workers
-    that queue for a CPU show a machine whose cores are taken (by the pipeline's own threads
-    in their bursts, the consumer, other processes): another process then takes its CPU from
-    them, and the fluid model, which sees only the stages' CPU, would promise it a share of
-    cores nobody has to give."""
-    used = x * sum(g)
-    return min(cpus, used + max(0.0, cpus - used) * _free_share(g, q, idle))
-
-
-def _free_share(g: list[float], q: list[float], idle: list[bool]) -> float:
-    """How much of the CPU it does not use the plan may spend (:func:`cpu_budget`): 1 while
-    the busy stages' workers ran a ``SATURATED`` share of their runnable time or more (or
-    nothing ran), 0 at or below it, in between in proportion."""
-    run = sum(g[i] + q[i] for i in range(len(g)) if not idle[i])
-    if run <= 0.0:
-        return 1.0
-    share = sum(g[i] for i in range(len(g)) if not idle[i]) / run
-    return min(1.0, max(0.0, (share - SATURATED) / (1.0 - SATURATED)))

@@ -15,7 +15,8 @@ from multiproc.spec import fused_depth
 from torchtune_pipe.tuning.base import Allocation, MiB, Observation, StageStats, fusion_host
 from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
 from torchtune_pipe.tuning.cluster import local_total, remote_of
-from torchtune_pipe.tuning.planner import HEADROOM, Plan, cpu_saturated
+from torchtune_pipe.tuning.planner import HEADROOM, Plan
+from torchtune_pipe.tuning.run_queue import cpu_saturated
 from torchtune_pipe.tuning.safety import (
     LEAN_ITEMS,
     MEMORY_SAFE_SHARE,
@@ -159,7 +160,7 @@ class ActionSpace:
         # one only holds more waiting items: no buffer may grow then.
         consumer_bound = obs.consumer_step_s * obs.throughput >= CONSUMER_BOUND
         # Workers that queue for a CPU: another process would take its CPU from them (the
-        # plan's budget, planner.cpu_saturated); workers only move or go.
+        # plan's budget, run_queue.cpu_saturated); workers only move or go.
         saturated = cpu_saturated(obs)
         flat_out = working_flat_out(obs)
         takes = [LEAN_ITEMS * b for b in take_bytes(obs)]
