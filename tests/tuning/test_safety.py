@@ -207,3 +207,18 @@ def test_a_worker_hosting_fused_stages_is_charged_what_the_group_does():
     heavy = stage("map", 8 / 112_000.0, 0.9, fused=True)
     obs = Observation((reader, heavy), 112_000.0, 16.0, 1 << 40, 0)
     assert charges(obs)[0] == pytest.approx(1.0)
+
+
+def test_over_the_cpu_budget_growth_is_refused_before_what_runs_is_cut():
+    # 62 readers waiting on I/O (0.1 of a core each) and 22 CPU workers on 32 cores: charged
+    # 6.2 + 22 + 4, within the budget. The tuner asks for 4 more CPU workers: they are
+    # refused, and the readers, the largest stage, keep all 62.
+    stages = (
+        StageStats("read", 62, items_per_s=1e5, busy=0.9, cpu_s_per_item=2e-5, io_bound=True),
+        StageStats("udf", 22, items_per_s=1e5, busy=1.0, cpu_s_per_item=2.2e-4),
+        StageStats("batch", 4, items_per_s=1e3, busy=1.0, cpu_s_per_item=4e-3),
+    )
+    obs = Observation(stages, 1e3, cpus=32, memory_limit_bytes=64 << 30, memory_used_bytes=0)
+    assert safe(obs.allocation(), obs).workers == (62, 22, 4)
+    got = safe(Allocation((62, 26, 4), (MiB,) * 3), obs)
+    assert got.workers[0] == 62 and 22 <= got.workers[1] < 26

@@ -7,6 +7,7 @@ trained and tested on the simulator and deployed unchanged on a live pipeline.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -409,13 +410,20 @@ def limits_of(obs: Observation, memory_fraction: float = 1.0) -> Limits:
     )
 
 
-def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allocation:
+def clamp(
+    alloc: Allocation,
+    limits: Limits,
+    oversubscribe: float = 1.0,
+    was: Sequence[int] = (),
+) -> Allocation:
     """Enforce the safety rules on any tuner's decision.
 
     Never fewer than ``min_workers`` (>= 1) per stage, never more than ``max_workers``, total
     workers within ``cpus * oversubscribe`` (stages that wait on I/O may legitimately run more
     workers than cores, so callers pass ``oversubscribe > 1`` for them), and total buffer bytes
-    within ``memory_bytes``. When over a budget, the largest allocations shrink first.
+    within ``memory_bytes``. When over a budget, the largest allocations shrink first; over
+    the CPU budget, first those of the stages that grow past ``was`` (the workers running now,
+    when given): growth is refused before what runs is cut.
     """
     n = len(alloc.workers)
     lo = limits.min_workers or (1,) * n
@@ -432,7 +440,15 @@ def clamp(alloc: Allocation, limits: Limits, oversubscribe: float = 1.0) -> Allo
     floor = sum(max(0, max(1, lo[i]) - remote[i]) for i in own)
     cap = max(floor, int(limits.cpus * oversubscribe + 0.5))
     while sum(local(i) for i in own) > cap:
-        i = max(own, key=lambda j: (min(local(j), workers[j] - max(1, lo[j])), local(j)))
+        i = max(
+            own,
+            key=lambda j: (
+                min(local(j), workers[j] - max(1, lo[j])) > 0,
+                bool(was) and workers[j] > was[j],
+                min(local(j), workers[j] - max(1, lo[j])),
+                local(j),
+            ),
+        )
         if workers[i] <= max(1, lo[i]) or local(i) <= 0:
             break
         workers[i] -= 1

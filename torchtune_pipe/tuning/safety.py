@@ -14,7 +14,10 @@ when CPU time is not measured), floored at ``IO_MIN_CHARGE`` for stages that wai
 (:func:`~.base.is_io_bound`), on their neighbours at least ``WAITING_MIN_BLOCKED`` of the
 time, or have no work (``StageStats.idle``), and at ``CPU_MIN_CHARGE`` for the others; a full
 core before anything was measured. A worker that hosts fused stages is charged the group's CPU
-and each member's floor for its share of the worker's time (:func:`charges`). The factor is ``1 + (freed + spare) / cpus`` where
+and each member's floor for its share of the worker's time (:func:`charges`). Over the budget,
+the workers stages would gain go first, then the largest stages shrink: measured charges move
+from one interval to the next, and an allocation that ran must not lose 36 of its 62 readers
+(charged 0.1 of a core each) to a few tenths of a core the CPU stages' noise added. The factor is ``1 + (freed + spare) / cpus`` where
 ``freed`` sums ``1 - charge`` over the workers and ``spare`` is ``SPARE_CORES`` once anything
 was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: docs/design.md, "The CPU
 budget", and BENCHMARKS.md.
@@ -214,8 +217,9 @@ def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> A
     limits = limits or limits_of(obs)
     if not alloc.remote and any(obs.remote_workers):  # "as now": the count must be explicit
         alloc = alloc.replace(remote=remote_of(alloc, obs))
-    out = clamp(alloc, limits, oversubscribe_factor(obs, alloc))
-    while (again := clamp(out, limits, oversubscribe_factor(obs, out))) != out:
+    was = obs.allocation().workers
+    out = clamp(alloc, limits, oversubscribe_factor(obs, alloc), was)
+    while (again := clamp(out, limits, oversubscribe_factor(obs, out), was)) != out:
         out = again  # ends: workers only shrink, and never below the stage minimums
     return out
 
