@@ -34,11 +34,12 @@ is the largest ``T`` (bisection) with ``T * sum g <= budget``, charged cores ``<
 than the consumer takes items. The budget is ``cpus`` while the busy stages' workers get a CPU
 whenever they can run, and only the CPU they use now (``X * sum g``) once they wait for one a
 fifth of their runnable time (``sum q >= (1 - SATURATED) * sum (g + q)``), in between in
-proportion (:func:`~.run_queue.cpu_budget`), and never below what the running workers use at the rate the
-model gives them (it holds back processes, it does not take away those that run): workers that queue for a
-CPU run on cores that are taken, by the pipeline's own threads in their bursts, the consumer
-or other processes, and another process would take its CPU from them. In the simulator ``q`` comes from ``phi``, below 1 only when the machine is
-oversubscribed, where ``X * sum g`` is ``cpus`` already.
+proportion (:func:`~.run_queue.cpu_budget`), and never below what the running workers use at
+the rate the model gives them (it holds back processes, it does not take away those that run):
+workers that queue for a CPU run on cores that are taken, by the pipeline's own threads in
+their bursts, the consumer or other processes, and another process would take its CPU from them.
+In the simulator ``q`` comes from ``phi``, below 1 only when the machine is oversubscribed,
+where ``X * sum g`` is ``cpus`` already.
 
 Fusion. The plan also chooses which stages run fused (``Allocation.fused``): a group (a host and
 the stages fused into it) is planned as one stage with the host's workers, costing the sum of

@@ -14,13 +14,13 @@ when CPU time is not measured), floored at ``IO_MIN_CHARGE`` for stages that wai
 (:func:`~.base.is_io_bound`), on their neighbours at least ``WAITING_MIN_BLOCKED`` of the
 time, or have no work (``StageStats.idle``), and at ``CPU_MIN_CHARGE`` for the others; a full
 core before anything was measured. A worker that hosts fused stages is charged the group's CPU
-and each member's floor for its share of the worker's time (:func:`charges`). Over the budget,
-the workers stages would gain go first, then the largest stages shrink: measured charges move
-from one interval to the next, and an allocation that ran must not lose 36 of its 62 readers
-(charged 0.1 of a core each) to a few tenths of a core the CPU stages' noise added. The factor is ``1 + (freed + spare) / cpus`` where
-``freed`` sums ``1 - charge`` over the workers and ``spare`` is ``SPARE_CORES`` once anything
-was measured, capped at ``MAX_OVERSUBSCRIBE``. Why these numbers: docs/design.md, "The CPU
-budget", and BENCHMARKS.md.
+and each member's floor for its share of the worker's time (:func:`charges`). The factor is
+``1 + (freed + spare) / cpus`` where ``freed`` sums ``1 - charge`` over the workers and
+``spare`` is ``SPARE_CORES`` once anything was measured, capped at ``MAX_OVERSUBSCRIBE``. Over
+the budget, the workers stages would gain go first, then the largest stages shrink: measured
+charges move from one interval to the next, and an allocation that ran must not lose 36 of its
+62 readers (charged 0.1 of a core each) to a few tenths of a core the CPU stages' noise added.
+Why these numbers: docs/design.md, "The CPU budget", and BENCHMARKS.md.
 
 Two budgets (:func:`placed`): with a cluster (``Observation.cluster_cpus``), a stage's workers
 are local or remote (``Allocation.remote``). Local workers count against the CPU budget as
