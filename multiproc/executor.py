@@ -426,7 +426,7 @@ class Executor:
                         runq_ns=sum(r.runq_ns for r in rows),
                         hop_ns=sum(r.hop_ns for r in rows),
                         concurrency=st.concurrency,
-                        fused=state.fused[st.index],
+                        fused=self._fusion.running_fused(st.index),
                         fusable=fusable[st.index],
                         placement=self.spec.stages[st.index].placement,
                         remote_workers=sum(h.remote and h.state != WS.RETIRING for h in live),

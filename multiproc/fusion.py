@@ -111,10 +111,19 @@ class FusionControl:
         # Per stage, the depth its workers were last told (protocol.Fuse; at spawn, the one
         # of then).
         self.depth_sent = [fused_depth(state.fused, i) for i in range(len(stages))]
+        # Per stage, fused as of the last apply (a split takes effect there).
+        self.applied = list(state.fused)
 
     def fused(self) -> tuple[bool, ...]:
         """Per stage, whether it runs in the previous stage's workers."""
         return tuple(self.state.fused)
+
+    def running_fused(self, j: int) -> bool:
+        """Whether stage ``j`` runs in its host's workers now, as a snapshot reports it: from
+        a switch to fused on (its own workers drain meanwhile), and until the router gives a
+        stage switched to split its workers back (:meth:`apply`); its host's workers run it
+        until then."""
+        return self.state.fused[j] or self.applied[j]
 
     def fusable(self) -> tuple[bool, ...]:
         """Per stage, whether :meth:`switch` may fuse it into the stage before it (given
@@ -159,6 +168,7 @@ class FusionControl:
                 self.depth_sent[i] = d
                 for h in pool.active(i):
                     self.mail.send(h, P.Fuse(d))
+        self.applied = list(state.fused)
 
     def settle(self) -> None:
         """A fused stage's workers retire once nothing is queued or running there; one is
