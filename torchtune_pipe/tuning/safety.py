@@ -160,14 +160,13 @@ def charges(obs: Observation) -> list[float]:
     reader that waits on I/O with a CPU map fused into it, or a CPU reader with lookups that
     wait fused into it, is charged what its workers do, not what its own function does."""
     stages = obs.stages
+    fused = [s.fused for s in stages]
     out = [charge(s) for s in stages]
     for h, host in enumerate(stages):
-        members = [h]
-        while members[-1] + 1 < len(stages) and stages[members[-1] + 1].fused:
-            members.append(members[-1] + 1)
-        if len(members) == 1 or host.idle or host.workers <= 0 or host.items_per_s <= 0.0:
+        depth = fused_depth(fused, h)
+        if depth == 0 or host.idle or host.workers <= 0 or host.items_per_s <= 0.0:
             continue
-        group = [stages[i] for i in members]
+        group = stages[h : h + depth + 1]
         time = sum(s.busy for s in group)
         if time <= 0.0:
             continue
