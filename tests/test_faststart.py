@@ -224,6 +224,37 @@ def test_workers_that_restart_sooner_than_a_unit_reads_read_the_first_unit():
     assert seen == [list(range(32))] * 3  # every sample once per epoch
 
 
+class BusyPid(SlowPid):
+    """64 samples of ~20 ms of pure Python (they hold the interpreter lock: a kind probe puts
+    them on processes)."""
+
+    def __len__(self):
+        return 64
+
+    def __getitem__(self, i):
+        end = time.thread_time() + 0.02
+        while time.thread_time() < end:
+            pass
+        return {"i": i, "pid": os.getpid()}
+
+
+def test_after_a_kind_probe_restarted_workers_still_read_the_first_unit():
+    """The first epoch of ``"auto"`` probes the kind before its workers start; what the next
+    epochs expect of their workers' start is the start alone (~0.1 s), not the probe too, so
+    their first unit (~0.16 s) is the workers' to read."""
+    g = torch.Generator().manual_seed(1)
+    firsts, seen = [], []
+    with DataLoader(BusyPid(), batch_size=8, shuffle=True, generator=g, num_workers="auto") as dl:
+        for _ in range(3):
+            batches = list(dl)
+            firsts.append(int(batches[0]["pid"][0]))
+            seen.append(sorted(int(i) for b in batches for i in b["i"]))
+        assert dl.loader._kinds.kind  # the probe placed the stages
+    assert firsts[0] == os.getpid()
+    assert firsts[1] != os.getpid() and firsts[2] != os.getpid()
+    assert seen == [list(range(64))] * 3
+
+
 class Sleepy(Dataset):
     """Samples of ~2 ms."""
 

@@ -107,7 +107,7 @@ class ShapeProbe:
         decided: ``"inline"`` or ``"workers"`` once chosen.
         units_read: units read one at a time (inline, or alone by a kind probe), in
             ``inline_s``.
-        serving_s: seconds the last executor took to serve, from its epoch's start (None:
+        serving_s: seconds the last executor took to serve, from its build's start (None:
             none has yet).
     """
 
@@ -231,6 +231,7 @@ class FastStart:
         self._executor: Any = None
         self._error: BaseException | None = None
         self._built = threading.Event()
+        self._build_t0 = self._t0  # when the build began (after a kind probe, where one runs)
         self.kind_probe = kind_probe
         self._units: queue.SimpleQueue = queue.SimpleQueue()  # the probe's units, in order
         self._stop_probe = threading.Event()
@@ -241,7 +242,11 @@ class FastStart:
             target=self._build, args=(start,), name="torchtune_pipe-start", daemon=True
         )
         if kind_probe is None:
-            self._thread.start()
+            self._start_build()
+
+    def _start_build(self) -> None:
+        self._build_t0 = time.perf_counter()
+        self._thread.start()
 
     def _build(self, start: Callable[[], Any]) -> None:
         try:
@@ -256,13 +261,13 @@ class FastStart:
         self._time_serving()
 
     def _time_serving(self) -> None:
-        """On the build's thread: note when the executor serves (:attr:`ShapeProbe.serving_s`,
-        what the next epoch's start expects of its own)."""
+        """On the build's thread: note how long after its build began the executor serves
+        (:attr:`ShapeProbe.serving_s`, what the next epoch's start expects of its own)."""
         ex = self._executor
         while ex is not None and not self._joined.is_set():
             try:
                 if ex.serving():
-                    self.probe.serving_s = time.perf_counter() - self._t0
+                    self.probe.serving_s = time.perf_counter() - self._build_t0
                     return
             except Exception:  # closed meanwhile: nothing to time
                 return
@@ -276,7 +281,7 @@ class FastStart:
         p = self.probe
         if p.serving_s is None or not p.units_read:
             return False
-        left = p.serving_s - (time.perf_counter() - self._t0)
+        left = p.serving_s - (time.perf_counter() - self._build_t0)
         return left < p.inline_s / p.units_read
 
     def _ready(self) -> bool:
@@ -377,7 +382,7 @@ class FastStart:
                 )
             else:
                 kp.decide(0.0, 0.0, 0.0, ratio, None)
-            self._thread.start()
+            self._start_build()
         except BaseException as e:  # the consumer gets it in the unit's place
             self._units.put(e)
         finally:
@@ -444,7 +449,7 @@ class FastStart:
         """The first unit in the calling thread, then the probe's units in order (the number
         read in ``self._probed``)."""
         if not self.works:
-            self._thread.start()
+            self._start_build()
             return
         t0 = time.perf_counter()
         items = self._read_inline(self.works[0])  # warm-up: imports, first opens
