@@ -58,6 +58,48 @@ def test_map_source_units_follow_the_sampler_and_shard_by_rank():
     assert list(MapDatasetSource(Batched(), batch_size=2).read(src.units()[0]))[0][0] == ("many", 0)
 
 
+@pytest.mark.parametrize("batch_size", [None, 1, 3, 4])
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("per_unit", [1, 2, 5])
+def test_torchs_own_samplers_give_the_units_a_batch_by_batch_draw_does(
+    batch_size, shuffle, drop_last, per_unit
+):
+    """torch's BatchSampler over its Random or Sequential sampler is cut into units from the
+    whole order at once; the units, their seeds and the generators after the draw are those of
+    drawing batch after batch from the sampler (any other sampler is drawn that way)."""
+    from torchtune_pipe.sources import map_dataset
+
+    def draw(plain):
+        torch.manual_seed(3)
+        g = torch.Generator().manual_seed(11)
+        src = MapDatasetSource(
+            Table(), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+            generator=g, entries_per_unit=per_unit, seed_units=True,
+        )  # fmt: skip
+        saved, cut = map_dataset._plain_batches, []
+        map_dataset._plain_batches = lambda *a: (
+            cut.append(saved(*a)) or (cut[-1] if plain else None)
+        )
+        try:
+            units = [src.units(epoch) for epoch in range(2)]
+        finally:
+            map_dataset._plain_batches = saved
+        assert None not in cut  # torch's own samplers: the fast path applies
+        return units, g.get_state(), torch.get_rng_state()
+
+    fast, slow = draw(True), draw(False)
+    assert [[(u.id, list(u.entries), u.seed) for u in e] for e in fast[0]] == [
+        [(u.id, list(u.entries), u.seed) for u in e] for e in slow[0]
+    ]
+    assert all(type(u.entries) is map_dataset.PackedEntries for e in fast[0] for u in e)
+    assert torch.equal(fast[1], slow[1]) and torch.equal(fast[2], slow[2])
+    entries = [list(u.entries) for u in fast[0][0]]
+    flat = [i for e in entries for x in e for i in (x if batch_size else [x])]
+    assert len(flat) == (10 - 10 % batch_size if batch_size and drop_last else 10)
+    assert sorted(flat) == sorted(set(flat))  # each index once
+
+
 def test_map_source_units_hold_int_indices_packed_and_give_them_back_as_the_sampler_did():
     import pickle
 
