@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import Dataset
 
 from torchtune_pipe import DataLoader
-from torchtune_pipe.loader.faststart import ShapeProbe
+from torchtune_pipe.loader.shape import ShapeProbe
 from torchtune_pipe.tuning.loop import read_log
 
 from ._compare import assert_same

@@ -43,12 +43,7 @@ from torchtune_pipe.loader.epoch import (
     make_prefetcher,
     skip_prefix,
 )
-from torchtune_pipe.loader.faststart import (
-    FastStart,
-    ShapeProbe,
-    fast_start_fits,
-    inline_context,
-)
+from torchtune_pipe.loader.faststart import FastStart, fast_start_fits, inline_context
 from torchtune_pipe.loader.inline import run_inline
 from torchtune_pipe.loader.kindprobe import KindProbe
 from torchtune_pipe.loader.kindstart import kind_probe
@@ -70,6 +65,7 @@ from torchtune_pipe.loader.running import (
     take_snapshot,
     warm_workers,
 )
+from torchtune_pipe.loader.shape import ShapeProbe
 from torchtune_pipe.options import Strategy, with_fields
 from torchtune_pipe.sources.base import ShardedSource, left_early
 from torchtune_pipe.stages import PipelineLike, items_out

@@ -15,13 +15,7 @@ of the calling thread are saved around each inline read and restored, so the tra
 own random draws are not disturbed.
 
 Where the loader may choose its shape (``num_workers="auto"``), the inline phase doubles as a
-measurement. Rows that cost less than a hop between processes (a few microseconds of CPU) are
-faster read in the calling thread than on workers; torch's best setting for them is
-``num_workers=0``. Once the tuner has had time to settle the workers, the delivered rate of the
-workers is compared, window by window, with the rate the inline reads would give with the
-consumer's measured step time. When inline is clearly faster twice in a row, the executor is
-closed and the rest of the epoch (and every later one) is read inline; the items the workers
-had in flight are read again, and the bookkeeping of what was delivered keeps it exactly once.
+measurement (:mod:`torchtune_pipe.loader.shape`).
 """
 
 from __future__ import annotations
@@ -41,6 +35,14 @@ from multiproc.serialize import hop_s
 from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
 from torchtune_pipe.loader.kindprobe import Helper, KindProbe, read_or_error, runq_s
+from torchtune_pipe.loader.shape import (
+    INLINE_MAX_WAIT_RATIO,
+    SETTLE_INTERVALS,
+    SETTLE_MIN_S,
+    WAIT_EVIDENCE_S,
+    ShapeProbe,
+    measured,
+)
 from torchtune_pipe.loader.switching import quick_switches
 from torchtune_pipe.loader.tagging import Work
 from torchtune_pipe.sources.rng import rng_states, set_rng_states
@@ -51,19 +53,6 @@ log = logging.getLogger(__name__)
 # How long a consumer that stops during the inline phase waits for the executor being built
 # (so that it can be closed rather than leaked).
 _JOIN_S = 120.0
-# Shape choice: tuning intervals given to the tuner before the workers are measured, windows
-# measured at most, and how much faster inline must be (twice in a row) to be chosen.
-SETTLE_INTERVALS = 2
-SETTLE_MIN_S = 1.0
-WINDOW_MIN_ITEMS = 16
-MAX_WINDOWS = 8
-INLINE_GAIN = 1.25
-# Inline reads that wait (wall time well past their CPU time) cannot overlap their waits in the
-# calling thread, while workers and calls in flight can: such reads are never chosen inline.
-INLINE_MAX_WAIT_RATIO = 1.5
-# Wall time of inline reads below which their waits are not judged: a few reads at a start
-# share the interpreter with the threads starting the workers, which reads as waiting.
-WAIT_EVIDENCE_S = 0.1
 # How often the build's thread asks a built executor whether it serves (_time_serving).
 SERVING_POLL_S = 0.002
 # Kind probe (KindProbe): rounds of one unit alone then k at once, at most; the measured read
@@ -88,41 +77,6 @@ class _Measured:
     together_items: int = 0
     hop_s: float = 0.0
     error: Exception | None = None
-
-
-@dataclass
-class ShapeProbe:
-    """What the shape choice has measured so far; kept by the loader from epoch to epoch (an
-    epoch may end before a choice is made, and the next goes on from where it stopped).
-
-    Attributes:
-        inline_s: time reading inline units, less the waits for a CPU.
-        inline_cpu_s: CPU time of those reads.
-        inline_items: items they gave.
-        settle_until: ``perf_counter`` time from which the workers are measured (None: they
-            have not run yet).
-        windows: windows measured; wins: consecutive windows inline won.
-        window_s, window_items, window_waited_s: the window being measured (its seconds,
-            items and the consumer's waits for the workers), over as many epochs as it takes.
-        decided: ``"inline"`` or ``"workers"`` once chosen.
-        units_read: units read one at a time (inline, or alone by a kind probe), in
-            ``inline_s``.
-        serving_s: seconds the last executor took to serve, from its build's start (None:
-            none has yet).
-    """
-
-    inline_s: float = 0.0
-    inline_cpu_s: float = 0.0
-    inline_items: int = 0
-    units_read: int = 0
-    serving_s: float | None = None
-    settle_until: float | None = None
-    windows: int = 0
-    wins: int = 0
-    decided: str | None = None
-    window_s: float = 0.0
-    window_items: int = 0
-    window_waited_s: float = 0.0
 
 
 @contextlib.contextmanager
@@ -520,57 +474,10 @@ class FastStart:
         if not self.choose_shape or p.decided is not None or not p.inline_items:
             yield from run
             return
-        yield from self._measured(run)
+        yield from measured(run, p, self.interval_s, self.may_go_inline, self.on_inline)
         if p.decided == "inline":
             for w in self._left():
                 yield from self._read_inline(w)
-
-    def _measured(self, run: Iterator[tuple]) -> Iterator[tuple]:
-        """The executor's stream, timed window by window until a shape is chosen; ends early
-        (closing the run) when inline is chosen."""
-        p = self.probe
-        in_s_per_item = p.inline_s / p.inline_items
-        # A window goes on from epoch to epoch (an epoch shorter than a window would never
-        # complete one): this epoch's part of it runs from its first measured item.
-        seg_start: float | None = None
-        base_s = 0.0
-        while True:
-            t0 = time.perf_counter()
-            try:
-                t = next(run)
-            except StopIteration:
-                return
-            now = time.perf_counter()
-            if p.decided is None and p.settle_until is not None and now >= p.settle_until:
-                if seg_start is None:
-                    seg_start, base_s = t0, p.window_s
-                p.window_waited_s += now - t0  # waiting for the workers; the rest: the consumer
-                p.window_items += t[1] >= 0
-                p.window_s = span = base_s + (now - seg_start)
-                items, waited_s = p.window_items, p.window_waited_s
-                if span >= self.interval_s and items >= WINDOW_MIN_ITEMS:
-                    consumer_s = max(0.0, span - waited_s)
-                    workers_rate = items / span
-                    inline_rate = items / (consumer_s + items * in_s_per_item)
-                    p.windows += 1
-                    p.wins = p.wins + 1 if inline_rate > INLINE_GAIN * workers_rate else 0
-                    log.debug("shape: workers %.1f items/s, inline %.1f", workers_rate, inline_rate)
-                    if p.wins >= 2 and self.may_go_inline():
-                        yield t
-                        p.decided = "inline"
-                        # The tuner stops before the executor closes (a tick must not observe
-                        # a closed executor); what the workers had in flight is read again.
-                        self.on_inline(
-                            f"inline reads ({inline_rate:.0f} items/s with the consumer's "
-                            f"{consumer_s / items * 1e3:.2f} ms per item) beat the workers "
-                            f"({workers_rate:.0f} items/s)"
-                        )
-                        run.close()
-                        return
-                    if inline_rate * INLINE_GAIN < workers_rate or p.windows >= MAX_WINDOWS:
-                        p.decided = "workers"  # faster, or as fast: keep them
-                    seg_start, p.window_s, p.window_items, p.window_waited_s = None, 0.0, 0, 0.0
-            yield t
 
     def _left(self) -> list[Work]:
         """The works not delivered yet, skipping the items of partial units already given."""
