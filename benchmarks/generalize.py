@@ -21,6 +21,9 @@ Per case and tuner:
   oracle of the nearer of the level's middle and end).
 * ``/plumber``, ``/autotune``: a case's time-averaged throughput over Plumber-adaptive's and
   AUTOTUNE's on the same case.
+* ``churn``: workers started or stopped per interval over the second half of every CPU level,
+  where a tuner has had time to settle (:func:`settled_churn`): what the simulator charges
+  nothing for and a live pipeline pays in process starts and stops.
 
 Per family: min and median of each, and the OOMs. Targets, per family, for the steady state:
 min >= 0.90 and median >= 0.97 of the oracle, median >= 1.0x Plumber-adaptive (time-averaged),
@@ -60,7 +63,7 @@ from _common import machine_info, print_table, usable_cores, write_json  # noqa:
 from _generalize_cases import FAMILIES, Case, battery, drifts  # noqa: E402
 
 from torchtune_pipe.sim.model import SimPipeline  # noqa: E402
-from torchtune_pipe.tuning.base import MiB, Tuner  # noqa: E402
+from torchtune_pipe.tuning.base import MiB, Observation, Tuner  # noqa: E402
 from torchtune_pipe.tuning.loop import run_episode  # noqa: E402
 from torchtune_pipe.tuning.oracle import best_static  # noqa: E402
 from torchtune_pipe.tuning.registry import make_tuner  # noqa: E402
@@ -262,12 +265,25 @@ def run_case(case: Case, segment: int, tuners: Sequence[str], cached: Mapping[st
             steady.append(x / max(oracle[(k, end)], 1e-12))
         mean = sum(o.throughput for o in trace) / steps  # intervals after an OOM deliver 0
         out["tuners"][name] = {
+            "churn": _sig(settled_churn(trace, segment)),
             "steady": [_sig(x) for x in steady],
             "time_avg": _sig(mean / max(denominator, 1e-12)),
             "throughput": _sig(mean),
             "oom": bool(trace and trace[-1].oom),
         }
     return out
+
+
+def settled_churn(trace: Sequence[Observation], segment: int) -> float:
+    """Workers started or stopped per interval over the second half of each ``segment``-step
+    level: the sum over stages of the change in running workers (a fused stage runs none)
+    between consecutive observations."""
+    moves = [
+        sum(abs(a.workers - b.workers) for a, b in zip(x.stages, y.stages, strict=True))
+        for j, (x, y) in enumerate(zip(trace, trace[1:], strict=False), start=1)
+        if j % segment >= segment // 2
+    ]
+    return statistics.fmean(moves) if moves else 0.0
 
 
 def _sig(x: float) -> float:
@@ -335,6 +351,7 @@ def summarize(results: Sequence[dict], tuners: Sequence[str]) -> list[dict]:
                 "steady min": min(steady), "steady med": statistics.median(steady),
                 "avg min": min(avg), "avg med": statistics.median(avg),
                 "ooms": sum(r["tuners"][name]["oom"] for r in mine),
+                "churn": statistics.fmean(r["tuners"][name].get("churn", 0.0) for r in mine),
             }  # fmt: skip
             for base in BASELINES:
                 if base in tuners and base != name:
@@ -410,7 +427,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "seconds": time.monotonic() - t0,
     }
     columns = ["family", "tuner", "cases", "steady min", "steady med", "avg min", "avg med",
-               "/plumber", "/autotune", "ooms"]  # fmt: skip
+               "/plumber", "/autotune", "ooms", "churn"]  # fmt: skip
     print_table(rows, columns, title=f"{len(cases)} cases, ratios to the oracle (steady per CPU "
                 f"level, time-averaged per case); /baseline: time-averaged, median")  # fmt: skip
     if met:

@@ -32,6 +32,21 @@ def test_the_battery_draws_no_seed_that_pretraining_or_an_evaluation_used():
     assert any(case.levels == (24, 96, 48) for case in cases)
 
 
+def test_churn_counts_the_workers_started_or_stopped_once_a_level_settled():
+    from types import SimpleNamespace as NS
+
+    def obs(*workers):
+        return NS(stages=[NS(workers=w) for w in workers])
+
+    # Two levels of 4 intervals: those ending at observations 2-3 and 6-7 (their second
+    # halves) are counted; 0->1 (4 started) and 3->4 (4 stopped) are not.
+    trace = [obs(1, 1), obs(5, 1), obs(5, 2), obs(5, 2), obs(1, 2), obs(1, 2), obs(1, 4),
+             obs(3, 1)]  # fmt: skip
+    # Counted: 1->2 (1), 2->3 (0), 5->6 (2), 6->7 (2 + 3): 8 over 4 intervals.
+    assert generalize.settled_churn(trace, 4) == 8 / 4
+    assert generalize.settled_churn(trace[:1], 4) == 0.0
+
+
 @pytest.mark.slow
 def test_quick_run_prints_every_family_and_the_targets(tmp_path, capsys):
     out = tmp_path / "generalize.json"
@@ -46,5 +61,7 @@ def test_quick_run_prints_every_family_and_the_targets(tmp_path, capsys):
     for case in data["cases"]:
         for result in case["tuners"].values():
             assert len(result["steady"]) == len(case["levels"])
+            assert result["churn"] >= 0.0
+    assert all(r["churn"] >= 0.0 for r in rows)
     printed = capsys.readouterr().out
     assert "steady min" in printed and "targets" in printed
