@@ -311,3 +311,21 @@ def test_a_probe_weighs_the_hop_a_process_would_pay(tmp_path, monkeypatch):
     assert re.search(r"start on threads: 2 reads at once on threads ran \d\.\d+x one alone "
                      r"and \d+\.\d+x what 2 processes would", said), said  # fmt: skip
     assert hops and all(b == 64 * 2**20 // 2 for b in hops)  # the stage's budget over k workers
+
+
+@pytest.mark.parametrize("below", [10.0, 0.0])
+def test_a_first_round_that_settles_the_kind_ends_the_probe(monkeypatch, below):
+    """A first counted round in which threads read at most ``SETTLED_BELOW`` of what processes
+    would (reads that hold the lock: no round's noise brings them to where threads start)
+    ends the probe there, and the workers start; otherwise it counts ``KIND_ROUNDS_MIN``
+    rounds or more (one hop weighed per counted round)."""
+    from torchtune_pipe.loader import faststart, kindstart
+
+    counted = []
+    hop = faststart.hop_s
+    monkeypatch.setattr(faststart, "hop_s", lambda items, b: counted.append(b) or hop(items, b))
+    monkeypatch.setattr(kindstart, "SETTLED_BELOW", below)
+    with DataLoader(Busy(400), batch_size=4, num_workers="auto") as dl:
+        assert len(list(dl)) == 100
+        assert dl.loader._kinds.kind == {0: False}  # processes, either way
+    assert len(counted) == 1 if below else len(counted) >= faststart.KIND_ROUNDS_MIN

@@ -415,6 +415,10 @@ class FastStart:
                 got.rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S
             ):
                 break
+            if got.rounds == 1 and got.together_s > 0 and got.alone_s > 0:
+                together = got.together_items / got.together_s
+                if kp.clear(together, k * got.alone_items / (got.alone_s + got.hop_s)):
+                    break  # a second round would not change the kind: the workers start now
         return got
 
     def _probed_start(self) -> Iterator[tuple]:

@@ -57,6 +57,9 @@ class KindProbe:
             thread worker of it has: :mod:`multiproc.intraop`).
         arena_bytes: what a worker process's arena would hold of a unit (its hop is measured
             for that arena: :func:`multiproc.serialize.hop_s`); None: no bound.
+        clear: whether the rates of one counted round (units read ``threads`` at once, and
+            what ``threads`` processes would read) already decide the kind beyond a round's
+            noise: the probe then counts no more rounds.
     """
 
     threads: int
@@ -65,6 +68,7 @@ class KindProbe:
     thread_context: Callable[[], Any] = contextlib.nullcontext
     torch_threads: int = 1
     arena_bytes: int | None = None
+    clear: Callable[[float, float], bool] = lambda together, processes: False
 
 
 def runq_s() -> float:

@@ -33,7 +33,12 @@ from torchtune_pipe.sources.base import max_readers
 from torchtune_pipe.stages import PipelineLike
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.tuning.calls_in_flight import start_concurrency
-from torchtune_pipe.tuning.worker_kind import KindRule, start_on_threads, start_settled
+from torchtune_pipe.tuning.worker_kind import (
+    SETTLED_BELOW,
+    KindRule,
+    start_on_threads,
+    start_settled,
+)
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +145,11 @@ def kind_probe(
         log.info("Loader: %s", said)
         note("kind", said)
 
+    def clear(together: float, processes: float) -> bool:
+        # Threads far slower than processes (reads that hold the interpreter lock): a round's
+        # noise does not bring them to the share at which threads would start.
+        return processes > 0 and together <= SETTLED_BELOW * processes
+
     last = first.stages[-1]  # hands the units to the consumer; k processes share its budget
     return KindProbe(
         k,
@@ -148,6 +158,7 @@ def kind_probe(
         thread_context,
         first.stages[0].torch_threads,
         last.buffer_bytes // max(k, last.workers),
+        clear,
     )
 
 
