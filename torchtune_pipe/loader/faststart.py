@@ -78,6 +78,18 @@ class _Measured:
     hop_s: float = 0.0
     error: Exception | None = None
 
+    def rates(self, k: int) -> tuple[float, float, float]:
+        """Items/s of the units read alone, of those read ``k`` at once, and of ``k``
+        processes each reading units as fast as one alone, then their hops; zeros before a
+        round was counted."""
+        if self.rounds < 1 or self.alone_s <= 0 or self.together_s <= 0:
+            return 0.0, 0.0, 0.0
+        return (
+            self.alone_items / self.alone_s,
+            self.together_items / self.together_s,
+            k * self.alone_items / (self.alone_s + self.hop_s),
+        )
+
 
 @contextlib.contextmanager
 def _intraop_threads(n: int) -> Iterator[None]:
@@ -159,8 +171,8 @@ class FastStart:
             the calling thread look like a worker to the source (``get_worker_info()``).
         kind_probe: measure the reads on threads first (:class:`KindProbe`); the executor
             starts after it.
-        torch_threads: torch intra-op threads of an inline read (the source stage's workers'
-            count, ``StageSpec.torch_threads``).
+        torch_threads: torch intra-op threads of an inline read: a worker process's
+            (``StageSpec.torch_threads``, 1 in every spec the loader builds).
     """
 
     def __init__(
@@ -343,17 +355,8 @@ class FastStart:
                 # The reads fail on a thread (a handle bound to the thread that opened it, or
                 # bad data): the consumer reads the failing unit again, in its own thread.
                 kp.decide(0.0, 0.0, 0.0, ratio, got.error)
-            elif got.rounds >= 1 and got.alone_s > 0 and got.together_s > 0:
-                kp.decide(
-                    got.alone_items / got.alone_s,
-                    got.together_items / got.together_s,
-                    # k processes, each reading units as fast as one alone, then their hops
-                    kp.threads * got.alone_items / (got.alone_s + got.hop_s),
-                    ratio,
-                    None,
-                )
             else:
-                kp.decide(0.0, 0.0, 0.0, ratio, None)
+                kp.decide(*got.rates(kp.threads), ratio, None)
             self._start_build()
         except BaseException as e:  # the consumer gets it in the unit's place
             self._units.put(e)
@@ -415,10 +418,9 @@ class FastStart:
                 got.rounds >= KIND_ROUNDS_MIN and read_s >= KIND_PROBE_S
             ):
                 break
-            if got.rounds == 1 and got.together_s > 0 and got.alone_s > 0:
-                together = got.together_items / got.together_s
-                if kp.clear(together, k * got.alone_items / (got.alone_s + got.hop_s)):
-                    break  # a second round would not change the kind: the workers start now
+            _, together, processes = got.rates(k)
+            if got.rounds == 1 and processes > 0 and kp.clear(together, processes):
+                break  # a second round would not change the kind: the workers start now
         return got
 
     def _probed_start(self) -> Iterator[tuple]:
