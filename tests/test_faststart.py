@@ -225,23 +225,23 @@ def test_workers_that_restart_sooner_than_a_unit_reads_read_the_first_unit():
 
 
 class BusyPid(SlowPid):
-    """64 samples of ~20 ms of pure Python (they hold the interpreter lock: a kind probe puts
+    """48 samples of ~50 ms of pure Python (they hold the interpreter lock: a kind probe puts
     them on processes)."""
 
     def __len__(self):
-        return 64
+        return 48
 
     def __getitem__(self, i):
-        end = time.thread_time() + 0.02
+        end = time.thread_time() + 0.05
         while time.thread_time() < end:
             pass
         return {"i": i, "pid": os.getpid()}
 
 
 def test_after_a_kind_probe_restarted_workers_still_read_the_first_unit():
-    """The first epoch of ``"auto"`` probes the kind before its workers start; what the next
-    epochs expect of their workers' start is the start alone (~0.1 s), not the probe too, so
-    their first unit (~0.16 s) is the workers' to read."""
+    """The first epoch of ``"auto"`` probes the kind before its workers start (~0.8 s: two
+    units); what the next epochs expect of their workers' start is the start alone (~0.1 s),
+    not the probe too, so their first unit (~0.4 s) is the workers' to read."""
     g = torch.Generator().manual_seed(1)
     firsts, seen = [], []
     with DataLoader(BusyPid(), batch_size=8, shuffle=True, generator=g, num_workers="auto") as dl:
@@ -252,7 +252,7 @@ def test_after_a_kind_probe_restarted_workers_still_read_the_first_unit():
         assert dl.loader._kinds.kind  # the probe placed the stages
     assert firsts[0] == os.getpid()
     assert firsts[1] != os.getpid() and firsts[2] != os.getpid()
-    assert seen == [list(range(64))] * 3
+    assert seen == [list(range(48))] * 3
 
 
 class Timed(Dataset):
