@@ -68,6 +68,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from multiproc.spec import fused_depth
 from multiproc.stats import MAX_FUSED
 from torchtune_pipe.tuning.base import Allocation, Observation, fusion_host
 from torchtune_pipe.tuning.calls_in_flight import settled_concurrency
@@ -439,9 +440,7 @@ class _Model:
         g, u = self.costs(shape, now, hop)
         out = []
         for h in (i for i in range(len(shape)) if not shape[i]):
-            members = [h]
-            while members[-1] + 1 < len(shape) and shape[members[-1] + 1]:
-                members.append(members[-1] + 1)
+            members = list(range(h, h + fused_depth(shape, h) + 1))
             gg = sum(g[i] for i in members) if len(members) > 1 else g[h]
             ug = sum(u[i] for i in members) if len(members) > 1 else u[h]
             if ug < gg * (1.0 + WAIT_NOISE):
