@@ -320,6 +320,8 @@ def test_a_first_round_that_settles_the_kind_ends_the_probe(monkeypatch, below):
     ends the probe there, and the workers start; otherwise it counts ``KIND_ROUNDS_MIN``
     rounds or more (one hop weighed per counted round)."""
     from torchtune_pipe.loader import faststart, kindstart
+    from torchtune_pipe.tuning import worker_kind
+    from torchtune_pipe.tuning.worker_kind import start_on_threads
 
     counted = []
     hop = faststart.hop_s
@@ -327,5 +329,7 @@ def test_a_first_round_that_settles_the_kind_ends_the_probe(monkeypatch, below):
     monkeypatch.setattr(kindstart, "SETTLED_BELOW", below)
     with DataLoader(Busy(400), batch_size=4, num_workers="auto") as dl:
         assert len(list(dl)) == 100
-        assert dl.loader._kinds.kind == {0: False}  # processes, either way
+        assert 0 in dl.loader._kinds.kind  # placed by the probe
     assert len(counted) == 1 if below else len(counted) >= faststart.KIND_ROUNDS_MIN
+    # Unpatched, a round ends the probe only where its measure starts the stage on processes.
+    assert not start_on_threads(worker_kind.SETTLED_BELOW, 1.0, threads_first=False)
