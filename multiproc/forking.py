@@ -2,14 +2,25 @@
 
 The fork server is forked from the executor's process (:mod:`multiproc.handles`), which may run
 other threads: the user's, other loaders' routers. Only the forking thread lives on in the
-child, and what the others held at the fork comes along held. Two such things matter here:
-file descriptors (a pipe the child kept open would never be seen closed by its reader) and
-imports in progress (the module's import lock, held forever in the child, would hang the first
-import of that module in the server or in any worker it forks).
+child, and what the others held at the fork comes along held. Three such things matter here:
+file descriptors (a pipe the child kept open would never be seen closed by its reader), imports
+in progress (the module's import lock, held forever in the child, would hang the first import
+of that module in the server or in any worker it forks), and GNU OpenMP's thread pool (below).
+
+GNU libgomp (torch's OpenMP on Linux) keeps, per thread that has run a parallel region, a pool
+of threads it reuses for the next one, and registers nothing to run at a fork: a child of that
+thread believes it has the pool, and its first parallel region waits forever for threads that
+do not exist there. Every training process has run torch kernels on its main thread, and a
+worker with ``torch_threads`` > 1 runs its kernels on a team. So before each fork the forking
+thread's pool is let go (``omp_pause_resource_all``, OpenMP 5.0: its threads end; its next
+parallel region starts new ones, ~0.1 ms): the child starts with none. Other threads' pools
+do not come along (only the forking thread does); LLVM's and Intel's OpenMP runtimes, which
+reset themselves in a forked child, are left alone.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import stat
@@ -58,10 +69,39 @@ def fork_between_imports() -> tuple[int, bool]:
         time.sleep(0.005)
 
 
+def gnu_openmp_libraries() -> list[str]:
+    """Paths of the GNU OpenMP runtimes (``libgomp``) this process has loaded, from its
+    memory map (none where it has no ``/proc``)."""
+    try:
+        with open("/proc/self/maps") as f:
+            paths = [line.split(None, 5)[-1].strip() for line in f if "libgomp" in line]
+    except OSError:
+        return []
+    return [p for p in dict.fromkeys(paths) if p.startswith("/")]
+
+
+def release_openmp_pool() -> int:
+    """Let go of the calling thread's GNU OpenMP thread pool, in every libgomp loaded (module
+    docstring); returns how many runtimes let go of it. Called outside any parallel region (a
+    thread inside one keeps its pool: the runtime refuses)."""
+    released = 0
+    for path in gnu_openmp_libraries():
+        try:
+            pause = ctypes.CDLL(path).omp_pause_resource_all  # GCC >= 9
+        except (OSError, AttributeError):
+            continue
+        pause.restype = ctypes.c_int
+        pause.argtypes = [ctypes.c_int]
+        released += pause(1) == 0  # omp_pause_soft; libgomp treats both kinds alike
+    return released
+
+
 def _fork() -> int:
     """``os.fork()`` with SIGINT held back until it returns: a Ctrl-C raised inside the
     at-fork hooks (logging's among them) would leave their locks held, and the next log call
-    of the parent would wait forever. The signal arrives after the fork instead."""
+    of the parent would wait forever. The signal arrives after the fork instead. The calling
+    thread's OpenMP pool is let go first (:func:`release_openmp_pool`)."""
+    release_openmp_pool()
     held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         return os.fork()

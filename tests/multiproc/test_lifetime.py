@@ -265,3 +265,31 @@ def test_a_module_another_thread_is_importing_does_not_hang_the_workers(wait_s):
     r = _subproc.run(head + _IMPORTING, timeout_s=30)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.strip() == str([0, 7, 14, 21, 28, 35]), r.stdout
+
+
+_OPENMP_TEAMS = """
+import torch
+from multiproc import Executor, ExecutorSpec, StageSpec
+
+def copies(unit):
+    for _ in range(unit):
+        yield float(torch.ones(2048, 2048).clone().sum())  # a kernel run by a team of 2
+
+torch.set_num_threads(2)
+for _ in range(3):
+    torch.ones(2048, 2048).clone()  # this thread's OpenMP pool now exists
+stage = StageSpec("copy", "source", copies, torch_threads=2)
+for _ in range(2):  # a fork server per executor, each forked from this thread
+    with Executor(ExecutorSpec((stage,))) as ex:
+        print(list(ex.run([2])), flush=True)
+    torch.ones(2048, 2048).clone()
+"""
+
+
+def test_workers_run_openmp_teams_after_the_owner_ran_its_own():
+    """The owner's thread has run 2-thread kernels (GNU OpenMP keeps that thread's pool), then
+    forks the fork server: a worker with ``torch_threads=2`` runs its kernels on a team of its
+    own instead of waiting forever for the pool's threads, which are not in the child."""
+    r = _subproc.run(_OPENMP_TEAMS, timeout_s=60)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["[4194304.0,", "4194304.0]"] * 2, r.stdout
