@@ -59,8 +59,10 @@ def act_as_thread_worker(on: bool = True) -> None:
 BOOK_EVERY_NS = 20_000_000
 
 
-class _Exit(Exception):
-    pass
+class _Exit(BaseException):
+    """The executor told this worker to end (``P.Exit``). Not an ``Exception``: the handlers
+    of what a stage's function raised (a unit's generator that failed, a frame that does not
+    pickle) must not take it for one, report it as the stage's error and go on waiting."""
 
 
 class _Worker:

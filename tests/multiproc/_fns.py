@@ -400,3 +400,9 @@ class SleepOnceOn7:
             os.close(fd)
             time.sleep(30)
         return x
+
+
+def read_two_mb_items(unit):
+    """A source of 2 MiB items (float32, each filled with its index)."""
+    for i in range(*unit):
+        yield torch.full((1 << 19,), float(i))

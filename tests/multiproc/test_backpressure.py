@@ -222,3 +222,22 @@ def test_a_shrink_retires_the_least_loaded_then_the_newest():
     old_idle, new_idle, busy = Loaded(1, {}), Loaded(5, {}), Loaded(2, {9: 0})
     assert policy.to_retire([busy, old_idle, new_idle], 2) == [new_idle, old_idle]
     assert policy.to_retire([busy, old_idle], 1) == [old_idle]
+
+
+def test_a_worker_waiting_for_room_inside_a_unit_ends_when_told_to():
+    """The consumer took one item and stopped; the worker waits for room in its arena in the
+    middle of a unit. Closing the executor tells it to end: it ends then (status 0), not when
+    the close's grace period is over, killed by SIGTERM (an epoch ended early waited 1.5 s)."""
+    stage = StageSpec("read", "source", _fns.read_two_mb_items, frame_items=1, buffer_bytes=4 << 20)
+    ex = Executor(ExecutorSpec((stage,)))
+    try:
+        run = ex.run([(0, 16)])
+        assert float(next(run)[0]) == 0.0
+        procs = [h.proc for h in ex._state.workers.values() if not h.thread]
+        deadline = time.monotonic() + 10.0
+        while ex.snapshot().stage("read").items_out < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # it fills its 4 MiB and waits for room for the next item
+        time.sleep(0.1)
+    finally:
+        ex.close()
+    assert procs and [p.exitcode for p in procs] == [0] * len(procs)
