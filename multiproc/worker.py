@@ -260,6 +260,7 @@ class _Worker:
                     cell[stats.WORK_ITEM] = k * fi + 1
                     if on_frame is not None:
                         on_frame()
+                    self._take_waiting_control()
             if buf:
                 if k >= skip_frames and not self._send_unit_frame(unit_id, k, buf, unit):
                     return
@@ -276,6 +277,20 @@ class _Worker:
                 return
         self.row[stats.FRAMES_IN] += 1
         self.link.say(P.UnitDone(self.wid, unit_id, k, self.link.take_frees(), ahead))
+
+    def _take_waiting_control(self) -> None:
+        """Between the frames of a unit, handle the control messages already waiting, without
+        waiting for any: a unit can last an epoch (an ``IterableDataset``'s shard), and an
+        ``Exit`` (an epoch ended early), a new budget or freed blocks must reach it before its
+        next frame, not at its end. Other messages wait their turn (``link.deferred``)."""
+        link = self.link
+        while link.ready():
+            try:
+                msg = link.read()
+            except (EOFError, ConnectionError):
+                raise _Exit from None  # the executor is gone
+            if not self._handle_control(msg):
+                link.deferred.append(msg)
 
     def _add_own_time(self, t0: int, c0: int) -> None:
         """Count the time since ``t0`` (wall) and ``c0`` (CPU) as this stage's, less what

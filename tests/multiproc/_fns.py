@@ -406,3 +406,10 @@ def read_two_mb_items(unit):
     """A source of 2 MiB items (float32, each filled with its index)."""
     for i in range(*unit):
         yield torch.full((1 << 19,), float(i))
+
+
+def read_slowly(unit):
+    """A source that takes 10 ms per item (a unit of 300 lasts 3 s, as a shard does)."""
+    for i in range(*unit):
+        time.sleep(0.01)
+        yield i

@@ -241,3 +241,17 @@ def test_a_worker_waiting_for_room_inside_a_unit_ends_when_told_to():
     finally:
         ex.close()
     assert procs and [p.exitcode for p in procs] == [0] * len(procs)
+
+
+def test_a_worker_inside_a_long_unit_ends_when_told_to():
+    """A unit as long as a shard (3 s), with room for every frame: the consumer takes one item
+    and closes. The worker sees the Exit between two frames and ends then (status 0), not at
+    the unit's end or when the close's grace period is over (SIGTERM)."""
+    stage = StageSpec("read", "source", _fns.read_slowly, frame_items=1)
+    ex = Executor(ExecutorSpec((stage,)))
+    try:
+        assert next(ex.run([(0, 300)])) == 0
+        procs = [h.proc for h in ex._state.workers.values() if not h.thread]
+    finally:
+        ex.close()
+    assert procs and [p.exitcode for p in procs] == [0] * len(procs)
