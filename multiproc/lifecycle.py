@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arena, buffers, handles, offload, policy, servers, shm, stats
+from . import arena, buffers, faults, handles, offload, policy, servers, shm, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -429,6 +429,10 @@ class WorkerPool:
         run = state.run
         if died:
             st.restarts += 1
+            # What it died on, read before its counters are folded and what it held requeued.
+            doing = faults.work_in_hand(state, h) if h.slot in st.slots else None
+            if doing is not None:
+                why += f" in its function on {doing}"
             log.warning(
                 "stage %r worker %d (pid %d) %s; re-delivering %d frames",
                 s.name,

@@ -413,3 +413,11 @@ def read_slowly(unit):
     for i in range(*unit):
         time.sleep(0.01)
         yield i
+
+
+def read_range_dying_at_13(unit):
+    """``read_range`` whose process is killed (SIGKILL) when it reaches item 13."""
+    for i in range(*unit):
+        if i == 13:
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield i

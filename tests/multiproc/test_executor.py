@@ -136,9 +136,29 @@ def test_too_many_deaths_is_a_clear_error():
     )
     with (
         Executor(spec) as ex,
-        pytest.raises(WorkerDiedError, match=r"stage 'killer'.*SIGKILL.*max_restarts=2"),
+        pytest.raises(
+            WorkerDiedError,
+            match=r"stage 'killer'.*SIGKILL.* in its function on .*frame \d+.*max_restarts=2",
+        ),
     ):
         list(ex.run([(0, 10)]))
+
+
+def test_a_death_names_the_unit_the_worker_died_on():
+    """A source that crashes its process on one item (a decoder's segfault, say): every
+    death, and the error once they are too many, name the unit it was reading."""
+    spec = ExecutorSpec(
+        (StageSpec("read", "source", _fns.read_range_dying_at_13, frame_items=1),),
+        max_restarts=2,
+    )
+    with (
+        Executor(spec) as ex,
+        pytest.raises(
+            WorkerDiedError,
+            match=r"SIGKILL.* in its function on work unit \(10, 20\), at or after its item 3",
+        ),
+    ):
+        list(ex.run([(0, 10), (10, 20), (20, 30)]))
 
 
 def test_udf_exception_reaches_consumer_with_type_stage_and_traceback():
