@@ -126,37 +126,31 @@ def test_exactly_once_while_workers_are_killed():
         assert killed and restarts >= 1
 
 
-def test_too_many_deaths_is_a_clear_error():
-    spec = ExecutorSpec(
+_DYING = {
+    # A map that kills its process on every item: the error names the stage, the signal, the
+    # frame and the limit.
+    "map": (
         (
             StageSpec("read", "source", _fns.read_range),
             StageSpec("killer", "map", _fns.die_on_first),
         ),
-        max_restarts=2,
-    )
-    with (
-        Executor(spec) as ex,
-        pytest.raises(
-            WorkerDiedError,
-            match=r"stage 'killer'.*SIGKILL.* in its function on .*frame \d+.*max_restarts=2",
-        ),
-    ):
-        list(ex.run([(0, 10)]))
-
-
-def test_a_death_names_the_unit_the_worker_died_on():
-    """A source that crashes its process on one item (a decoder's segfault, say): every
-    death, and the error once they are too many, name the unit it was reading."""
-    spec = ExecutorSpec(
+        r"stage 'killer'.*SIGKILL.* in its function on .*frame \d+.*max_restarts=2",
+    ),
+    # A source that crashes its process on one item (a decoder's segfault, say): each death,
+    # and the error once they are too many, name the unit it was reading and where in it.
+    "source": (
         (StageSpec("read", "source", _fns.read_range_dying_at_13, frame_items=1),),
-        max_restarts=2,
-    )
+        r"SIGKILL.* in its function on work unit \(10, 20\), at or after its item 3",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(_DYING))
+def test_too_many_deaths_is_an_error_naming_what_they_died_on(kind):
+    stages, pattern = _DYING[kind]
     with (
-        Executor(spec) as ex,
-        pytest.raises(
-            WorkerDiedError,
-            match=r"SIGKILL.* in its function on work unit \(10, 20\), at or after its item 3",
-        ),
+        Executor(ExecutorSpec(stages, max_restarts=2)) as ex,
+        pytest.raises(WorkerDiedError, match=pattern),
     ):
         list(ex.run([(0, 10), (10, 20), (20, 30)]))
 
