@@ -18,9 +18,7 @@ from typing import Any
 
 from . import handles, policy, stats
 from .errors import RemoteTraceback, StageError, StageTimeoutError, TooManyErrorsError
-from .frames import Unit
 from .fusion import FusionControl
-from .items import short_repr
 from .spec import too_many_errors
 from .state import ExecutorState
 
@@ -42,27 +40,6 @@ class Busy:
             f"stage {self.stage!r} worker {self.worker} (pid {self.pid}) has been in its "
             f"function for {self.seconds:.1f} s on {self.work}"
         )
-
-
-def _work_words(h: handles.WorkerHandle, work_id: int, item: int) -> str:
-    """The unit or frame ``work_id`` (its counters' ``WORK_ID``) of worker ``h``, and where in
-    it (``WORK_ITEM``), in words."""
-    if not work_id:
-        return "its current work"
-    held = h.inflight.get(work_id - 1)
-    if isinstance(held, Unit):
-        at = f", at or after its item {item - 1}" if item > 1 else ""
-        return f"work unit {short_repr(held.unit)}{at}"
-    at = f"item {item - 1} of " if item else ""
-    return f"{at}frame {work_id - 1}"
-
-
-def work_in_hand(state: ExecutorState, h: handles.WorkerHandle) -> str | None:
-    """What worker ``h`` is inside its stage function on, in words, from its counters; for a
-    worker that died before they were folded, what it died on (None: it was between calls)."""
-    row = state.counters.row(h.slot)
-    since, work_id, item = (int(v) for v in row[stats.IN_FN_SINCE_NS : stats.WORK_ITEM + 1])
-    return _work_words(h, work_id, item) if since else None
 
 
 class FaultHandler:
@@ -94,7 +71,7 @@ class FaultHandler:
         return sorted(out, key=lambda b: -b.seconds)
 
     def _work(self, h: handles.WorkerHandle, work_id: int, item: int) -> str:
-        return _work_words(h, work_id, item)
+        return handles.describe_work(h, work_id, item)
 
     def on_skipped(
         self, h: handles.WorkerHandle, where: str, tname: str, text: str, j: int

@@ -14,10 +14,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import arena, lifetime
+from . import arena, lifetime, stats
 from . import protocol as P
 from . import worker as _worker
-from .frames import WorkerState
+from .frames import Unit, WorkerState
+from .items import short_repr
 from .outbox import Outbox
 from .policy import WorkerKind
 from .poller import pipe_poller
@@ -142,6 +143,27 @@ def describe_exit(h: WorkerHandle) -> str:
         hint = " (SIGKILL: often the kernel's OOM killer)" if -code == signal.SIGKILL else ""
         return f"killed by {name}{hint}"
     return f"exited with status {code}"
+
+
+def describe_work(h: WorkerHandle, work_id: int, item: int) -> str:
+    """The unit or frame ``work_id`` (its counters' ``WORK_ID``) of worker ``h``, and where in
+    it (``WORK_ITEM``), in words."""
+    if not work_id:
+        return "its current work"
+    held = h.inflight.get(work_id - 1)
+    if isinstance(held, Unit):
+        at = f", at or after its item {item - 1}" if item > 1 else ""
+        return f"work unit {short_repr(held.unit)}{at}"
+    at = f"item {item - 1} of " if item else ""
+    return f"{at}frame {work_id - 1}"
+
+
+def work_in_hand(h: WorkerHandle, row: Any) -> str | None:
+    """What worker ``h`` is inside its stage function on, in words, from its counters' ``row``;
+    for a worker that died before they were folded, what it died on (None: it was between
+    calls)."""
+    since, work_id, item = (int(v) for v in row[stats.IN_FN_SINCE_NS : stats.WORK_ITEM + 1])
+    return describe_work(h, work_id, item) if since else None
 
 
 def stop_worker(h: WorkerHandle, timeout_s: float) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from . import arena, buffers, faults, handles, offload, policy, servers, shm, stats
+from . import arena, buffers, handles, offload, policy, servers, shm, stats
 from . import protocol as P
 from .errors import (
     ExecutorError,
@@ -430,7 +430,8 @@ class WorkerPool:
         if died:
             st.restarts += 1
             # What it died on, read before its counters are folded and what it held requeued.
-            doing = faults.work_in_hand(state, h) if h.slot in st.slots else None
+            row = state.counters.row(h.slot) if h.slot in st.slots else None
+            doing = None if row is None else handles.work_in_hand(h, row)
             if doing is not None:
                 why += f" in its function on {doing}"
             log.warning(
