@@ -13,7 +13,7 @@ thread believes it has the pool, and its first parallel region waits forever for
 do not exist there. Every training process has run torch kernels on its main thread, and a
 worker with ``torch_threads`` > 1 runs its kernels on a team. So before each fork the forking
 thread's pool is let go (``omp_pause_resource_all``, OpenMP 5.0: its threads end; its next
-parallel region starts new ones, ~0.1 ms): the child starts with none. Other threads' pools
+parallel region starts new ones, ~0.2 ms): the child starts with none. Other threads' pools
 do not come along (only the forking thread does); LLVM's and Intel's OpenMP runtimes, which
 reset themselves in a forked child, are left alone.
 """
