@@ -67,11 +67,8 @@ class FaultHandler:
             if not since or secs < min_s:
                 continue
             name = state.names[h.stage]
-            out.append(Busy(name, h.wid, h.pid, secs, self._work(h, work_id, item)))
+            out.append(Busy(name, h.wid, h.pid, secs, handles.describe_work(h, work_id, item)))
         return sorted(out, key=lambda b: -b.seconds)
-
-    def _work(self, h: handles.WorkerHandle, work_id: int, item: int) -> str:
-        return handles.describe_work(h, work_id, item)
 
     def on_skipped(
         self, h: handles.WorkerHandle, where: str, tname: str, text: str, j: int
