@@ -160,13 +160,27 @@ class CallPool:
             spent, self.cpu_ns = self.cpu_ns, 0
         return spent
 
-    def close(self) -> None:
-        """Let the threads end (after the calls they run now); a later :meth:`map` starts
-        new ones."""
-        for _ in self._threads:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Let the threads end (after the calls they run now), waiting up to ``wait_s`` for
+        them; a later :meth:`map` starts new ones. A thread worker waits: its process goes
+        on, and a thread still freeing a call's tensor when the interpreter exits aborts it
+        (a daemon thread cannot take the lock then, and unwinding torch's deleter is fatal)."""
+        threads, self._threads = self._threads, []
+        for _ in threads:
             self._jobs.put(None)
-        self._threads = []
         self._jobs = queue.SimpleQueue()
+        join_within(threads, wait_s)
+
+
+def join_within(threads: Iterable[threading.Thread], wait_s: float) -> None:
+    """Join ``threads`` (none the calling one), all within ``wait_s`` seconds together."""
+    end = time.monotonic() + wait_s
+    for t in threads:
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        if t is not threading.current_thread():
+            t.join(left)
 
 
 class _Batch:

@@ -112,6 +112,8 @@ class ReadAhead:
         self.commit = commit
         self.count_time = count_time
         self._threads: ThreadPoolExecutor | None = None
+        self._started: list[threading.Thread] = []  # the pool's threads (joined at close)
+        self._closing = False  # reads stop after their current item
         self._wake: tuple[int, int] | None = None  # a pipe a finished read writes a byte to
         self._wake_lock = threading.Lock()  # no write to the pipe once close() closed it
         self._poller = Poller()
@@ -186,9 +188,10 @@ class ReadAhead:
         (:mod:`contextvars`: what a thread worker set for its reads, they see); the returned
         :class:`Read` fills."""
         if self._threads is None:
+            self._closing = False
             self._threads = ThreadPoolExecutor(
                 MAX_UNITS, thread_name_prefix="multiproc-unit",
-                initializer=intraop.set_here, initargs=(intraop.of_this_thread(),),
+                initializer=self._thread_start, initargs=(intraop.of_this_thread(),),
             )  # fmt: skip
             self._wake = os.pipe()
             for fd in self._wake:
@@ -196,6 +199,10 @@ class ReadAhead:
         r = Read(unit_id, unit, skip_frames)
         self._threads.submit(contextvars.copy_context().run, self._read, fn, r)
         return r
+
+    def _thread_start(self, intra: int | None) -> None:
+        self._started.append(threading.current_thread())
+        intraop.set_here(intra)
 
     def _read(self, fn: Callable[[Any], Iterator[Any]], r: Read) -> None:
         calls = _UnitCalls(self.pool)
@@ -205,6 +212,8 @@ class ReadAhead:
             for x in fn(r.unit):
                 r.items.append((calls.not_items, x))
                 calls.not_items = 0
+                if self._closing:
+                    break
         except Exception as e:
             r.error = e
         finally:
@@ -245,10 +254,15 @@ class ReadAhead:
                 return True
         return False
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 0.0) -> None:
+        """Stop the reads (each after the item it makes now) and let the threads end, waiting
+        up to ``wait_s`` for them (see :meth:`multiproc.concurrency.CallPool.close`)."""
+        self._closing = True
         if self._threads is not None:
             self._threads.shutdown(wait=False, cancel_futures=True)
             self._threads = None
+        started, self._started = self._started, []
+        concurrency.join_within(started, wait_s)
         with self._wake_lock:
             if self._wake is not None:
                 for fd in self._wake:

@@ -57,6 +57,9 @@ def act_as_thread_worker(on: bool = True) -> None:
 
 # A unit still being read has its time counted at most this often (as RunQueue reads).
 BOOK_EVERY_NS = 20_000_000
+# How long a thread worker that ends waits for its calls' and reads' threads (the calls they
+# run now finish; the executor's close waits for the worker within its own timeout).
+THREADS_JOIN_S = 2.0
 
 
 class _Exit(BaseException):
@@ -511,8 +514,10 @@ class _Worker:
                 except Exception:
                     log.exception("stage %r: the function's on_worker_exit failed", st.name)
         concurrency._install(None)
-        self.readahead.close()
-        self.calls.close()
+        # A thread worker's threads end before it does (a process worker's end with it).
+        wait_s = THREADS_JOIN_S if self.thread_worker else 0.0
+        self.readahead.close(wait_s)
+        self.calls.close(wait_s)
         self.runq.close()
         self.cache.clear()
         self.counters.close(unlink=False)

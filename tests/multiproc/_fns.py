@@ -421,3 +421,17 @@ def read_range_dying_at_13(unit):
         if i == 13:
             os.kill(os.getpid(), signal.SIGKILL)
         yield i
+
+
+class SlowItems:
+    """A source whose units ``(lo, hi)`` yield their ids one per 50 ms, read side by side by a
+    worker whose calls in flight allow it (``calls_per_unit``, :mod:`multiproc.readahead`)."""
+
+    def calls_per_unit(self, unit):
+        return 1
+
+    def __call__(self, unit):
+        lo, hi = unit
+        for i in range(lo, hi):
+            time.sleep(0.05)
+            yield i

@@ -3,6 +3,7 @@ exactly once, its counters as if read one at a time, failures where they happene
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -115,3 +116,23 @@ def test_a_hanging_read_is_named_by_the_stage_timeout():
     with Executor(_spec(_fns.ReadSideBySide(hang_at=30), timeout_s=1.0)) as ex:
         with pytest.raises(StageTimeoutError, match="read"):
             list(ex.run(UNITS))
+
+
+def _reading_threads() -> list[threading.Thread]:
+    return [
+        t for t in threading.enumerate() if t.name.startswith(("multiproc-unit", "multiproc-call"))
+    ]
+
+
+def test_a_thread_workers_reading_threads_end_before_close_returns():
+    """A thread worker's reads side by side stop at the item they make when it ends, and its
+    threads are gone once the executor is closed: the process goes on, and one still freeing
+    an item as the interpreter exits would abort it."""
+    before = set(_reading_threads())
+    ex = Executor(_spec(_fns.SlowItems(), worker_type="thread"))
+    with ex:
+        run = ex.run([(i, i + 20) for i in range(0, 160, 20)])
+        assert next(run) == 0
+        assert set(_reading_threads()) - before  # units being read side by side
+        run.close()  # ends the run early: the executor closes
+    assert not set(_reading_threads()) - before
