@@ -330,3 +330,35 @@ def test_restarted_workers_are_tuned_on_measured_intervals_only(n, interval_s):
         for _ in range(4):
             assert sorted(int(i) for b in dl for i in b) == list(range(n))
     assert tuner.stepped_on and all(x > 0 for x in tuner.stepped_on), tuner.stepped_on
+
+
+class BusyTimed(Dataset):
+    """40 samples of ~80 ms of pure Python (a kind probe puts them on processes), each saying
+    which process read it and when (the monotonic clock, shared by the processes)."""
+
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        t0 = time.monotonic()
+        end = time.thread_time() + 0.08
+        while time.thread_time() < end:
+            pass
+        return {"i": i, "pid": os.getpid(), "t0": t0, "t1": time.monotonic()}
+
+
+def test_workers_that_serve_during_an_inline_read_take_the_units_after_it():
+    """After the kind probe (units 0 and 1), the consumer reads unit 2 inline while the
+    workers start (~0.6 s a unit here); once they serve they read unit 3 on, while unit 2 is
+    still being read, rather than idle until its read ends."""
+    with DataLoader(BusyTimed(), batch_size=8, num_workers="auto") as dl:
+        batches = list(dl)
+        assert dl.loader._kinds.kind  # the probe placed the stage
+    assert sorted(int(i) for b in batches for i in b["i"]) == list(range(40))
+    here = [k for k, b in enumerate(batches) if int(b["pid"][0]) == os.getpid()]
+    last_inline = max(here)
+    assert 0 < last_inline < len(batches) - 1, here
+    after = batches[last_inline + 1]
+    assert int(after["pid"][0]) != os.getpid()
+    # The workers began the next unit before the inline read of this one ended.
+    assert float(after["t0"].min()) < float(batches[last_inline]["t1"].max())

@@ -149,6 +149,12 @@ class FastStart:
     """The stream of one epoch: inline units until the executor is ready, then the executor
     (and, where ``choose_shape``, back inline when that measures clearly faster).
 
+    An executor that comes to serve while the consumer reads a unit inline is given the units
+    after that one at once (its run starts on the build's thread), not when the read ends:
+    its workers would idle meanwhile (after a kind probe, a whole unit's read). Not during
+    the epoch's first unit: its batch is the first the consumer gets, and workers reading
+    beside it take the cores it runs on.
+
     Args:
         pipeline: the pipeline (no shuffle or batch stages: those group items across units).
         works: the epoch's work, in order.
@@ -220,6 +226,12 @@ class FastStart:
         self._probe_thread: threading.Thread | None = None
         self._first_s = 0.0  # the first unit's read time (a kind probe's warm-up)
         self._lock = threading.Lock()  # the counts the probe's thread adds to
+        # The handover of the units after the one read inline now (class docstring): that
+        # unit's index (None: no read that may be handed over from), and the run started
+        # from the next one with the index it starts at, under their own lock.
+        self._handover = threading.Lock()
+        self._reading: int | None = None
+        self._early: tuple[Iterator[tuple], int] | None = None
         self._thread = threading.Thread(
             target=self._build, args=(start,), name="torchtune_pipe-start", daemon=True
         )
@@ -250,10 +262,31 @@ class FastStart:
             try:
                 if ex.serving():
                     self.probe.serving_s = time.perf_counter() - self._build_t0
+                    self._hand_over(ex)
                     return
             except Exception:  # closed meanwhile: nothing to time
                 return
             self._joined.wait(SERVING_POLL_S)
+
+    def _hand_over(self, ex: Any) -> None:
+        """On the build's thread, once ``ex`` serves: where the consumer reads a unit inline
+        that may be handed over from, start the run of the units after it."""
+        with self._handover:
+            i = self._reading
+            if i is None or i + 1 >= len(self.works) or self._joined.is_set():
+                return
+            self._early = (ex.run(self.works[i + 1 :], self.epoch), i + 1)
+            log.debug("fast start: the workers take over from unit %d", i + 1)
+
+    def _may_read_inline(self, i: int) -> bool:
+        """Whether the consumer reads unit ``i`` inline (the executor not ready, nor expected
+        sooner than the read), noting it as the unit the workers may take over after, unless
+        it is the epoch's first to be delivered."""
+        with self._handover:
+            if self._ready() or self._workers_sooner():
+                return False
+            self._reading = i if i > 0 else None
+            return True
 
     def _workers_sooner(self) -> bool:
         """Whether the workers, as quick to serve as the last executor was, will serve before
@@ -454,10 +487,16 @@ class FastStart:
             finally:
                 self._stop_probe.set()
             i = self._probed
-        while i < len(self.works) and not self._ready() and not self._workers_sooner():
-            items = self._read_inline(self.works[i])
+        while i < len(self.works) and self._may_read_inline(i):
+            try:
+                items = self._read_inline(self.works[i])
+            finally:
+                with self._handover:
+                    self._reading = None
             i += 1
             yield from _owned(items)
+            if self._early is not None:
+                break
         self._wait_built()
         if self._error is not None:
             raise self._error
@@ -470,9 +509,12 @@ class FastStart:
                 and p.inline_s > INLINE_MAX_WAIT_RATIO * p.inline_cpu_s
             ):
                 p.decided = "workers"  # the reads wait: only workers overlap their waits
-        if i >= len(self.works):
+        if self._early is not None:
+            run, i = self._early
+        elif i >= len(self.works):
             return
-        run = self._executor.run(self.works[i:], self.epoch)
+        else:
+            run = self._executor.run(self.works[i:], self.epoch)
         if p.settle_until is None:  # the tuner's first moves are not the workers' measure
             p.settle_until = time.perf_counter() + max(
                 SETTLE_MIN_S, SETTLE_INTERVALS * self.interval_s
