@@ -105,3 +105,36 @@ def test_the_batches_of_each_epoch_are_torchs(name, workers):
     got = _epochs(SETUPS[name], DataLoader, workers)
     assert_same(want, got)
     assert all(want)  # every epoch delivered batches
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_samplers_epoch_is_its_owners_across_early_ends(workers):
+    """The DDP recipe, resumed at epoch 5, each epoch ended after two batches (as
+    ``limit_train_batches`` ends it): the order of each epoch is the one its
+    ``sampler.set_epoch`` asks for, as under torch, not the loader's own count of epochs."""
+
+    def run(loader_cls):
+        s = DistributedSampler(range(30), num_replicas=2, rank=0, shuffle=True, seed=4)
+        loader = loader_cls(_tensors(), batch_size=4, sampler=s, num_workers=workers)
+        out = []
+        for epoch in (5, 6, 7):
+            s.set_epoch(epoch)
+            for k, batch in enumerate(loader):
+                out.append(batch)
+                if k == 1:
+                    break
+        getattr(loader, "close", lambda: None)()
+        return out
+
+    want = run(torch.utils.data.DataLoader)
+    assert_same(want, run(DataLoader))
+    assert not torch.equal(want[0][0], want[2][0])  # the epochs' orders differ
+
+
+def test_the_loaders_set_epoch_reaches_the_sampler():
+    s = DistributedSampler(range(30), num_replicas=2, rank=0, shuffle=True, seed=4)
+    with DataLoader(_tensors(), batch_size=4, sampler=s) as loader:
+        loader.set_epoch(3)
+        assert s.epoch == 3
+        list(loader)
+        assert s.epoch == 3  # the loader's epochs do not move it

@@ -431,6 +431,7 @@ class DataLoader:
                 generator=generator,
                 seed_units=workers > 0 and seed_each_batch,
                 entries_per_unit=1,  # a batch (or, unbatched, a sample) per unit: torch's seeds
+                sampler_epoch=False,  # the user's, as torch leaves it (set_epoch below)
             )
             # What torch's iterator pulls from the sampler ahead of the batches it delivers:
             # where an epoch stops early, the generator is left where torch's leaves it.
@@ -528,8 +529,15 @@ class DataLoader:
         return self._loader
 
     def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the next iteration (also passed to ``sampler.set_epoch``)."""
+        """Set the epoch of the next iteration, and pass it to the sampler's ``set_epoch``
+        where it has one. Only this sets the sampler's epoch: one the sampler's owner set
+        (``DistributedSampler.set_epoch``, as with torch's ``DataLoader``) stands."""
         self._loader.set_epoch(epoch)
+        for s in (self.sampler, getattr(self.batch_sampler, "sampler", None)):
+            set_it = getattr(s, "set_epoch", None)
+            if callable(set_it):
+                set_it(epoch)
+                break
 
     def state_dict(self) -> dict:
         """Resumable state: the delivered batches of this epoch (see ``Loader.state_dict``)."""

@@ -84,7 +84,7 @@ def batched_at_source(pipe: PipelineLike) -> PipelineLike | None:
     batch = stages[k]
     source = MapDatasetSource(
         src.dataset, batch_size=batch.size, sampler=src.sampler, drop_last=batch.drop_last,
-        generator=src.generator,
+        generator=src.generator, sampler_epoch=src.sampler_epoch,
     )  # fmt: skip
     maps = tuple(dataclasses.replace(st, fn=EachSample(st.fn, st.name)) for st in stages[1:k])
     collate = dataclasses.replace(

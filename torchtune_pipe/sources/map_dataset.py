@@ -190,6 +190,11 @@ class MapDatasetSource:
             draws what it draws there.
         rank: this process's rank; units are sharded ``units[rank::world_size]``.
         world_size: number of ranks.
+        sampler_epoch: pass the epoch :meth:`units` is asked for to the sampler's
+            ``set_epoch`` (a ``DistributedSampler``'s) before drawing its order. False: the
+            sampler's epoch is its owner's to set, as under torch's ``DataLoader``, which never
+            sets it (an epoch a loader ends early or a run resumed at a later epoch must not
+            put it back).
 
     Example:
         >>> src = MapDatasetSource(ds, batch_size=32, shuffle=True)   # doctest: +SKIP
@@ -209,6 +214,7 @@ class MapDatasetSource:
         seed_units: bool = False,
         rank: int = 0,
         world_size: int = 1,
+        sampler_epoch: bool = True,
     ):
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
@@ -255,6 +261,7 @@ class MapDatasetSource:
         self.generator = generator
         self.entries_per_unit = entries_per_unit
         self.seed_units = seed_units
+        self.sampler_epoch = sampler_epoch
         self.rank = rank
         self.world_size = world_size
         self.base_seed = 0
@@ -284,7 +291,7 @@ class MapDatasetSource:
         """The epoch's units. Draws the base seed, then the sampler order, like torch."""
         import torch
 
-        if hasattr(self.sampler, "set_epoch"):
+        if self.sampler_epoch and hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         index_sampler = self.batch_sampler if self.batched else self.sampler
         replay, self._replay = self._replay, None
