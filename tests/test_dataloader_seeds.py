@@ -118,3 +118,27 @@ def test_seeding_a_batch_is_torch_manual_seed_on_the_cpu(monkeypatch):
     monkeypatch.setattr(traceback, "format_stack", no_stack)
     seed_all(seed)
     assert same_rng_states(want, rng_states())
+
+
+def test_a_persistent_loaders_later_epoch_resumes_with_its_order_and_draws():
+    """With persistent workers the base seed is drawn at the first ``iter()`` only (as torch
+    draws it) and read from a copy of the generator later: a state saved in the second epoch
+    says so, and a new loader resumes it with the order and draws of the uninterrupted run."""
+
+    def loader():
+        return DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=2,
+                          persistent_workers=True)  # fmt: skip
+
+    torch.manual_seed(5)
+    with loader() as a:
+        list(a)
+        it = iter(a)
+        head = [next(it) for _ in range(3)]
+        state = a.state_dict()
+        want = list(it)
+    assert state["units_state"]["drew_seed"] is False
+    with loader() as b:
+        b.load_state_dict(state)
+        got = list(b)
+    assert_same(want, got)
+    assert len(head) + len(got) == 10

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import random
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import (
@@ -138,3 +140,68 @@ def test_the_loaders_set_epoch_reaches_the_sampler():
         assert s.epoch == 3
         list(loader)
         assert s.epoch == 3  # the loader's epochs do not move it
+
+
+class Draws(IterableDataset):
+    """Shards split by ``get_worker_info()``, each item the draws of the three generators
+    and the worker's seed, as a dataset augmenting at random draws them."""
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        seed = info.seed if info is not None else -1
+        for i in range(w, 12, n):
+            yield i, seed, torch.rand(1).item(), float(np.random.rand()), random.random()
+
+
+class Indexed(TensorDataset):
+    def __init__(self):
+        super().__init__(torch.arange(24))
+
+
+def _draws_after(loader_cls, make, workers, persistent, stop=None):
+    """Three epochs (each ended after ``stop`` batches, if given) of ``make()``'s dataset
+    from seeded generators: the batches, and what the generators draw after each epoch (what
+    the training step would draw: the loader must move them as torch's does)."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    kw = {"persistent_workers": True} if persistent else {}
+    loader = loader_cls(make(), batch_size=3, num_workers=workers, **kw)
+    if isinstance(loader.dataset, Indexed):
+        loader = loader_cls(make(), batch_size=3, num_workers=workers, shuffle=True, **kw)
+    out, after = [], []
+    for _ in range(3):
+        for k, batch in enumerate(loader):
+            out.append(batch)
+            if stop is not None and k + 1 == stop:
+                break
+        after.append((torch.rand(1).item(), float(np.random.rand()), random.random()))
+    getattr(loader, "close", lambda: None)()
+    return out, after
+
+
+@pytest.mark.parametrize("stop", [None, 2], ids=["whole", "early"])
+@pytest.mark.parametrize(("workers", "persistent"), [(0, False), (2, False), (2, True)])
+@pytest.mark.parametrize("make", [Draws, Indexed], ids=["iterable", "map"])
+def test_random_draws_and_the_callers_generators_are_torchs(make, workers, persistent, stop):
+    """Each worker of an IterableDataset is seeded as torch seeds it (its draws differ from
+    the other worker's and from one epoch to the next; ``get_worker_info().seed`` is
+    torch's), and the loader draws its base seed from the caller's generators as torch's
+    iterator does: every ``iter()``, the first only with persistent workers.
+
+    One difference: with persistent workers an IterableDataset's later epochs seed each
+    shard from the first epoch's base seed and their count (our workers take whichever shard
+    is next; torch's worker ``i`` goes on with its streams): the first epoch is torch's, the
+    later ones differ from it, from each other and between shards, the same in every run."""
+    want = _draws_after(torch.utils.data.DataLoader, make, workers, persistent, stop)
+    got = _draws_after(DataLoader, make, workers, persistent, stop)
+    if not (make is Draws and persistent):
+        assert_same(want, got)
+        return
+    first = stop or 4  # batches of an epoch
+    assert_same(want[1], got[1])  # the caller's generators
+    assert_same(want[0][:first], got[0][:first])
+    assert_same(got, _draws_after(DataLoader, make, workers, persistent, stop))
+    draws = [tuple(b[2].tolist()) for b in got[0]]
+    assert len(set(draws)) == len(draws)  # no worker or epoch repeats another's draws

@@ -418,6 +418,10 @@ class DataLoader:
                 batch_size=batch_size,
                 drop_last=drop_last,
                 worker_init_fn=worker_init_fn if workers > 0 else None,
+                generator=generator,
+                draw_seed=True,
+                seed_readers=workers > 0,
+                seed_once=bool(persistent_workers),
             )
             self.sampler = self.batch_sampler = None
         else:
@@ -432,6 +436,7 @@ class DataLoader:
                 seed_units=workers > 0 and seed_each_batch,
                 entries_per_unit=1,  # a batch (or, unbatched, a sample) per unit: torch's seeds
                 sampler_epoch=False,  # the user's, as torch leaves it (set_epoch below)
+                seed_once=bool(persistent_workers),
             )
             # What torch's iterator pulls from the sampler ahead of the batches it delivers:
             # where an epoch stops early, the generator is left where torch's leaves it.

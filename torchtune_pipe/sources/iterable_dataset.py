@@ -9,9 +9,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiproc import in_thread_worker
+from torchtune_pipe.sources.rng import seed_as_torch_worker
 from torchtune_pipe.sources.thread_info import set_thread_info
 
 __all__ = ["IterableDatasetSource", "ShardUnit"]
+
+# Added to a persistent loader's base seed per later epoch (an odd 64-bit constant, the golden
+# ratio's): shards' seeds of different epochs do not meet.
+_EPOCH_STRIDE = 0x9E3779B97F4A7C15
 
 
 @dataclass(frozen=True)
@@ -22,11 +27,15 @@ class ShardUnit:
         id: the shard index (``get_worker_info().id`` while it is read).
         num_shards: the shard count (``get_worker_info().num_workers``).
         seed: ``get_worker_info().seed``.
+        reseed: the base seed to seed ``random``, ``torch`` and ``numpy`` with before reading
+            the shard, as torch seeds its worker ``id`` when it starts (``reseed + id``); None:
+            left as they are.
     """
 
     id: int
     num_shards: int
     seed: int = 0
+    reseed: int | None = None
 
 
 class IterableDatasetSource:
@@ -53,7 +62,18 @@ class IterableDatasetSource:
         drop_last: drop each shard's last incomplete batch.
         worker_init_fn: called with the shard index at the start of each shard, with the
             worker info already set (a fresh copy of the dataset per shard).
-        seed: ``get_worker_info().seed`` is ``seed + shard``.
+        seed: ``get_worker_info().seed`` is ``seed + shard`` (unless ``draw_seed``).
+        generator: what ``draw_seed`` draws from (None: torch's global generator).
+        draw_seed: draw the base seed as torch's ``DataLoader`` iterator does, one int64 from
+            ``generator`` per :meth:`units` call (or, with ``seed_once``, the first call only,
+            as torch's persistent iterator does): ``get_worker_info().seed`` is it plus the
+            shard, and the caller's generator moves as under torch.
+        seed_readers: seed ``random``, ``torch`` and ``numpy`` before each shard is read in a
+            worker process as torch seeds its worker ``shard`` (a thread worker's generators
+            are the consumer's, left alone). With ``seed_once``, later epochs seed each shard
+            from the first epoch's base seed and their count: which worker reads a shard then
+            changes nothing, where torch's persistent worker ``i`` goes on with its streams.
+        seed_once: see ``draw_seed`` and ``seed_readers``.
     """
 
     def __init__(
@@ -65,6 +85,10 @@ class IterableDatasetSource:
         drop_last: bool = False,
         worker_init_fn: Callable[[int], None] | None = None,
         seed: int = 0,
+        generator: Any = None,
+        draw_seed: bool = False,
+        seed_readers: bool = False,
+        seed_once: bool = False,
     ):
         name = type(self).__name__
         if not hasattr(dataset, "__iter__"):
@@ -81,6 +105,12 @@ class IterableDatasetSource:
         self.drop_last = drop_last
         self.worker_init_fn = worker_init_fn
         self.seed = seed
+        self.generator = generator
+        self.draw_seed = draw_seed
+        self.seed_readers = seed_readers
+        self.seed_once = seed_once
+        self._epochs = 0  # units() calls so far
+        self._replay: int | None = None  # a saved epoch's base seed, for the next units()
 
     @property
     def batched(self) -> bool:
@@ -97,8 +127,31 @@ class IterableDatasetSource:
         return 1 if self.batch_size is not None else None
 
     def units(self, epoch: int = 0) -> list[ShardUnit]:
-        """``shards`` units, one per shard."""
-        return [ShardUnit(i, self.shards, self.seed + i) for i in range(self.shards)]
+        """``shards`` units, one per shard (the base seed drawn first: see ``draw_seed``)."""
+        import torch
+
+        first = self._epochs == 0
+        self._epochs += 1
+        if self.draw_seed and (first or not self.seed_once):
+            drawn = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            self.seed = int(drawn)
+        if self._replay is not None:
+            self.seed, self._replay = self._replay, None
+        reseed: int | None = None
+        if self.seed_readers:
+            reseed = self.seed
+            if not first and self.seed_once:  # distinct per epoch, whoever reads the shard
+                reseed = (self.seed + (self._epochs - 1) * _EPOCH_STRIDE) % (1 << 63)
+        return [ShardUnit(i, self.shards, self.seed + i, reseed) for i in range(self.shards)]
+
+    def units_state(self) -> dict:
+        """The base seed of the last :meth:`units` call (a resumed epoch reads as it did)."""
+        return {"seed": self.seed}
+
+    def load_units_state(self, state: Any) -> None:
+        """Make the next :meth:`units` call use the base seed ``state`` saved."""
+        if isinstance(state, dict) and isinstance(state.get("seed"), int):
+            self._replay = state["seed"]
 
     def read(self, unit: ShardUnit) -> Iterator[Any]:
         """The shard's samples (or batches of them), with the worker info set while reading."""
@@ -122,6 +175,9 @@ class IterableDatasetSource:
         else:
             torch_worker._worker_info = info
         try:
+            if unit.reseed is not None and not on_thread:
+                # As torch's worker loop seeds its generators, before worker_init_fn.
+                seed_as_torch_worker(unit.reseed, unit.id)
             if self.worker_init_fn is not None:
                 self.worker_init_fn(unit.id)
             if isinstance(ds, IterDataPipe) and unit.num_shards > 1:

@@ -195,6 +195,9 @@ class MapDatasetSource:
             sampler's epoch is its owner's to set, as under torch's ``DataLoader``, which never
             sets it (an epoch a loader ends early or a run resumed at a later epoch must not
             put it back).
+        seed_once: draw the base seed from ``generator`` at the first :meth:`units` call
+            only, as torch's persistent iterator does; later calls read it from a copy (so
+            each epoch's unit seeds differ) and leave the generator as torch leaves it.
 
     Example:
         >>> src = MapDatasetSource(ds, batch_size=32, shuffle=True)   # doctest: +SKIP
@@ -215,6 +218,7 @@ class MapDatasetSource:
         rank: int = 0,
         world_size: int = 1,
         sampler_epoch: bool = True,
+        seed_once: bool = False,
     ):
         from torch.utils.data import BatchSampler, RandomSampler, SequentialSampler
 
@@ -262,6 +266,9 @@ class MapDatasetSource:
         self.entries_per_unit = entries_per_unit
         self.seed_units = seed_units
         self.sampler_epoch = sampler_epoch
+        self.seed_once = seed_once
+        self._drawn = 0  # units() calls that drew their base seed from the generator
+        self._drew = True  # whether the last one did
         self.rank = rank
         self.world_size = world_size
         self.base_seed = 0
@@ -312,9 +319,17 @@ class MapDatasetSource:
             )
             plain = _plain_batches(index_sampler, self.batched)
             it = iter(index_sampler if plain is None else plain[0])
-            self.base_seed = int(
-                torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
+            self._drew = (
+                replay["drew_seed"] if replay is not None else not (self.seed_once and self._drawn)
             )
+            g = self.generator
+            if not self._drew:
+                g = torch.Generator()
+                g.set_state(
+                    torch.get_rng_state() if self.generator is None else self.generator.get_state()
+                )
+            self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=g).item())
+            self._drawn += self._drew
             chunks = self._chunks(it) if plain is None else self._sliced(it, *plain[1:])
             units = [
                 IndexUnit(j, entries, self.base_seed + j if self.seed_units else None)
@@ -372,7 +387,7 @@ class MapDatasetSource:
         if start is not None:
             self.generator.set_state(start)
         it = iter(self.batch_sampler if self.batched else self.sampler)
-        if start is not None:
+        if start is not None and self._drew:
             # The base seed (without ``generator`` it came from the global one: not again).
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)
         for _ in range(delivered + self.pulled_ahead):
@@ -389,7 +404,11 @@ class MapDatasetSource:
         plain data: each generator's state in base64."""
         if self._rng_state is None:
             return None
-        return {k: None if v is None else rng_state_text(v) for k, v in self._rng_state.items()}
+        out: dict[str, Any] = {
+            k: None if v is None else rng_state_text(v) for k, v in self._rng_state.items()
+        }
+        out["drew_seed"] = self._drew  # else read from a copy (``seed_once``)
+        return out
 
     def load_units_state(self, state: Mapping | None) -> None:
         """Make the next ``units()`` call draw the same order as the one ``state`` came from
@@ -413,6 +432,7 @@ class MapDatasetSource:
             else rng_state_from_text(state[k], f"state['units_state'][{k!r}]")
             for k in ("torch", "generator")
         }
+        self._replay["drew_seed"] = bool(state.get("drew_seed", True))
 
     def calls_per_unit(self, unit: IndexUnit) -> int | None:
         """The ``__getitem__`` calls a read of ``unit`` runs at once on its worker's threads
