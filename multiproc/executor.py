@@ -61,12 +61,17 @@ class Executor:
         snapshot: where process workers come from (:class:`multiproc.snapshot.Snapshot`,
             taken with :meth:`~multiproc.snapshot.Snapshot.take` on ``spec.stages``): the
             executor owns it from here on and ends it when it closes. None: one taken now.
+        keep_snapshot: ``snapshot`` stays the caller's, who ends it: the workers of several
+            executors, one after another, fork from it (they all see the process as it was
+            when it was taken).
     """
 
     # Bound with the class: close() runs where module globals may be gone (module docstring).
     _is_owner = staticmethod(lifetime.is_owner)
 
-    def __init__(self, spec: ExecutorSpec, snapshot: Snapshot | None = None):
+    def __init__(
+        self, spec: ExecutorSpec, snapshot: Snapshot | None = None, *, keep_snapshot: bool = False
+    ):
         if not isinstance(spec, ExecutorSpec):
             raise SpecError(f"Executor: spec must be an ExecutorSpec, got {type(spec).__name__}")
         check_fused(spec.stages)
@@ -78,14 +83,16 @@ class Executor:
         # Large arrays of the stage pickles: in the fork server's memory, or in one shared
         # file the workers map (buffers.py).
         self._buffers = buffers.BufferFile(f"ttp_{self._tag}{buffers.FILE_SUFFIX}")
-        self._snapshot, preload = start_server(spec, snapshot)
+        self._snapshot, preload = start_server(spec, snapshot, keep_snapshot)
+        # A kept snapshot is the caller's: its later executors fork from it too.
+        owned = None if keep_snapshot else self._snapshot
         # Held until close, made before any other segment (lifetime.Alive): a sweep in another
         # PID namespace sharing the directory sees these segments alive.
         try:
             self._alive = _alive(self._tag)
         except BaseException:
-            if self._snapshot is not None:
-                self._snapshot.stop()
+            if owned is not None:
+                owned.stop()
             raise
         try:
             process_stages, thread_stages = pickle_stages(spec, self._snapshot, self._buffers)
@@ -98,8 +105,8 @@ class Executor:
             self._buffers.close()
             if self._buffers.created:
                 arena.remove_segment(self._buffers.name)
-            if self._snapshot is not None:
-                self._snapshot.stop()
+            if owned is not None:
+                owned.stop()
             _release_alive(self._alive)
             raise
         self._buffers.close()
@@ -125,7 +132,7 @@ class Executor:
             segments,
             cache,
             prefix=f"ttp_{self._tag}_",
-            snapshot=self._snapshot,
+            snapshot=owned,
         )
         self._finalizer = weakref.finalize(self, _release, self._res, self._alive)
         try:

@@ -38,7 +38,7 @@ START_WORKERS = 2
 
 
 def start_server(
-    spec: ExecutorSpec, snapshot: Snapshot | None
+    spec: ExecutorSpec, snapshot: Snapshot | None, keep_snapshot: bool = False
 ) -> tuple[Snapshot | None, tuple[str, ...]]:
     """Where process workers come from: ``snapshot`` (or one taken now) of this process, whose
     stage functions they inherit (:mod:`multiproc.snapshot`); or, where this process must not
@@ -47,13 +47,14 @@ def start_server(
     the modules the stage pickles name once instead of every new worker importing them.
 
     Returns:
-        The snapshot workers fork from (None: the spawned server; ``snapshot`` is stopped),
-        and the modules that server imports (empty for a snapshot).
+        The snapshot workers fork from (None: the spawned server; ``snapshot`` is stopped
+        unless ``keep_snapshot``: the caller's), and the modules that server imports (empty
+        for a snapshot).
     """
     stages = [offload.local_spec(s) if s.offload else s for s in spec.stages]
     if forks(spec):
         return (snapshot if snapshot is not None else Snapshot.take(stages)), ()
-    if snapshot is not None:
+    if snapshot is not None and not keep_snapshot:
         snapshot.stop()
     if all(s.starts_as_threads for s in stages):
         return None, ()

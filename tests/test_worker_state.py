@@ -312,3 +312,31 @@ def test_a_child_forked_mid_epoch_exits_quietly_and_the_parent_goes_on(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.split() == ["256"]
     assert "Exception ignored" not in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize("num_workers, tuner", MODES, ids=MODE_IDS)
+def test_persistent_workers_after_an_epoch_ended_early_see_the_first_iter(num_workers, tuner):
+    """An epoch ended early ends our workers, persistent or not; those of the next epoch fork
+    from the snapshot of the first ``iter()``, so they see what torch's persistent workers
+    (which go on) see: the dataset as it was then, not the attribute set since."""
+
+    def run(ds, loader):
+        out = []
+        try:
+            for e in range(3):
+                ds.epoch = e
+                batches = []
+                for batch in loader:
+                    batches.append(batch.tolist())
+                    if e == 0 and len(batches) == 2:
+                        break
+                out.append(batches)
+            return out
+        finally:
+            getattr(loader, "close", lambda: None)()
+
+    ds = EpochDataset()
+    want = run(ds, _torch(ds, True))
+    ds = EpochDataset()
+    assert run(ds, _ours(ds, num_workers, tuner, True)) == want
+    assert {row[1] for epoch in want for b in epoch for row in b} == {0}

@@ -293,3 +293,33 @@ def test_workers_run_openmp_teams_after_the_owner_ran_its_own():
     r = _subproc.run(_OPENMP_TEAMS, timeout_s=60)
     assert r.returncode == 0, r.stderr[-3000:]
     assert r.stdout.split() == ["[4194304.0,", "4194304.0]"] * 2, r.stdout
+
+
+class _Value:
+    """A stage function returning an attribute its caller may change after a snapshot."""
+
+    def __init__(self):
+        self.v = 0
+
+    def __call__(self, unit):
+        yield from (self.v for _ in range(*unit))
+
+
+def test_executors_in_turn_fork_from_a_kept_snapshot_which_the_caller_ends():
+    """``keep_snapshot``: each executor's workers fork from the snapshot (they see its
+    process as it was then), closing one leaves the snapshot's server running for the next,
+    and the caller ends it."""
+    from multiproc.snapshot import Snapshot
+
+    fn = _Value()
+    spec = ExecutorSpec((StageSpec("read", "source", fn, workers=2),))
+    snap = Snapshot.take(spec.stages)
+    try:
+        for v in (1, 2):
+            fn.v = v  # after the snapshot: its workers do not see it
+            with Executor(spec, snap, keep_snapshot=True) as ex:
+                assert set(ex.run([(0, 4), (4, 8)])) == {0}
+            assert not snap.server.ended()
+    finally:
+        snap.stop()
+    assert snap.server.ended()

@@ -1,10 +1,10 @@
 """The Loader: iterates a running pipeline, epoch after epoch, and lets a tuner steer it.
 
 A :class:`Loader` owns an executor (one per epoch, or one kept across epochs with
-``persistent_workers=True``), an optional tuning loop (a daemon
-thread stepping a tuner through :class:`RunningPipeline`, the pipeline's
-:class:`~torchtune_pipe.tuning.base.Tunable`), an optional prefetch thread (pinning and device
-transfer, :mod:`torchtune_pipe.loader.prefetch`), and the bookkeeping that makes ``state_dict()`` exact.
+``persistent_workers=True``), an optional tuning loop (a daemon thread stepping a tuner
+through :class:`RunningPipeline`, the pipeline's :class:`~torchtune_pipe.tuning.base.Tunable`),
+an optional prefetch thread (pinning and device transfer, :mod:`torchtune_pipe.loader.prefetch`),
+and the bookkeeping that makes ``state_dict()`` exact.
 
 Resume rule: the state records *which* items were delivered, by ``(unit, position in unit)``
 (units numbered in the epoch's deterministic unit order), never how many workers ran, so a
@@ -23,6 +23,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -59,6 +60,7 @@ from torchtune_pipe.loader.running import (
     close_held,
     consumer_labels,
     executor_spec,
+    on_snapshot,
     start_executor,
     start_tuning,
     start_watch,
@@ -112,11 +114,11 @@ class Loader:
             shortest rank's length where the source can tell it.
         persistent_workers: what the workers see, as in torch's DataLoader. False: each
             ``iter()`` takes a snapshot of this process (:mod:`multiproc.snapshot`) and its
-            epoch's workers, fork-started from it, see the process as it was then (a
-            dataset attribute or a global set before the epoch, a ``set_epoch``); they stop
-            at the epoch's end. True: the workers of the first ``iter()`` serve every epoch
-            and keep seeing the process as it was then. The allocation a tuner reached
-            carries over from epoch to epoch either way.
+            epoch's workers, fork-started from it, see the process as it was then (a dataset
+            attribute or a global set before the epoch, a ``set_epoch``); they stop at the
+            epoch's end. True: every epoch's workers see the process as at the first
+            ``iter()`` (they serve every epoch; those started after an epoch that ended
+            early fork from its snapshot). A tuner's allocation carries over either way.
         start_method: ``"fork"`` (workers fork from the snapshot and inherit what does not
             pickle: open files, database handles) or ``"spawn"`` (stage functions reach
             workers by pickle, as under torch's ``multiprocessing_context="spawn"``).
@@ -204,6 +206,7 @@ class Loader:
         self._last_error: BaseException | None = None  # what ended the last epoch early
         self._prefetch: list[weakref.ref] = []  # the epoch's prefetcher, for its memory
         self._held: dict = {}  # what the finalizer closes when the loader is collected
+        self._kept_reused, self._kept_stages = False, list[tuple[Any, Any]]()  # persistent
         self._finalizer = weakref.finalize(self, close_held, self._held, self._pid)
         if not self.inline:
             warm_workers(pipeline, start_method)
@@ -245,8 +248,7 @@ class Loader:
         """Make the next ``iter()`` run ``epoch`` (seeds unit order and shuffling)."""
         if not isinstance(epoch, int) or epoch < 0:
             raise ValueError(f"Loader.set_epoch(): epoch must be an int >= 0, got {epoch!r}")
-        self._epoch = epoch
-        self._pending = None
+        self._epoch, self._pending = epoch, None
 
     @property
     def epoch(self) -> int:
@@ -267,25 +269,22 @@ class Loader:
         """Resume from ``state`` at the next ``iter()``: exactly the undelivered items.
 
         Raises:
-            StateError: ``state`` is not a loader state of this version, a field has the
-                wrong type or range (the message names it), or it was saved by another
-                pipeline or source (its fingerprint differs).
+            StateError: ``state`` is not a loader state of this version, a field's type or
+                range is wrong (named), or another pipeline or source saved it (fingerprint).
         """
         state = _state.check(state, STATE_VERSION, _state.fingerprint(self.pipeline))
         self._end_active("was ended by load_state_dict(); iterate the loader again to resume")
         self._pending = dict(state)
 
     def release_tuner(self) -> Any:
-        """Stop tuning this loader and hand its tuner over (e.g. to a training callback).
-
-        The tuning loop of the current epoch, if any, is stopped; later epochs run with the
-        allocation the tuner left. Returns the tuner (None if the loader had none).
+        """Stop tuning this loader and hand its tuner over (e.g. to a training callback): the
+        current epoch's tuning loop stops, later epochs run with the allocation the tuner
+        left. Returns the tuner (None if the loader had none).
 
         Raises:
             BaseException: what the loader's tuning loop raised, if it ended with an error.
         """
-        tuner, self.tuner = self.tuner, None
-        loop, self._tuning = self._tuning, None
+        (tuner, self.tuner), (loop, self._tuning) = (self.tuner, None), (self._tuning, None)
         if loop is not None:
             loop.stop(raise_error=True)
         return tuner
@@ -301,7 +300,7 @@ class Loader:
 
         Raises:
             RuntimeError: the loader is closed, or its last epoch ended early (an error, a
-                ``break``) and stopped the workers; the error is chained.
+                ``break``: chained) and stopped the workers.
         """
         if self._closed:
             raise RuntimeError("Loader.observe(): the loader is closed; create a new one")
@@ -341,17 +340,22 @@ class Loader:
         self._active = None
 
     def _snapshot_now(self) -> None:
-        """The next executor's spec, and a snapshot of this process for its workers, taken
-        now (at ``iter()``, in the calling thread, as torch forks its workers): what they
-        see of the dataset, the globals, the environment."""
+        """The next executor's spec and a snapshot of this process for its workers, taken now
+        (at ``iter()``, in the calling thread, as torch forks its workers): what they see."""
         spec = executor_spec(
             self.pipeline, ordered=self.ordered, max_restarts=self.max_restarts,
             start_fused=bool(getattr(self.tuner, "starts_fused", False)),
             allocation=self._allocation, start_method=self.start_method,
         )  # fmt: skip
+        kept = self._held.get("kept_snapshot")
+        if kept is not None:  # persistent workers see the first iter(), also after an early end
+            self._next = (on_snapshot(spec, kept, self._kept_stages), kept)
+            self._kept_reused = True
+            return
         snapshot = take_snapshot(spec)
         self._next = (spec, snapshot)
-        self._held["snapshot"] = snapshot
+        self._held["kept_snapshot" if self.persistent_workers else "snapshot"] = snapshot
+        self._kept_stages = [(s.fn, s.init) for s in spec.stages]
 
     def _ensure_executor(self) -> Executor:
         if self._executor is None:
@@ -360,26 +364,26 @@ class Loader:
             assert self._next is not None
             (spec, snapshot), self._next = self._next, None
             self._held.pop("snapshot", None)  # the executor's from here on
+            keep = snapshot is not None and snapshot is self._held.get("kept_snapshot")
             ex, self._tunable = start_executor(
                 spec, snapshot=snapshot, machine=self._machine, clock=self._clock,
                 memory_limit_bytes=self.memory_limit_bytes, prefetch_slot=self._prefetch,
-                kinds=self._kinds, source=self.pipeline.source,
+                kinds=self._kinds, source=self.pipeline.source, keep_snapshot=keep,
             )  # fmt: skip
             self._executor = ex
             self._held["executor"] = ex
         return self._executor
 
     def _drop_executor(self, background: bool = False) -> None:
-        """Close the executor (keeping the allocation it ran with for the next one) and a
-        snapshot no executor took; ``background``: the executor's workers are stopped on a
-        thread of their own (an epoch that ended whole: the next one need not wait for them;
-        :meth:`close` and the finalizer do)."""
+        """Close the executor (its allocation kept for the next) and a snapshot no executor
+        took; ``background``: its workers stop on a thread of their own (an epoch that ended
+        whole need not wait for them; :meth:`close` and the finalizer do)."""
         ex, self._executor = self._executor, None
         tunable, self._tunable = self._tunable, None
         self._held.pop("executor", None)
         self._held.pop("snapshot", None)
         nxt, self._next = self._next, None
-        if nxt is not None and nxt[1] is not None:
+        if nxt is not None and nxt[1] not in (None, self._held.get("kept_snapshot")):
             nxt[1].stop()
         if ex is None:
             return
@@ -405,8 +409,7 @@ class Loader:
         epoch, progress, works, self._units_state = plan_epoch(
             self.pipeline.source, self._epoch, state
         )
-        self._epoch = epoch
-        self._progress = progress
+        self._epoch, self._progress = epoch, progress
         faststart = None
         if self.inline:
             stream = run_inline(self.pipeline, works, epoch)
@@ -505,9 +508,11 @@ class Loader:
 
     def _fast_start_applies(self) -> bool:
         """Whether this epoch's first units may run inline while the workers start: until
-        the first epoch with workers, or until the shape is chosen."""
+        the first epoch with workers, or the shape is chosen; never after a persistent
+        loader's first epoch (its workers see the first ``iter()``'s dataset, not this)."""
         return (
             self.strategy.fast_start
+            and not self._kept_reused
             and (
                 self._executor is None
                 or (self.strategy.choose_shape and self._shape_probe.decided is None)
@@ -548,10 +553,9 @@ class Loader:
             self._tuning = self._start_tuning()
 
     def _took_everything(self, progress: Progress) -> bool:
-        try:
+        with contextlib.suppress(TypeError):
             return progress.delivered >= len(self)
-        except TypeError:
-            return False
+        return False
 
     def _start_tuning(self) -> Any:
         if self._tunable is None or self.inline:

@@ -287,6 +287,21 @@ def source_bounded(source: Any, stages: tuple) -> tuple:
     return (dataclasses.replace(s, **changes), *stages[1:]) if changes else stages
 
 
+def on_snapshot(spec: ExecutorSpec, snapshot: Snapshot, stages: list) -> ExecutorSpec:
+    """``spec`` with the stage functions and inits ``stages`` (``(fn, init)`` per stage, of the
+    spec ``snapshot`` was taken for) where ``snapshot`` holds them: a later executor's workers
+    forked from it take them from its server, as the process was then (the spec's own are new
+    objects, which would be pickled from this process as it is now)."""
+    held = {id(r) for r in snapshot.roots}
+    return dataclasses.replace(
+        spec,
+        stages=tuple(
+            dataclasses.replace(s, fn=f, init=i) if id(f) in held else s
+            for s, (f, i) in zip(spec.stages, stages, strict=True)
+        ),
+    )
+
+
 def take_snapshot(spec: ExecutorSpec) -> Snapshot | None:
     """A snapshot of this process for ``spec``'s workers (:mod:`multiproc.snapshot`), or None
     where they do not fork from one."""
@@ -303,16 +318,18 @@ def start_executor(
     prefetch_slot: list[weakref.ref],
     kinds: KindRule | None = None,
     source: Any = None,
+    keep_snapshot: bool = False,
 ) -> tuple[Executor, RunningPipeline]:
-    """The executor of ``spec`` (its workers forked from ``snapshot``, which it then owns) and
-    the :class:`RunningPipeline` observing it.
+    """The executor of ``spec`` (its workers forked from ``snapshot``, which it then owns,
+    unless ``keep_snapshot``: see :class:`multiproc.Executor`) and the
+    :class:`RunningPipeline` observing it.
 
     ``prefetch_slot`` holds (weakly) the epoch's prefetcher, whose held bytes count towards
     the pipeline's memory; ``kinds`` is the kind rule the running pipeline applies (None: a
     new one). A ``worker_type="auto"`` source stage may move to threads only where ``source``
     allows it now (its ``may_run_on_threads()``, if it has one).
     """
-    ex = Executor(spec, snapshot)
+    ex = Executor(spec, snapshot, keep_snapshot=keep_snapshot)
     bounds = [
         telemetry.Bounds(
             s.min_workers,
@@ -449,16 +466,17 @@ def busy(executor: Executor | None) -> list:
 
 
 def close_held(held: dict, pid: int) -> None:
-    """Close the executor in ``held`` and end the snapshot no executor took (a loader's
-    finalizer), in its owner process only: in a forked child the workers and memory are the
+    """Close the executor in ``held`` and end the snapshot no executor took and the one its
+    executors share (a loader's finalizer), in its owner process only: in a forked child the workers and memory are the
     parent's."""
     if os.getpid() != pid:
         return
     ex = held.pop("executor", None)
     if ex is not None:
         ex.close()
-    snapshot = held.pop("snapshot", None)
-    if snapshot is not None:
-        snapshot.stop()
+    for key in ("snapshot", "kept_snapshot"):
+        snapshot = held.pop(key, None)
+        if snapshot is not None:
+            snapshot.stop()
     for closing in held.pop("closing", []):
         closing.join()  # executors of earlier epochs, stopping on their own threads
