@@ -142,3 +142,44 @@ def test_a_persistent_loaders_later_epoch_resumes_with_its_order_and_draws():
         got = list(b)
     assert_same(want, got)
     assert len(head) + len(got) == 10
+
+
+_INIT_SEED: dict = {}
+
+
+def _record_initial_seed(worker_id):
+    _INIT_SEED["seed"] = torch.initial_seed()  # torch's documented seed_worker recipe reads it
+
+
+class InitSeeds(Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        info = get_worker_info()
+        return info.id, info.seed, _INIT_SEED.get("seed", -1)
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_worker_seeds_of_every_epoch_are_torchs(persistent):
+    """``get_worker_info().seed`` and ``torch.initial_seed()`` in ``worker_init_fn`` are
+    ``base_seed + id`` with each epoch's base seed, as torch's iterator draws it (once, with
+    persistent workers), in every epoch."""
+
+    def run(loader_cls):
+        torch.manual_seed(0)
+        loader = loader_cls(InitSeeds(), batch_size=2, num_workers=2,
+                            worker_init_fn=_record_initial_seed, persistent_workers=persistent)  # fmt: skip
+        out = [
+            sorted({tuple(int(v) for v in row) for b in loader for row in zip(*b, strict=True)})
+            for _ in range(2)
+        ]
+        getattr(loader, "close", lambda: None)()
+        return out
+
+    want, got = run(torch.utils.data.DataLoader), run(DataLoader)
+    # Which of our workers reads which batch depends on which is free: each one's is torch's.
+    assert all(got[e] and set(got[e]) <= set(want[e]) for e in range(2))
+    assert all(seed == init for epoch in got for _, seed, init in epoch)
+    bases = [{seed - i for i, seed, _ in epoch} for epoch in got]
+    assert (bases[0] == bases[1]) == persistent  # fresh workers: a new base seed each epoch

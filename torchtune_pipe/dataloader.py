@@ -41,6 +41,7 @@ from torchtune_pipe.sources.base import (
     read_indexed,
     units_state,
 )
+from torchtune_pipe.sources.rng import seed_as_torch_worker
 from torchtune_pipe.sources.thread_info import set_thread_info
 from torchtune_pipe.telemetry.measure import cpus_available
 
@@ -113,23 +114,25 @@ class _WorkerInit:
     """``StageSpec.init`` for the fetch stage: sets torch's worker info, then calls the
     user's ``worker_init_fn(worker_index)`` (as torch does, once per worker process).
 
-    ``get_worker_info().seed`` is ``base_seed + index`` as in torch. With ``seed_workers``,
-    ``random``, ``torch`` and ``numpy`` are seeded from it once, at the worker's start, the way
-    torch seeds its workers (``numpy`` through torch's own ``_generate_state``)."""
+    ``get_worker_info().seed`` is ``base_seed + index`` as in torch, ``base_seed`` the epoch's
+    (the one torch's iterator draws at ``iter()``, read from a copy of the generator then; with
+    persistent workers the first ``iter()``'s; reads in the calling thread take the source's). A
+    worker process seeds ``random``, ``torch`` and ``numpy`` from it at its start, before
+    ``worker_init_fn``, the way torch seeds its workers (``numpy`` through torch's own
+    ``_generate_state``): ``torch.initial_seed()`` there is torch's. Per-batch seeds (the
+    source's ``seed_units``) reseed them before each batch; without, the worker's streams go
+    on from there."""
 
     def __init__(
         self,
         source: MapDatasetSource,
         num_workers: int,
         worker_init_fn: Callable | None,
-        base_seed: int,
-        seed_workers: bool,
     ):
         self.source = source
         self.num_workers = num_workers
         self.worker_init_fn = worker_init_fn
-        self.base_seed = base_seed
-        self.seed_workers = seed_workers
+        self.base_seed = 0  # the epoch's, set at iter() before the workers' snapshot
 
     @contextlib.contextmanager
     def inline(self) -> Iterator[None]:
@@ -140,7 +143,7 @@ class _WorkerInit:
         from multiproc.serialize import private_collate
 
         saved = torch_worker._worker_info
-        torch_worker._worker_info = self._info(0)
+        torch_worker._worker_info = self._info(0, self.source.base_seed)
         try:
             with private_collate():  # as in a worker: no shared-memory segment per tensor
                 yield
@@ -154,43 +157,36 @@ class _WorkerInit:
         and stack batches in ordinary memory, as :meth:`inline` reads do."""
         from multiproc.serialize import private_collate
 
-        set_thread_info(self._info(0))
+        set_thread_info(self._info(0, self.source.base_seed))
         try:
             with private_collate():
                 yield
         finally:
             set_thread_info(None)
 
-    def _info(self, index: int) -> Any:
+    def _info(self, index: int, base_seed: int) -> Any:
         from torch.utils.data._utils import worker as torch_worker
 
         return torch_worker.WorkerInfo(
             id=index,
             num_workers=self.num_workers,
-            seed=self.base_seed + index,
+            seed=base_seed + index,
             dataset=self.source.dataset,
         )
 
     def __call__(self, stage_name: str, index: int) -> None:
-        import random
 
-        import numpy as np
-        import torch
         from torch.utils.data._utils import worker as torch_worker
 
-        seed = self.base_seed + index
         if in_thread_worker():
             # A thread of the consumer's process: its own worker info, and the process's
             # random generators left as they are (torch's thread workers share them too).
-            set_thread_info(self._info(index))
+            set_thread_info(self._info(index, self.source.base_seed))
             if self.worker_init_fn is not None:
                 self.worker_init_fn(index)
             return
-        torch_worker._worker_info = self._info(index)
-        if self.seed_workers:
-            random.seed(seed)
-            torch.manual_seed(seed)
-            np.random.seed(torch_worker._generate_state(self.base_seed, index))
+        torch_worker._worker_info = self._info(index, self.base_seed)
+        seed_as_torch_worker(self.base_seed, index)
         if self.worker_init_fn is not None:
             self.worker_init_fn(index)
 
@@ -404,6 +400,7 @@ class DataLoader:
         self.generator = generator
         self.prefetch_factor = prefetch_factor
         self.persistent_workers = persistent_workers
+        self._iterated = False
         self.in_order = in_order
 
         workers = 2 if isinstance(num_workers, str) else num_workers
@@ -451,8 +448,6 @@ class DataLoader:
                 self.source,
                 workers,
                 worker_init_fn,
-                base_seed=_first_base_seed(generator),
-                seed_workers=not seed_each_batch,
             )
         bounded = max(1, workers)
         # Delivered round-robin across shards, as torch does, an IterableDataset needs every
@@ -518,6 +513,10 @@ class DataLoader:
         )
 
     def __iter__(self) -> Iterator[Any]:
+        init = self.pipeline.stages[0].init
+        if isinstance(init, _WorkerInit) and not (self.persistent_workers and self._iterated):
+            init.base_seed = _first_base_seed(self.source.generator)
+        self._iterated = True
         return iter(self._loader)
 
     def __len__(self) -> int:
