@@ -41,7 +41,7 @@ from torchtune_pipe.sources.base import (
     read_indexed,
     units_state,
 )
-from torchtune_pipe.sources.rng import seed_as_torch_worker
+from torchtune_pipe.sources.rng import draw_seed, seed_as_torch_worker
 from torchtune_pipe.sources.thread_info import set_thread_info
 from torchtune_pipe.telemetry.measure import cpus_available
 
@@ -175,7 +175,6 @@ class _WorkerInit:
         )
 
     def __call__(self, stage_name: str, index: int) -> None:
-
         from torch.utils.data._utils import worker as torch_worker
 
         if in_thread_worker():
@@ -189,16 +188,6 @@ class _WorkerInit:
         seed_as_torch_worker(self.base_seed, index)
         if self.worker_init_fn is not None:
             self.worker_init_fn(index)
-
-
-def _first_base_seed(generator: Any) -> int:
-    """The base seed torch's first iterator draws, read from a copy of the generator (or of
-    the global RNG) so that the sampler's order is left untouched."""
-    import torch
-
-    g = torch.Generator()
-    g.set_state(torch.get_rng_state() if generator is None else generator.get_state())
-    return int(torch.empty((), dtype=torch.int64).random_(generator=g).item())
 
 
 def _start_method(context: Any) -> str:
@@ -515,7 +504,7 @@ class DataLoader:
     def __iter__(self) -> Iterator[Any]:
         init = self.pipeline.stages[0].init
         if isinstance(init, _WorkerInit) and not (self.persistent_workers and self._iterated):
-            init.base_seed = _first_base_seed(self.source.generator)
+            init.base_seed = draw_seed(self.source.generator, peek=True)
         self._iterated = True
         return iter(self._loader)
 

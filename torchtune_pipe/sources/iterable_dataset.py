@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiproc import in_thread_worker
-from torchtune_pipe.sources.rng import seed_as_torch_worker
+from torchtune_pipe.sources.rng import draw_seed, seed_as_torch_worker
 from torchtune_pipe.sources.thread_info import set_thread_info
 
 __all__ = ["IterableDatasetSource", "ShardUnit"]
@@ -128,13 +128,10 @@ class IterableDatasetSource:
 
     def units(self, epoch: int = 0) -> list[ShardUnit]:
         """``shards`` units, one per shard (the base seed drawn first: see ``draw_seed``)."""
-        import torch
-
         first = self._epochs == 0
         self._epochs += 1
         if self.draw_seed and (first or not self.seed_once):
-            drawn = torch.empty((), dtype=torch.int64).random_(generator=self.generator).item()
-            self.seed = int(drawn)
+            self.seed = draw_seed(self.generator)
         if self._replay is not None:
             self.seed, self._replay = self._replay, None
         reseed: int | None = None

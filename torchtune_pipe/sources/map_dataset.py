@@ -12,6 +12,7 @@ from multiproc import concurrency, in_thread_worker
 from torchtune_pipe.errors import StateError
 from torchtune_pipe.loader.state import map_source_fingerprint
 from torchtune_pipe.sources.rng import (
+    draw_seed,
     rng_state_from_text,
     rng_state_text,
     rng_states,
@@ -322,13 +323,7 @@ class MapDatasetSource:
             self._drew = (
                 replay["drew_seed"] if replay is not None else not (self.seed_once and self._drawn)
             )
-            g = self.generator
-            if not self._drew:
-                g = torch.Generator()
-                g.set_state(
-                    torch.get_rng_state() if self.generator is None else self.generator.get_state()
-                )
-            self.base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=g).item())
+            self.base_seed = draw_seed(self.generator, peek=not self._drew)
             self._drawn += self._drew
             chunks = self._chunks(it) if plain is None else self._sliced(it, *plain[1:])
             units = [

@@ -74,6 +74,18 @@ def seed_as_torch_worker(base_seed: int, index: int) -> None:
     seed_all(base_seed + index, _generate_state(base_seed, index))
 
 
+def draw_seed(generator: Any = None, peek: bool = False) -> int:
+    """The base seed torch's ``DataLoader`` iterator draws: one int64 from ``generator`` (None:
+    the global generator). ``peek``: read from a copy, the generator left as it is."""
+    import torch
+
+    if peek:
+        copy = torch.Generator()
+        copy.set_state(torch.get_rng_state() if generator is None else generator.get_state())
+        generator = copy
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
 def rng_state_text(state: Any) -> str:
     """A torch generator's state (a uint8 tensor) as base64 text: plain data for a saved
     loader state."""
