@@ -466,17 +466,18 @@ def busy(executor: Executor | None) -> list:
 
 
 def close_held(held: dict, pid: int) -> None:
-    """Close the executor in ``held`` and end the snapshot no executor took and the one its
-    executors share (a loader's finalizer), in its owner process only: in a forked child the workers and memory are the
+    """Close the executor in ``held``, then end the snapshot no executor took and the one a
+    persistent loader's executors share, after every worker forked from it (a loader's
+    finalizer), in its owner process only: in a forked child the workers and memory are the
     parent's."""
     if os.getpid() != pid:
         return
     ex = held.pop("executor", None)
     if ex is not None:
         ex.close()
+    for closing in held.pop("closing", []):
+        closing.join()  # executors of earlier epochs, stopping on their own threads
     for key in ("snapshot", "kept_snapshot"):
         snapshot = held.pop(key, None)
         if snapshot is not None:
             snapshot.stop()
-    for closing in held.pop("closing", []):
-        closing.join()  # executors of earlier epochs, stopping on their own threads
