@@ -144,3 +144,21 @@ def test_a_malformed_generator_state_is_refused_naming_it():
     loader.load_state_dict(dict(state, units_state={"torch": "not base64!", "generator": None}))
     with pytest.raises(StateError, match=r"state\['units_state'\]\['torch'\]"):
         next(iter(loader))
+
+
+def test_a_malformed_iterable_seed_state_is_refused_naming_it():
+    from torch.utils.data import IterableDataset
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(10))
+
+    loader = DataLoader(Stream(), batch_size=2)
+    it = iter(loader)
+    next(it)
+    state = loader.state_dict()
+    assert isinstance(state["units_state"]["seed"], int)
+    fresh = DataLoader(Stream(), batch_size=2)
+    fresh.load_state_dict(dict(state, units_state={"seed": "7"}))
+    with pytest.raises(StateError, match=r"state\['units_state'\]\['seed'\]"):
+        next(iter(fresh))

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from multiproc import in_thread_worker
+from torchtune_pipe.errors import StateError
 from torchtune_pipe.sources.rng import draw_seed, seed_as_torch_worker
 from torchtune_pipe.sources.thread_info import set_thread_info
 
@@ -146,9 +147,21 @@ class IterableDatasetSource:
         return {"seed": self.seed}
 
     def load_units_state(self, state: Any) -> None:
-        """Make the next :meth:`units` call use the base seed ``state`` saved."""
-        if isinstance(state, dict) and isinstance(state.get("seed"), int):
-            self._replay = state["seed"]
+        """Make the next :meth:`units` call use the base seed ``state`` saved (None: draw).
+
+        Raises:
+            StateError: ``state`` is not such a state (the message names the field).
+        """
+        if state is None:
+            self._replay = None
+            return
+        seed = state.get("seed") if isinstance(state, dict) else None
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise StateError(
+                "Loader: state['units_state']['seed'] must be the int base seed an "
+                f"IterableDataset's epoch drew, got {state!r}"
+            )
+        self._replay = seed
 
     def read(self, unit: ShardUnit) -> Iterator[Any]:
         """The shard's samples (or batches of them), with the worker info set while reading."""
