@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.utils.data import (
     ConcatDataset,
+    Dataset,
     DistributedSampler,
     IterableDataset,
     Subset,
@@ -205,3 +206,47 @@ def test_random_draws_and_the_callers_generators_are_torchs(make, workers, persi
     assert_same(got, _draws_after(DataLoader, make, workers, persistent, stop))
     draws = [tuple(b[2].tolist()) for b in got[0]]
     assert len(set(draws)) == len(draws)  # no worker or epoch repeats another's draws
+
+
+class DrawingRows(Dataset):
+    """Rows whose ``__getitem__`` augments at random (all three generators)."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return i, torch.rand(1).item(), float(np.random.rand()), random.random()
+
+
+def _epoch_and_steps(make_loader):
+    """An epoch of ``make_loader()`` from seeded generators: its batches, and what a training
+    step draws after each batch."""
+    torch.manual_seed(0)
+    np.random.seed(0)
+    random.seed(0)
+    loader, batches, steps = make_loader(), [], []
+    for batch in loader:
+        batches.append(batch)
+        steps.append((torch.rand(1).item(), float(np.random.rand()), random.random()))
+    getattr(loader, "close", lambda: None)()
+    return batches, steps
+
+
+def test_a_loader_reading_inline_by_choice_leaves_the_callers_draws_alone():
+    """``"auto"`` that chose to read in the calling thread seeds each batch as a worker's
+    (its batches are those of its workers, wherever they were read) and puts the caller's
+    generators back after each: the training step draws what it draws beside torch's
+    workers."""
+
+    def auto_inline():
+        dl = DataLoader(DrawingRows(), batch_size=3, num_workers="auto")
+        dl.loader.inline = True  # the shape choice's verdict (made in tests/test_faststart.py)
+        return dl
+
+    torch_steps = _epoch_and_steps(
+        lambda: torch.utils.data.DataLoader(DrawingRows(), batch_size=3, num_workers=2)
+    )[1]
+    batches, steps = _epoch_and_steps(auto_inline)
+    assert_same(torch_steps, steps)
+    workers = _epoch_and_steps(lambda: DataLoader(DrawingRows(), batch_size=3, num_workers=2))
+    assert_same(workers[0], batches)

@@ -412,7 +412,7 @@ class Loader:
         self._epoch, self._progress = epoch, progress
         faststart = None
         if self.inline:
-            stream = run_inline(self.pipeline, works, epoch)
+            stream = run_inline(self.pipeline, works, epoch, not self.strategy.inline)
         elif self._fast_start_applies():
             faststart = FastStart(
                 self.pipeline, works, epoch, self._ensure_executor, self._on_started,

@@ -45,7 +45,7 @@ from torchtune_pipe.loader.shape import (
 )
 from torchtune_pipe.loader.switching import quick_switches
 from torchtune_pipe.loader.tagging import Work
-from torchtune_pipe.sources.rng import rng_states, set_rng_states
+from torchtune_pipe.sources.rng import isolated_rng
 from torchtune_pipe.stages import PipelineLike
 
 log = logging.getLogger(__name__)
@@ -101,15 +101,6 @@ def _intraop_threads(n: int) -> Iterator[None]:
         yield
     finally:
         intraop.set_here(before)
-
-
-@contextlib.contextmanager
-def _isolated_rng() -> Iterator[None]:
-    saved = rng_states()
-    try:
-        yield
-    finally:
-        set_rng_states(saved)
 
 
 def _owned(items: list) -> list:
@@ -317,7 +308,7 @@ class FastStart:
         """Around a read in the consumer's thread: its generators kept, a worker's view and a
         worker's intra-op threads (the interpreter's default, all the cores, spins against
         the workers' kernels once they run: a 65 ms unit was measured at 0.5 s)."""
-        with _isolated_rng(), self.inline_context(), _intraop_threads(self.torch_threads):
+        with isolated_rng(), self.inline_context(), _intraop_threads(self.torch_threads):
             yield
 
     def _read_timed(

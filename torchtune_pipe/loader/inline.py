@@ -19,16 +19,22 @@ from torchtune_pipe.loader.tagging import (
     map_fn,
     reducer_factory,
 )
+from torchtune_pipe.sources.rng import isolated_rng
 from torchtune_pipe.stages import PipelineLike, Stage
 
 log = logging.getLogger(__name__)
 
 
-def run_inline(pipeline: PipelineLike, works: list[Work], epoch: int) -> Iterator[tuple]:
-    """Run the pipeline in the calling thread (no workers): the tagged stream of items."""
+def run_inline(
+    pipeline: PipelineLike, works: list[Work], epoch: int, isolate: bool = False
+) -> Iterator[tuple]:
+    """Run the pipeline in the calling thread (no workers): the tagged stream of items.
+    ``isolate``: each work unit is read whole, the global random generators put back as they
+    were before it (a source that seeds them per unit, as for workers, leaves the caller's
+    draws alone, as workers do)."""
     src = pipeline.stages[0]
     read = ReadTagged(pipeline.source, skip=src.on_error == "skip")
-    stream: Iterator[tuple] = _inline_source(src, _read(src, read, works))
+    stream: Iterator[tuple] = _inline_source(src, _read(src, read, works, isolate))
     for st in pipeline.stages[1:]:
         stream = _inline_stage(st, stream, epoch)
     return stream
@@ -42,22 +48,33 @@ def _note(e: BaseException, st: Stage, where: str) -> None:
         )
 
 
-def _read(st: Stage, read: ReadTagged, works: list[Work]) -> Iterator[Any]:
-    """The works' tagged items; an error names the work unit and the item it was reading."""
+def _read(st: Stage, read: ReadTagged, works: list[Work], isolate: bool) -> Iterator[Any]:
+    """The works' tagged items (each unit read whole within :func:`isolated_rng` where
+    ``isolate``)."""
     for w in works:
-        items = read(w)
-        k = 0
-        while True:
-            try:
-                t = next(items)
-            except StopIteration:
-                break
-            except Exception as e:
-                _note(e, st, f"work unit {short_repr(w)}, item {k}")
-                raise
-            if type(t) is tuple and t[1] >= 0:
-                k = t[1] + 1
-            yield t
+        if not isolate:
+            yield from _unit(st, read, w)
+            continue
+        with isolated_rng():
+            got = list(_unit(st, read, w))
+        yield from got
+
+
+def _unit(st: Stage, read: ReadTagged, w: Work) -> Iterator[Any]:
+    """A work unit's tagged items; an error names the unit and the item it was reading."""
+    items = read(w)
+    k = 0
+    while True:
+        try:
+            t = next(items)
+        except StopIteration:
+            break
+        except Exception as e:
+            _note(e, st, f"work unit {short_repr(w)}, item {k}")
+            raise
+        if type(t) is tuple and t[1] >= 0:
+            k = t[1] + 1
+        yield t
 
 
 def _item(t: tuple) -> str:

@@ -5,7 +5,9 @@ must not disturb the caller's draws."""
 from __future__ import annotations
 
 import base64
+import contextlib
 import random
+from collections.abc import Iterator
 from typing import Any
 
 from torchtune_pipe.errors import StateError
@@ -27,6 +29,17 @@ def set_rng_states(states: tuple) -> None:
     random.setstate(states[0])
     np.random.set_state(states[1])
     torch.set_rng_state(states[2])
+
+
+@contextlib.contextmanager
+def isolated_rng() -> Iterator[None]:
+    """The global generators as they were on entry, put back on exit: reads in the caller's
+    thread seeded as a worker's leave the caller's own draws alone."""
+    saved = rng_states()
+    try:
+        yield
+    finally:
+        set_rng_states(saved)
 
 
 def same_rng_states(a: tuple, b: tuple) -> bool:
