@@ -12,11 +12,12 @@ import multiprocessing as mp
 import os
 import sqlite3
 import struct
+import time
 
 import pytest
 import torch
+from torch.utils.data import ConcatDataset, Dataset, Subset
 from torch.utils.data import DataLoader as TorchDataLoader
-from torch.utils.data import Dataset
 
 from torchtune_pipe import DataLoader, Pipeline
 
@@ -179,6 +180,50 @@ def records(tmp_path):
         c.executemany("INSERT INTO t VALUES (?, ?)", [(i, 3 * i) for i in range(N)])
     c.close()
     return str(path), str(db)
+
+
+class LazyFileDataset(Dataset):
+    """Records read through a file opened at the first read (what torch's docs advise for a
+    handle that does not survive a fork: each worker opens its own), then seek and read."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self.f = path, None
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if self.f is None:
+            self.f = open(self.path, "rb")  # noqa: SIM115 - kept for the reader's life
+        self.f.seek(8 * i)
+        time.sleep(0.001)  # another reader of this handle, if any, moves its offset meanwhile
+        return torch.tensor([i, *struct.unpack("<q", self.f.read(8))])
+
+
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+@pytest.mark.parametrize(
+    "num_workers, tuner, method",
+    [(*m, "process") for m in MODES] + [(2, None, "thread")],
+    ids=[*MODE_IDS, "threads2"],
+)
+def test_a_file_opened_at_the_first_read_is_each_readers_own(
+    num_workers, tuner, method, persistent, records
+):
+    """No reader shares another's handle, whether the dataset opens it or a dataset it holds
+    does: not the workers of a later epoch (forked after this process read some batches
+    itself), nor threads reading side by side. Every record is read at its own offset."""
+    makes = (
+        lambda: LazyFileDataset(records[0]),
+        lambda: Subset(ConcatDataset([LazyFileDataset(records[0])] * 2), range(N // 2, N + N // 2)),
+    )
+    for make in makes:
+        want = _epochs(_torch(make(), persistent), lambda e: None)
+        assert all(row[1] == 1000 + row[0] for epoch in want for b in epoch for row in b)
+        ours = _ours(make(), num_workers, tuner, persistent, worker_method=method)
+        try:
+            assert _epochs(ours, lambda e: None) == want
+        finally:
+            ours.close()
 
 
 @pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])

@@ -38,6 +38,7 @@ from torchtune_pipe.sources.base import (
     left_early,
     load_units_state,
     max_readers,
+    new_view,
     read_indexed,
     units_state,
 )
@@ -100,6 +101,9 @@ class _Collated:
 
     def left_early(self, delivered: int) -> None:
         left_early(self.source, delivered)
+
+    def new_view(self) -> None:
+        new_view(self.source)
 
     def read(self, unit: Any) -> Iterator[Any]:
         for _, x in self.read_from(unit, frozenset()):

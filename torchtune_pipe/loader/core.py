@@ -352,7 +352,7 @@ class Loader:
             self._next = (on_snapshot(spec, kept, self._kept_stages), kept)
             self._kept_reused = True
             return
-        snapshot = take_snapshot(spec)
+        snapshot = take_snapshot(spec, self.pipeline.source)
         self._next = (spec, snapshot)
         self._held["kept_snapshot" if self.persistent_workers else "snapshot"] = snapshot
         self._kept_stages = [(s.fn, s.init) for s in spec.stages]

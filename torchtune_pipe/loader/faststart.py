@@ -46,6 +46,7 @@ from torchtune_pipe.loader.shape import (
 from torchtune_pipe.loader.switching import quick_switches
 from torchtune_pipe.loader.tagging import Work
 from torchtune_pipe.sources.rng import isolated_rng
+from torchtune_pipe.sources.views import standing_in
 from torchtune_pipe.stages import PipelineLike
 
 log = logging.getLogger(__name__)
@@ -308,7 +309,12 @@ class FastStart:
         """Around a read in the consumer's thread: its generators kept, a worker's view and a
         worker's intra-op threads (the interpreter's default, all the cores, spins against
         the workers' kernels once they run: a 65 ms unit was measured at 0.5 s)."""
-        with isolated_rng(), self.inline_context(), _intraop_threads(self.torch_threads):
+        with (
+            isolated_rng(),
+            standing_in(),
+            self.inline_context(),
+            _intraop_threads(self.torch_threads),
+        ):
             yield
 
     def _read_timed(

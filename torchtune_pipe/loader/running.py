@@ -20,7 +20,7 @@ from multiproc.errors import ExecutorClosedError
 from multiproc.fusion import fuse_all
 from multiproc.snapshot import Snapshot, forks
 from torchtune_pipe.remote import stage as _remote
-from torchtune_pipe.sources.base import frame_items, max_readers
+from torchtune_pipe.sources.base import frame_items, max_readers, new_view
 from torchtune_pipe.stages import PipelineLike
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.telemetry.memory import MemoryProbe
@@ -302,9 +302,11 @@ def on_snapshot(spec: ExecutorSpec, snapshot: Snapshot, stages: list) -> Executo
     )
 
 
-def take_snapshot(spec: ExecutorSpec) -> Snapshot | None:
+def take_snapshot(spec: ExecutorSpec, source: Any = None) -> Snapshot | None:
     """A snapshot of this process for ``spec``'s workers (:mod:`multiproc.snapshot`), or None
-    where they do not fork from one."""
+    where they do not fork from one; ``source``'s reads that stand in for these workers in
+    this process read new views of its dataset (``sources.base.new_view``)."""
+    new_view(source)
     return Snapshot.take(spec.stages) if forks(spec) else None
 
 

@@ -174,6 +174,15 @@ def left_early(source: Any, delivered: int) -> None:
         left(delivered)
 
 
+def new_view(source: Any) -> None:
+    """Tell ``source`` a snapshot for new workers is taken: its reads that stand in for
+    workers in this process read new views of its dataset
+    (:mod:`torchtune_pipe.sources.views`), where it has ``new_view``."""
+    fn = getattr(source, "new_view", None)
+    if fn is not None:
+        fn()
+
+
 @dataclass(frozen=True)
 class NodeUnit:
     """The single work unit of a :class:`NodeSource`."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from array import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from torchtune_pipe.sources.rng import (
     same_rng_states,
     seed_as_torch_worker,
 )
+from torchtune_pipe.sources.views import Views, get_in_view
 
 __all__ = ["IndexUnit", "MapDatasetSource", "PackedEntries"]
 
@@ -282,6 +284,13 @@ class MapDatasetSource:
         # Entries torch's iterator pulls from the sampler ahead of those delivered (its
         # prefetch_factor * num_workers; set by the DataLoader): see left_early.
         self.pulled_ahead = 0
+        # What reads standing in for workers read (torchtune_pipe.sources.views).
+        self.views = Views(dataset)
+
+    def new_view(self) -> None:
+        """Start a new generation of the views that reads standing in for workers read
+        (:mod:`torchtune_pipe.sources.views`): taken with each snapshot workers fork from."""
+        self.views.renew()
 
     def __len__(self) -> int:
         """This rank's items per epoch (batches when batched), as ``len(DataLoader)`` counts
@@ -461,7 +470,7 @@ class MapDatasetSource:
             # As torch seeds its worker unit.id (seed = base seed + id); a thread worker's
             # generators are the consumer's: left alone.
             seed_as_torch_worker(unit.seed - unit.id, unit.id)
-        ds = self.dataset
+        ds = self.views.get()
         getitems = getattr(ds, "__getitems__", None) if self.batched else None
         for k, entry in enumerate(unit.entries):
             if k in skip:
@@ -487,7 +496,7 @@ class MapDatasetSource:
         above 1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
         generators: threads would interleave the draws, and batches would differ run to run.
         The first batch a process reads is read serially to find that out."""
-        ds = self.dataset
+        ds = self.views.get()
         if self._draws is None:
             before = rng_states()
             out = _read_each(ds, entry, n)
@@ -496,7 +505,8 @@ class MapDatasetSource:
         pool = concurrency.current()
         if pool.width <= 1 or self._draws:
             return _read_each(ds, entry, n)
-        outs = pool.map(ds.__getitem__, entry)
+        # Calls side by side on threads: each thread reads a view of its own (views.py).
+        outs = pool.map(functools.partial(get_in_view, self.views), entry)
         for i, o in zip(entry, outs, strict=True):
             if o.error is not None:
                 _note(o.error, f"dataset[{i!r}] raised it: {_batch(n, entry)}")

@@ -1,0 +1,130 @@
+"""A dataset of its own for every reader of the consumer's process that stands in for a worker.
+
+A worker process reads its own copy of the dataset, forked from the consumer's process at
+``iter()``: what a read sets on the dataset (a file opened on first use, as torch's docs advise
+for handles that do not survive a fork; a cache; a counter) stays in that worker. Reads of the
+consumer's process that stand in for workers (a fast start's inline reads, a kind probe's
+threads, thread workers) would set it on the caller's own object: threads would share one file
+and its offset at once, and the next epoch's workers would fork with it open, every one of them
+seeking and reading through the same offset (records read at each other's positions).
+
+So each such reader reads its own view (:class:`Views`): the dataset copied, and every dataset
+it holds (a ``Subset``'s, a ``ConcatDataset``'s) copied too, their other attributes (tensors,
+arrays, lists, dicts) shared, not copied; a dataset that is no ``torch.utils.data.Dataset`` (a
+list, an array) is read as it is. A view is made at a reader's first read of a
+generation, from a copy made at its start; a source starts a new generation with every snapshot
+its workers fork from, so what the caller changed between epochs reaches the views as it reaches
+new workers, and a persistent loader's thread workers keep the first epoch's, as its worker
+processes do. Calls that a worker process runs side by side on threads read views too. A
+dataset that cannot be copied is read as it is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from multiproc.worker import in_thread_worker
+
+log = logging.getLogger(__name__)
+
+# Datasets held by a dataset, copied this deep (a Subset of a ConcatDataset of datasets: 3).
+_DEPTH = 4
+
+_here = threading.local()
+
+
+@contextlib.contextmanager
+def standing_in() -> Iterator[None]:
+    """Within it, the calling thread's reads stand in for a worker's (:class:`Views`)."""
+    before = getattr(_here, "on", False)
+    _here.on = True
+    try:
+        yield
+    finally:
+        _here.on = before
+
+
+def stands_in() -> bool:
+    """Whether the calling thread reads for a worker in the consumer's process: within
+    :func:`standing_in`, or a thread worker (:func:`multiproc.worker.in_thread_worker`)."""
+    return getattr(_here, "on", False) or in_thread_worker()
+
+
+class Views:
+    """The views of one dataset: per thread that :func:`stands_in` for a worker, a copy of the
+    generation's template, itself a copy of the dataset made before any read of the
+    generation (so a view never holds what a read set on the dataset, e.g. a file it opened).
+
+    A process's first read makes the template where the generation has none: a worker
+    process's reading thread reads the dataset itself, as torch's worker does, while the
+    threads its calls run on side by side read views. Pickled, only the dataset and the
+    generation travel."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.generation = 0
+        self._template: Any = None
+        self._here = threading.local()
+
+    def renew(self) -> None:
+        """Start a new generation, its template copied from the dataset as it is now."""
+        self.generation += 1
+        self._template = _copied(self.dataset, _DEPTH)
+
+    def get(self) -> Any:
+        """The dataset a read of the calling thread uses: the dataset, or the thread's view."""
+        if self._template is None:
+            self._template = _copied(self.dataset, _DEPTH)
+        if not stands_in():
+            return self.dataset
+        here = self._here
+        if getattr(here, "generation", None) != self.generation:
+            here.view, here.generation = _copied(self._template, _DEPTH), self.generation
+        return here.view
+
+    def __getstate__(self) -> dict:
+        return {"dataset": self.dataset, "generation": self.generation}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["dataset"])  # type: ignore[misc]
+        self.generation = state["generation"]
+
+
+def get_in_view(views: Views, i: Any) -> Any:
+    """``dataset[i]``, read in the calling thread's own view (a call run on a thread of its
+    own, beside others)."""
+    with standing_in():
+        return views.get()[i]
+
+
+def _copied(obj: Any, depth: int) -> Any:
+    """``obj`` copied (shallow), with the datasets among its attributes (alone, or as the items
+    of a list or tuple) copied the same way, ``depth`` levels down; ``obj`` itself where it is
+    no ``torch.utils.data.Dataset`` (a list, an array, a tensor: copied, they would be copied
+    whole) or cannot be copied."""
+    from torch.utils.data import Dataset
+
+    if not isinstance(obj, Dataset):
+        return obj
+    try:
+        out = copy.copy(obj)
+    except Exception as e:  # e.g. a __reduce__ that refuses: read it as it is
+        log.debug("views: %s is read as it is (copying it raised %r)", type(obj).__name__, e)
+        return obj
+    attrs = getattr(out, "__dict__", None)
+    if depth <= 1 or not isinstance(attrs, dict) or out is obj:
+        return out
+    for name, value in list(attrs.items()):
+        if isinstance(value, Dataset):
+            attrs[name] = _copied(value, depth - 1)
+        elif type(value) in (list, tuple) and value and all(isinstance(v, Dataset) for v in value):
+            attrs[name] = type(value)(_copied(v, depth - 1) for v in value)
+    return out
+
+
+__all__ = ["Views", "get_in_view", "stands_in", "standing_in"]
