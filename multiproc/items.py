@@ -43,7 +43,10 @@ def estimated_size(item, depth: int = 0) -> int:
         return _SCALAR_BYTES
     if t is str or t is bytes or t is bytearray:
         return len(item) + _SCALAR_BYTES
-    nbytes = getattr(item, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
+    try:
+        nbytes = getattr(item, "nbytes", None)  # numpy arrays, torch tensors, memoryviews
+    except RuntimeError:  # a sparse tensor's raises: measured by pickling, below
+        nbytes = None
     if type(nbytes) is int:
         return nbytes + 4 * _SCALAR_BYTES
     if depth < _MAX_DEPTH and isinstance(item, (list, tuple, dict)):

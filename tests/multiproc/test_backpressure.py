@@ -124,6 +124,9 @@ def test_an_item_is_sized_without_pickling_it_and_always_the_same_way():
     assert estimated_size({"x": big, "y": [b"ab"] * 1000}) >= big.nbytes + 2000
     # An object that is neither a container nor an array is pickled to be measured.
     assert estimated_size(_fns.Blob(1 << 16)) == serialized_size(_fns.Blob(1 << 16))
+    # A sparse tensor has no nbytes (it raises): pickled, as such an object is.
+    sparse = torch.sparse_coo_tensor([[0, 5]], [1.0, 2.0], (1000,))
+    assert estimated_size([sparse, sparse]) >= 2 * serialized_size(sparse)
 
 
 def test_a_source_of_large_items_frames_them_small_and_a_dead_worker_loses_nothing(tmp_path):
