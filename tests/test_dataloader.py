@@ -290,3 +290,30 @@ def test_a_state_saved_while_batches_are_read_ahead_resumes_exactly():
         loader.load_state_dict(state)
         rest = [[x[0] for x in b] for b in loader]
     assert head + rest == full
+
+
+class Subclassed(DataLoader):
+    def __init__(self, dataset, tag, **kw):
+        super().__init__(dataset, **kw)
+        self.tag = tag
+
+
+@pytest.mark.parametrize("workers", [0, 2, "auto"])
+def test_a_loader_pickles_and_deep_copies_as_torchs_after_its_epochs(workers):
+    """torch's DataLoader pickles and deep-copies between epochs (Lightning's spawn
+    strategies, an EMA copy of a module holding one): so does ours; the copy, built with the
+    same arguments and what was set on it since, gives the same batches and starts its own
+    workers."""
+    import copy
+    import pickle
+
+    g = torch.Generator().manual_seed(4)
+    data = torch.utils.data.TensorDataset(torch.arange(40.0))
+    with Subclassed(data, "x", batch_size=8, shuffle=True, generator=g, num_workers=workers) as dl:
+        assert len(list(dl)) == 5
+        for make in (lambda: pickle.loads(pickle.dumps(dl)), lambda: copy.deepcopy(dl)):
+            with make() as clone:
+                assert isinstance(clone, Subclassed) and clone.tag == "x"
+                assert clone.num_workers == dl.num_workers and clone.loader is not dl.loader
+                again = list(clone)  # its generator: a copy of dl's after dl's last epoch
+            assert_same(again, list(dl))

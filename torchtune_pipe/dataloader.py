@@ -313,6 +313,7 @@ class DataLoader:
         max_concurrency: int = 64,
         worker_method: str | None = None,
     ):
+        arguments = {k: v for k, v in locals().items() if k != "self"}  # see __getstate__
         from torch.utils.data import IterableDataset
         from torch.utils.data._utils.collate import default_collate, default_convert
 
@@ -504,6 +505,19 @@ class DataLoader:
             persistent_workers=persistent_workers,
             start_method=_start_method(multiprocessing_context),
         )
+        self._arguments, self._built = arguments, frozenset(self.__dict__) | {"_built"}
+
+    def __getstate__(self) -> dict:
+        """What a pickle or a deep copy of the loader holds, as of torch's: the arguments it
+        was built with (its dataset, sampler and generator as they are now) and what was set
+        on it since (a subclass's attributes); not its workers, tuner or epoch. The copy
+        starts its own at its first ``iter()``."""
+        extra = {k: v for k, v in self.__dict__.items() if k not in self._built}
+        return {"arguments": self._arguments, "extra": extra}
+
+    def __setstate__(self, state: dict) -> None:
+        DataLoader.__init__(self, **state["arguments"])
+        self.__dict__.update(state["extra"])
 
     def __iter__(self) -> Iterator[Any]:
         init = self.pipeline.stages[0].init
