@@ -42,6 +42,7 @@ from torchtune_pipe.sources.base import (
     read_indexed,
     units_state,
 )
+from torchtune_pipe.sources.rank_share import take_rank_share
 from torchtune_pipe.sources.rng import draw_seed, seed_as_torch_worker
 from torchtune_pipe.sources.thread_info import set_thread_info
 from torchtune_pipe.telemetry.measure import cpus_available
@@ -272,6 +273,12 @@ class DataLoader:
             delivers as many batches (:mod:`torchtune_pipe.tuning.worker_kind`), and only while
             the dataset's reads need no seed of this process's generators (``seed_each_batch``
             off, or a first batch showed ``__getitem__`` draws nothing from them).
+        distributed: under ``torch.distributed`` with several ranks, read this rank's share
+            of a map-style dataset, as Lightning and Accelerate make torch's ``DataLoader`` do
+            (they rebuild torch's class only): ``None`` (default) does so with a warning once
+            the process group is initialised, ``True`` without, ``False`` never (every rank
+            reads everything, as torch's ``DataLoader`` alone does). See
+            :mod:`torchtune_pipe.sources.rank_share`.
 
     Workers see this process as torch's do: as it was at the epoch's ``iter()`` (or at the
     first ``iter()`` with ``persistent_workers=True``), with what does not pickle inherited,
@@ -312,6 +319,7 @@ class DataLoader:
         seed_each_batch: bool = True,
         max_concurrency: int = 64,
         worker_method: str | None = None,
+        distributed: bool | None = None,
     ):
         arguments = {k: v for k, v in locals().items() if k != "self"}  # see __getstate__
         from torch.utils.data import IterableDataset
@@ -396,6 +404,13 @@ class DataLoader:
         self.persistent_workers = persistent_workers
         self._iterated = False
         self.in_order = in_order
+        if distributed not in (None, True, False):
+            raise ValueError(
+                f"DataLoader: distributed must be None, True or False, got {distributed!r}"
+            )
+        self.distributed = distributed
+        self._shuffle, self._own_batches = bool(shuffle), batch_sampler is not None
+        self._ranks_read = False  # whether the rank share was decided (take_rank_share)
 
         workers = 2 if isinstance(num_workers, str) else num_workers
         if auto and iterable:
@@ -520,6 +535,7 @@ class DataLoader:
         self.__dict__.update(state["extra"])
 
     def __iter__(self) -> Iterator[Any]:
+        take_rank_share(self)
         init = self.pipeline.stages[0].init
         if isinstance(init, _WorkerInit) and not (self.persistent_workers and self._iterated):
             init.base_seed = draw_seed(self.source.generator, peek=True)
@@ -527,6 +543,7 @@ class DataLoader:
         return iter(self._loader)
 
     def __len__(self) -> int:
+        take_rank_share(self)
         if self.sampler is not None or self.batch_sampler is not None:
             return len(self.source)
         n = len(self.dataset)  # raises TypeError like torch for datasets without __len__
@@ -552,10 +569,12 @@ class DataLoader:
 
     def state_dict(self) -> dict:
         """Resumable state: the delivered batches of this epoch (see ``Loader.state_dict``)."""
+        take_rank_share(self)  # a state names the sampler: this rank's, under DDP
         return self._loader.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at the next ``iter()`` with exactly the batches not yet delivered."""
+        take_rank_share(self)  # checked against the sampler the next iter() reads
         self._loader.load_state_dict(state)
 
     def close(self) -> None:

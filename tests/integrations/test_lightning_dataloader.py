@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -139,3 +140,46 @@ def test_a_set_epoch_in_the_epoch_hook_is_seen_where_torchs_workers_see_it(worke
         lambda ds: DataLoader(ds, batch_size=8, num_workers=workers), [callback], tmp_path
     )
     assert got == want
+
+
+class RankRows(Linear):
+    """Writes the rows each rank trained on, per epoch (ranks are spawned processes)."""
+
+    def __init__(self, out: str):
+        super().__init__()
+        self.out, self.rows = out, []
+
+    def training_step(self, batch, batch_idx):
+        self.rows.append(batch[0][:, 0].long().tolist())
+        return super().training_step(batch, batch_idx)
+
+    def on_train_epoch_end(self):
+        name = f"{self.out}/rank{self.global_rank}_epoch{self.current_epoch}.json"
+        with open(name, "w") as f:
+            json.dump(self.rows, f)
+        self.rows = []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)  # two spawned ranks import torch and Lightning
+def test_under_ddp_each_rank_reads_the_share_lightning_gives_torchs(tmp_path):
+    """Lightning gives torch's DataLoader a DistributedSampler under DDP (it rebuilds torch's
+    class only): the drop-in gives itself the same one, so each rank trains on the batches it
+    would with torch's, disjoint halves reshuffled each epoch."""
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp_spawn", max_epochs=2, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(RankRows(str(tmp_path)), train_dataloaders=DataLoader(
+        Points(), batch_size=8, shuffle=True, num_workers=2,  # distributed: default
+    ))  # fmt: skip
+    for epoch in range(2):
+        for rank in range(2):
+            share = torch.utils.data.DistributedSampler(Points(), 2, rank, shuffle=True, seed=0)
+            share.set_epoch(epoch)
+            want = [b[0][:, 0].long().tolist() for b in torch.utils.data.DataLoader(
+                Points(), batch_size=8, sampler=share,
+            )]  # fmt: skip
+            got = json.loads((tmp_path / f"rank{rank}_epoch{epoch}.json").read_text())
+            assert got == want, (rank, epoch)
