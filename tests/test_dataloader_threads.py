@@ -1,6 +1,6 @@
 """``DataLoader(worker_method=...)``: thread workers give torch's batches, see their own
-worker info, share the dataset and leave this process's random generators alone; ``"auto"``
-moves to threads only where reads need no seed of them."""
+worker info and their own copy of the dataset (its data shared), and leave this process's
+random generators alone; ``"auto"`` moves to threads only where reads need no seed of them."""
 
 from __future__ import annotations
 
@@ -333,3 +333,29 @@ def test_a_first_round_that_settles_the_kind_ends_the_probe(monkeypatch, below):
     assert len(counted) == 1 if below else len(counted) >= faststart.KIND_ROUNDS_MIN
     # Unpatched, a round ends the probe only where its measure starts the stage on processes.
     assert not start_on_threads(worker_kind.SETTLED_BELOW, 1.0, threads_first=False)
+
+
+class Tagged(Dataset):
+    """Rows that say which worker's ``worker_init_fn`` set up the dataset that read them."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        return torch.tensor([getattr(self, "wid", -1), get_worker_info().id])
+
+
+def _tag(worker_id):
+    get_worker_info().dataset.wid = worker_id  # torch's docs' way to set a worker's copy up
+
+
+def test_worker_info_dataset_is_the_copy_each_thread_worker_reads():
+    """``get_worker_info().dataset`` is the dataset the worker reads, its own: what its
+    ``worker_init_fn`` sets there is what its reads see, as in torch's worker processes, and
+    never reaches the caller's object or another thread's."""
+    ds = Tagged()
+    with DataLoader(ds, batch_size=4, num_workers=2, worker_init_fn=_tag,
+                    worker_method="thread") as dl:  # fmt: skip
+        rows = torch.cat(list(dl))
+    assert torch.equal(rows[:, 0], rows[:, 1])
+    assert not hasattr(ds, "wid")

@@ -176,7 +176,7 @@ class _WorkerInit:
             id=index,
             num_workers=self.num_workers,
             seed=base_seed + index,
-            dataset=self.source.dataset,
+            dataset=self.source.views.get(),  # what this worker reads (sources.views)
         )
 
     def __call__(self, stage_name: str, index: int) -> None:
@@ -265,8 +265,9 @@ class DataLoader:
             ``__getitem__`` draws from the global random generators is always read one call
             at a time per worker.
         worker_method: what the ``num_workers`` workers are: ``"process"`` (the default with
-            an int ``num_workers``), ``"thread"`` (threads of this process, sharing the
-            dataset; ``get_worker_info()`` gives each its own info; ``random``, ``numpy`` and
+            an int ``num_workers``), ``"thread"`` (threads of this process, each reading
+            its own copy of the dataset, :mod:`~torchtune_pipe.sources.views`;
+            ``get_worker_info()`` gives each its own info; ``random``, ``numpy`` and
             ``torch`` are this process's generators, never seeded by a worker, so
             ``seed_each_batch`` does not apply), or ``"auto"`` (the default with
             ``num_workers="auto"``): processes, moved to threads while running where that
@@ -487,7 +488,7 @@ class DataLoader:
                 init=init,
                 worker_type=worker_method,
             )
-        if worker_method == "thread":  # the threads share the dataset, as torch's do
+        if worker_method == "thread":  # one source; each thread reads its view (sources.views)
             pipe = Pipeline(
                 pipe.source,
                 tuple(dataclasses.replace(s, thread_copies=False) for s in pipe.stages),

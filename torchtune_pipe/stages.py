@@ -64,7 +64,8 @@ class Stage:
             ``"auto"``).
         thread_copies: (``worker_type="thread"``) each thread worker gets its own copy of
             ``fn`` (True), or all share this process's own (False: the DataLoader's thread
-            workers share the dataset, as torch's do).
+            workers share its source, each reading a view of the dataset of its own,
+            :mod:`torchtune_pipe.sources.views`).
     """
 
     name: str
