@@ -317,3 +317,51 @@ def test_a_loader_pickles_and_deep_copies_as_torchs_after_its_epochs(workers):
                 assert clone.num_workers == dl.num_workers and clone.loader is not dl.loader
                 again = list(clone)  # its generator: a copy of dl's after dl's last epoch
             assert_same(again, list(dl))
+
+
+class Endless(Sampler):
+    """An infinite sampler with no ``__len__`` (detectron2's ``TrainingSampler`` kind)."""
+
+    def __iter__(self):
+        while True:
+            yield from range(10)
+
+
+class _Own(Sampler):
+    """A batch sampler of the user's: another's batches, its ``__len__`` raising as that's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __iter__(self):
+        return iter(self.inner)
+
+    def __len__(self):
+        return len(self.inner)
+
+
+class Unsized(Sampler):
+    """A finite sampler with no ``__len__``."""
+
+    def __iter__(self):
+        return iter([3, 1, 4, 1, 5, 9, 2, 6])
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_sampler_without_len_reads_as_torchs_and_an_endless_one_is_named(workers):
+    """An epoch is planned whole when it starts: a finite sampler with no ``__len__`` gives
+    torch's batches; an endless one is refused once it gave ten times the dataset's samples
+    (instead of planning forever), naming the sampler and what to do."""
+    ds = torch.utils.data.TensorDataset(torch.arange(10))
+    want = list(torch.utils.data.DataLoader(ds, batch_size=3, sampler=Unsized()))
+    with DataLoader(ds, batch_size=3, sampler=Unsized(), num_workers=workers) as dl:
+        assert_same(list(dl), want)
+        with pytest.raises(TypeError):
+            len(dl)  # as torch's
+    with DataLoader(ds, batch_size=3, sampler=Endless(), num_workers=workers) as dl:
+        with pytest.raises(ValueError, match=r"sampler Endless has no __len__ .* than 100 "):
+            next(iter(dl))
+    endless_batches = BatchSampler(Endless(), 3, False)  # __len__ raises: its sampler has none
+    with DataLoader(ds, batch_sampler=_Own(endless_batches), num_workers=workers) as dl:
+        with pytest.raises(ValueError, match=r"sampler _Own has no __len__"):
+            next(iter(dl))

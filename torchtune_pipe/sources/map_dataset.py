@@ -58,6 +58,30 @@ def _plain_batches(index_sampler: Any, batched: bool) -> tuple[Any, int, bool] |
     return (sampler, size, drop_last) if type(sampler) in plain else None
 
 
+def _sampler_name(source: Any) -> str:
+    """The type name of the sampler that orders ``source``'s samples (the user's)."""
+    from torch.utils.data import BatchSampler
+
+    bs = source.batch_sampler if source.batched else None
+    order = bs.sampler if type(bs) is BatchSampler else (bs if bs is not None else source.sampler)
+    return type(order).__name__
+
+
+def _unsized_limit(index_sampler: Any, dataset: Any) -> int | None:
+    """The most indices an epoch of ``index_sampler`` may give where it has no ``__len__``
+    (10 times the dataset's length, or 2**26 where that has none either); None where it has
+    one."""
+    try:
+        len(index_sampler)
+        return None
+    except TypeError:
+        pass
+    try:
+        return 10 * len(dataset)
+    except TypeError:
+        return 1 << 26
+
+
 @dataclass(frozen=True, repr=False)
 class IndexUnit:
     """A work unit of a map-style dataset: consecutive entries of the sampler's order.
@@ -334,7 +358,11 @@ class MapDatasetSource:
             )
             self.base_seed = draw_seed(self.generator, peek=not self._drew)
             self._drawn += self._drew
-            chunks = self._chunks(it) if plain is None else self._sliced(it, *plain[1:])
+            chunks = (
+                self._chunks(it, _unsized_limit(index_sampler, self.dataset))
+                if plain is None
+                else self._sliced(it, *plain[1:])
+            )
             units = [
                 IndexUnit(j, entries, self.base_seed + j if self.seed_units else None)
                 for j, entries in enumerate(chunks)
@@ -358,13 +386,28 @@ class MapDatasetSource:
                 ends.append(b - a)
                 yield PackedEntries(flat[a:b], ends)
 
-    def _chunks(self, it: Iterator[Any]) -> Iterator[Sequence[Any]]:
+    def _chunks(self, it: Iterator[Any], limit: int | None = None) -> Iterator[Sequence[Any]]:
         """The sampler's entries, ``entries_per_unit`` at a time, packed
         (:class:`PackedEntries`) as they are drawn: the epoch's order is never held as Python
-        ints."""
-        n, batched, buf = self.entries_per_unit, self.batched, []
+        ints.
+
+        Raises:
+            ValueError: the sampler has no ``__len__`` and gave more than ``limit`` indices
+                (an infinite sampler: an epoch is planned whole when it starts).
+        """
+        n, batched, buf, count = self.entries_per_unit, self.batched, [], 0
         for e in it:
-            buf.append(list(e) if batched else e)
+            e = list(e) if batched else e
+            count += len(e) if batched else 1
+            if limit is not None and count > limit:
+                raise ValueError(
+                    f"DataLoader: the sampler {_sampler_name(self)} has no __len__ and gave "
+                    f"more than {limit} indices for one epoch (10 times the dataset's "
+                    "length): an infinite sampler? This loader plans an epoch's batches when "
+                    "the epoch starts; give the sampler a __len__ (the samples of one epoch) "
+                    "and stop it there, e.g. with itertools.islice"
+                )
+            buf.append(e)
             if len(buf) == n:
                 yield PackedEntries.pack(buf, batched)
                 buf = []
