@@ -48,10 +48,12 @@ import ast
 import concurrent.futures
 import hashlib
 import importlib
+import inspect
 import json
 import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -120,11 +122,40 @@ def apply_overrides(overrides: Sequence[tuple[str, str, object]]) -> None:
             if getattr(other, name, None) is old:
                 setattr(other, name, value)
             for fn in _functions(other):
-                keyword = fn.__kwdefaults__ or {}
-                for key in [k for k, v in keyword.items() if v is old]:
-                    keyword[key] = value
-                if fn.__defaults__ and any(v is old for v in fn.__defaults__):
-                    fn.__defaults__ = tuple(value if v is old else v for v in fn.__defaults__)
+                positional, keywords = _defaults_naming(fn, name)
+                for key in keywords:
+                    fn.__kwdefaults__[key] = value
+                if positional:
+                    fn.__defaults__ = tuple(
+                        value if i in positional else v for i, v in enumerate(fn.__defaults__)
+                    )
+
+
+def _defaults_naming(fn, name: str) -> tuple[set[int], list[str]]:
+    """The defaults of ``fn`` its source writes as ``name`` (``headroom=HEADROOM``): their
+    positions in ``__defaults__`` and their keys in ``__kwdefaults__``. By name, not by value:
+    equal constants are one object (every 0.05 of a module), and a default bound to another
+    constant of the same value is not the one changed."""
+    try:
+        node = ast.parse(textwrap.dedent(inspect.getsource(fn))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return set(), []
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return set(), []
+
+    def names(e) -> bool:
+        return (isinstance(e, ast.Name) and e.id == name) or (
+            isinstance(e, ast.Attribute) and e.attr == name
+        )
+
+    args = node.args
+    positional = {i for i, d in enumerate(args.defaults) if names(d)}
+    keywords = [
+        a.arg
+        for a, d in zip(args.kwonlyargs, args.kw_defaults, strict=True)
+        if d is not None and names(d)
+    ]
+    return positional, keywords
 
 
 def _functions(module) -> list:
