@@ -8,9 +8,10 @@ the sampler Lightning would (:func:`rank_sampler`): once a process group of more
 is initialised, at its first ``len()``, ``iter()`` or state (saved or loaded), a loader whose
 sampler is torch's default (``shuffle`` or not) reads through ``DistributedSampler(dataset,
 shuffle=shuffle, seed=$PL_GLOBAL_SEED or 0)``, and any other sampler is wrapped so that each
-rank reads its share of what the sampler yields (:class:`SamplerShare`, Lightning's
-``DistributedSamplerWrapper``). Those set ``loader.sampler``; its ``set_epoch`` (Lightning calls
-it every epoch) reshuffles. A batch sampler of the user's own is left as it is, with a warning:
+rank reads every ``world``-th index it yields, in its order (:class:`SamplerShare`; Lightning's
+``DistributedSamplerWrapper`` also shuffles them for a training loader, which this cannot tell
+from another). Those set ``loader.sampler``; its ``set_epoch`` (Lightning calls it every epoch)
+reshuffles. A batch sampler of the user's own is left as it is, with a warning:
 it decides the batches, and no share of it is one Lightning makes.
 """
 
@@ -42,7 +43,9 @@ class SamplerShare:
         from torch.utils.data import DistributedSampler
 
         self.sampler = sampler
-        self._indices: list = list(sampler)
+        # Filled at each __iter__ (as Lightning's wrapper does): drawn here, a random sampler
+        # would draw once more than torch's loader under Lightning does.
+        self._indices: list = [None] * len(sampler)
         self._share = DistributedSampler(
             self._indices, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed
         )
