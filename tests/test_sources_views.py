@@ -90,8 +90,11 @@ def test_what_is_no_dataset_is_read_as_it_is_and_calls_on_threads_read_views():
         assert views.get() is rows  # a list (or an array) is never copied
     ds = Opens()
     views = Views(ds)
-    views.get()  # a first read makes the template, before any read sets anything
-    ds[0]  # this reader (a worker process's) opens it on the dataset itself
+    views.get()
+    assert views._template is None  # no snapshot, no reader standing in: nothing copied
+    views.generation = 1  # a worker process's (its loader took a snapshot; spawned, no template)
+    views.get()  # its first read makes the template, before any read sets anything
+    ds[0]  # this reader (the worker process's own) opens it on the dataset itself
     handles = set()
     for k in range(3):
         t = threading.Thread(target=lambda k=k: handles.add(get_in_view(views, k)[0]))

@@ -60,7 +60,8 @@ class Views:
     generation's template, itself a copy of the dataset made before any read of the
     generation (so a view never holds what a read set on the dataset, e.g. a file it opened).
 
-    A process's first read makes the template where the generation has none: a worker
+    A process's first read makes the template where the generation has none (once a
+    snapshot was taken, or a reader stands in): a worker
     process's reading thread reads the dataset itself, as torch's worker does, while the
     threads its calls run on side by side read views. Pickled, only the dataset and the
     generation travel."""
@@ -78,9 +79,12 @@ class Views:
 
     def get(self) -> Any:
         """The dataset a read of the calling thread uses: the dataset, or the thread's view."""
-        if self._template is None:
+        standing = stands_in()
+        # No template where no worker was ever snapshotted and no reader stands in
+        # (num_workers=0): copying reads the dataset's __dict__, which slows its attributes.
+        if self._template is None and (standing or self.generation):
             self._template = _copied(self.dataset, _DEPTH)
-        if not stands_in():
+        if not standing:
             return self.dataset
         here = self._here
         if getattr(here, "generation", None) != self.generation:
