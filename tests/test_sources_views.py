@@ -3,12 +3,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import gc
 import itertools
 import pickle
+import sys
 import threading
 
+import pytest
 from torch.utils.data import ConcatDataset, Dataset, Subset
 
+from torchtune_pipe import DataLoader
 from torchtune_pipe.sources.views import Views, get_in_view, standing_in
 
 _handles = itertools.count()
@@ -110,3 +116,76 @@ def test_a_pickled_views_takes_the_dataset_and_its_generation_only():
     back = pickle.loads(pickle.dumps(views))
     assert back.generation == 2 and isinstance(back.dataset, Opens)
     assert back._template is None
+
+
+class Slotted(Dataset):
+    __slots__ = ("rows", "__handle")
+
+    def __init__(self) -> None:
+        self.rows = [1, 2]
+        self.__handle = None
+
+    def __getitem__(self, i: int) -> int:
+        return self.rows[i]
+
+
+@dataclasses.dataclass
+class Fields(Dataset):
+    path: str
+    lower: bool = True  # a class attribute the object holds too
+    cache: dict = dataclasses.field(default_factory=dict)
+
+    def __getitem__(self, i: int) -> str:
+        return self.path
+
+    @functools.cached_property
+    def size(self) -> int:
+        return len(self.path)
+
+
+class OwnCopy(Opens):
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "scale": 5}
+
+
+def _inline(obj: object, value: object) -> bool:
+    """Whether ``value`` is held by ``obj`` as an attribute of its own, not through a
+    ``__dict__`` CPython made for it (which slows every attribute load on it and its forks)."""
+    return any(r is value for r in gc.get_referents(obj))
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="CPython's inline attributes")
+def test_a_copy_holds_every_attribute_and_the_dataset_keeps_its_attributes_inline():
+    slotted, fields, cached, extra = Slotted(), Fields("p"), Fields("q"), Opens()
+    cached.size  # noqa: B018 -- cached_property stores it through the object's __dict__
+    extra.tag = "set from outside the class"  # type: ignore[attr-defined]
+    for ds, attrs in [
+        (slotted, {"rows": slotted.rows, "_Slotted__handle": None}),
+        (fields, {"path": "p", "lower": True, "cache": fields.cache}),
+        (cached, {"path": "q", "lower": True, "cache": cached.cache, "size": 1}),
+        (extra, {"handle": None, "scale": 1, "tag": extra.tag}),
+    ]:
+        views = Views(ds)
+        views.renew()
+        with standing_in():
+            view = views.get()
+        assert view is not ds and type(view) is type(ds)
+        assert {k: getattr(view, k) for k in attrs} == attrs
+        for k, v in attrs.items():
+            assert getattr(view, k) is v or v is None or isinstance(v, int)
+    assert _inline(slotted, slotted.rows) and _inline(fields, fields.cache)
+    # a class that copies itself its own way is copied its way
+    views = Views(OwnCopy())
+    with standing_in():
+        assert views.get()[2][1] == 10
+
+
+@pytest.mark.skipif(sys.implementation.name != "cpython", reason="CPython's inline attributes")
+@pytest.mark.parametrize("num_workers", [2, "auto"])
+def test_a_loader_with_workers_leaves_the_datasets_attributes_inline(num_workers):
+    ds = Subset(ConcatDataset([Opens(), Opens()]), list(range(16)))
+    inner = ds.dataset.datasets[0]
+    loader = DataLoader(ds, batch_size=4, num_workers=num_workers)
+    for _ in range(2):
+        assert [x for b in loader for x in b[1].tolist()] == [i % 8 for i in range(16)]
+    assert _inline(ds, ds.indices) and _inline(inner, inner.scale) and inner.handle is None
