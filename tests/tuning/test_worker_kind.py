@@ -115,6 +115,23 @@ def test_reads_that_keep_up_with_processes_on_threads_start_there():
     assert not start_on_threads(0.0, 0.0, threads_first=True)
 
 
+def test_reads_that_compute_start_on_threads_only_where_clearly_faster_there():
+    # A PIL decode reads 0.98x of the processes at the start and 0.86x running: reads that
+    # compute (wall ~ CPU) get no more CPU on threads; a tie within the noise starts on
+    # processes and is not settled (the trial measures threads on the running pipeline).
+    computes, waits = 1.0, 5.8
+    assert not start_on_threads(392.0, 400.0, threads_first=False, wait_ratio=computes)
+    assert not start_settled(392.0, 400.0, wait_ratio=computes)
+    assert start_on_threads(392.0, 400.0, threads_first=False, wait_ratio=waits)
+    assert start_settled(392.0, 400.0, wait_ratio=waits)
+    # a hop the threads skip (8 MB items): clearly faster, they start there and it settles
+    assert start_on_threads(560.0, 400.0, threads_first=False, wait_ratio=computes)
+    assert start_settled(560.0, 400.0, wait_ratio=computes)
+    # far slower still settles processes; without a GIL threads stay the first candidate
+    assert start_settled(200.0, 400.0, wait_ratio=computes)
+    assert start_on_threads(320.0, 400.0, threads_first=True, wait_ratio=computes)
+
+
 def test_a_kind_measured_at_the_start_holds_until_the_cpus_change():
     rule = KindRule(threads_first=False)
     rule.start([1], threads=True, cpus=8.0)

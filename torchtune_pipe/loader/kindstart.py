@@ -98,7 +98,7 @@ def kind_probe(
         wait_ratio: float | None,
         error: Exception | None,
     ) -> None:
-        threads = error is None and start_on_threads(together, processes)
+        threads = error is None and start_on_threads(together, processes, wait_ratio=wait_ratio)
         nxt = holder._next
         if nxt is None:
             return
@@ -116,7 +116,7 @@ def kind_probe(
         # calls at once per worker, and their CPU, then the most of a unit's time, may hold
         # the interpreter lock the threads share. That measure settles nothing: the rule
         # compares the kinds on the running pipeline.
-        settled = start_settled(together, processes) and k >= cpus and calls <= 1
+        settled = start_settled(together, processes, wait_ratio) and k >= cpus and calls <= 1
         if error is not None:
             kinds.bar(stages)
         else:
@@ -138,9 +138,10 @@ def kind_probe(
             f"stages {[now.stages[i].name for i in stages]} start on "
             f"{'threads' if threads else 'processes'}: {why}"
         )
-        if wait_ratio is not None and calls > 1:
+        if wait_ratio is not None:
             said += (
-                f"; {calls} calls in flight per worker (the reads wait {wait_ratio:.1f}x their CPU)"
+                f"; {calls} call{'s' if calls > 1 else ''} in flight per worker (the reads wait "
+                f"{wait_ratio:.1f}x their CPU)"
             )
         log.info("Loader: %s", said)
         note("kind", said)

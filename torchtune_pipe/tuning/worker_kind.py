@@ -35,6 +35,7 @@ import sys
 from dataclasses import dataclass, field
 
 from torchtune_pipe.tuning.base import Allocation, Observation, local_workers, threads_as_now
+from torchtune_pipe.tuning.calls_in_flight import RAISE_ABOVE
 
 SETTLE = 3  # observations an allocation holds before a stage's kind is tried
 PROBE = 3  # observations each kind is measured over
@@ -49,37 +50,60 @@ START_SCALING = 1.0 - TOLERANCE
 START_SCALING_THREADS_FIRST = 0.75
 SETTLED_ABOVE = START_SCALING
 SETTLED_BELOW = 0.6
+# Reads that compute (wall within COMPUTE_WAIT_RATIO times their CPU, the ratio below which calls
+# in flight are not raised) get no more CPU on threads than on processes: threads tie them at
+# best, and the start measure, a few units read without the consumer's own work beside them,
+# reads ~10% high (zoo `images`, PIL decode: 0.88-0.98x at the start, 0.86x running). For those,
+# threads start, and the measure settles, only where they beat the processes by more than the
+# trial's noise (an item's hop that threads skip: zoo `big-items`, 8 MB items, 1.4-1.5x).
+COMPUTE_WAIT_RATIO = RAISE_ABOVE
+START_SCALING_COMPUTE = 1.0 + TOLERANCE
 
 
 def start_on_threads(
-    threads_rate: float, processes_rate: float, threads_first: bool | None = None
+    threads_rate: float,
+    processes_rate: float,
+    threads_first: bool | None = None,
+    wait_ratio: float | None = None,
 ) -> bool:
     """Whether a stage should start on threads: units read ``k`` at once on threads of one
-    process (``threads_rate``, items/s) came at least ``START_SCALING`` times as fast as ``k``
+    process (``threads_rate``, items/s) came at least :func:`start_share` times as fast as ``k``
     worker processes would read them (``processes_rate``: each unit's CPU and waits but its
-    waits for the interpreter lock, plus its hop between processes); with ``threads_first``
-    (default: the interpreter has no GIL), ``START_SCALING_THREADS_FIRST`` times. Reads that
-    hold the lock (pure Python) run one at a time on threads, near ``1/k`` of the processes;
-    reads that release it (decoding in C, torch and numpy kernels, waits on files or the
-    network) or that the memory's bandwidth bounds run as fast on threads, and skip the hop.
-    Unmeasured rates give False (processes: the kind that scales whatever the reads hold)."""
+    waits for the interpreter lock, plus its hop between processes). Reads that hold the lock
+    (pure Python) run one at a time on threads, near ``1/k`` of the processes; reads that
+    release it (decoding in C, torch and numpy kernels, waits on files or the network) or that
+    the memory's bandwidth bounds run as fast on threads, and skip the hop. Unmeasured rates
+    give False (processes: the kind that scales whatever the reads hold)."""
     if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
-    first = (not gil_enabled()) if threads_first is None else threads_first
-    return (
-        threads_rate >= (START_SCALING_THREADS_FIRST if first else START_SCALING) * processes_rate
-    )
+    return threads_rate >= start_share(threads_first, wait_ratio) * processes_rate
 
 
-def start_settled(threads_rate: float, processes_rate: float) -> bool:
+def start_share(threads_first: bool | None = None, wait_ratio: float | None = None) -> float:
+    """The share of ``k`` processes' rate from which ``k`` threads start a stage:
+    ``START_SCALING_THREADS_FIRST`` with ``threads_first`` (default: the interpreter has no
+    GIL); ``START_SCALING_COMPUTE`` for reads that compute (``wait_ratio``, wall per CPU time of
+    a read alone, at most ``COMPUTE_WAIT_RATIO``); else ``START_SCALING``."""
+    if (not gil_enabled()) if threads_first is None else threads_first:
+        return START_SCALING_THREADS_FIRST
+    if wait_ratio is not None and wait_ratio <= COMPUTE_WAIT_RATIO:
+        return START_SCALING_COMPUTE
+    return START_SCALING
+
+
+def start_settled(
+    threads_rate: float, processes_rate: float, wait_ratio: float | None = None
+) -> bool:
     """Whether the start measure of :func:`start_on_threads` settles the kind: threads as fast
-    as the processes would be (``SETTLED_ABOVE``), or so much slower (``SETTLED_BELOW``) that
-    processes are clearly faster. In between (a little slower by the measure, for less
-    memory) the rule measures both kinds on the running pipeline."""
+    as the processes would be (``SETTLED_ABOVE``; for reads that compute, the share they start
+    from, :func:`start_share`), or so much slower (``SETTLED_BELOW``) that processes are clearly
+    faster. In between (a little slower by the measure, for less memory) the rule measures both
+    kinds on the running pipeline."""
     if threads_rate <= 0.0 or processes_rate <= 0.0:
         return False
     ratio = threads_rate / processes_rate
-    return ratio >= SETTLED_ABOVE or ratio <= SETTLED_BELOW
+    above = max(SETTLED_ABOVE, start_share(False, wait_ratio))
+    return ratio >= above or ratio <= SETTLED_BELOW
 
 
 def gil_enabled() -> bool:
@@ -207,7 +231,7 @@ class KindRule:
 
 
 __all__ = [
-    "PROBE", "SETTLE", "SETTLED_ABOVE", "SETTLED_BELOW", "START_SCALING",
-    "START_SCALING_THREADS_FIRST", "TOLERANCE",
-    "KindRule", "gil_enabled", "start_on_threads", "start_settled",
+    "COMPUTE_WAIT_RATIO", "PROBE", "SETTLE", "SETTLED_ABOVE", "SETTLED_BELOW", "START_SCALING",
+    "START_SCALING_COMPUTE", "START_SCALING_THREADS_FIRST", "TOLERANCE",
+    "KindRule", "gil_enabled", "start_on_threads", "start_settled", "start_share",
 ]  # fmt: skip
