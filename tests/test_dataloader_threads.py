@@ -108,11 +108,19 @@ def test_an_unknown_worker_method_is_named():
 class Busy(Rows):
     """Reads of ~0.4 ms of pure Python: they hold the interpreter lock."""
 
+    loops = 4000
+
     def __getitem__(self, i):
         n = 0
-        for k in range(4000):
+        for k in range(self.loops):
             n += k
         return super().__getitem__(i)
+
+
+class Heavy(Busy):
+    """Reads of ~4 ms of pure Python, each a small tensor: their hop is a fraction of them."""
+
+    loops = 120000
 
 
 class Fails(Slow):
@@ -327,12 +335,30 @@ def test_a_first_round_that_settles_the_kind_ends_the_probe(monkeypatch, below):
     hop = faststart.hop_s
     monkeypatch.setattr(faststart, "hop_s", lambda items, b: counted.append(b) or hop(items, b))
     monkeypatch.setattr(kindstart, "SETTLED_BELOW", below)
+    # threads start from a tie: one read alone never caps the probe (see the test below)
+    monkeypatch.setattr(faststart, "start_share", lambda *a: worker_kind.START_SCALING)
     with DataLoader(Busy(400), batch_size=4, num_workers="auto") as dl:
         assert len(list(dl)) == 100
         assert 0 in dl.loader._kinds.kind  # placed by the probe
     assert len(counted) == 1 if below else len(counted) >= faststart.KIND_ROUNDS_MIN
     # Unpatched, a round ends the probe only where its measure starts the stage on processes.
     assert not start_on_threads(worker_kind.SETTLED_BELOW, 1.0, threads_first=False)
+
+
+def test_reads_that_compute_and_hop_little_end_the_probe_after_one_read_alone(tmp_path):
+    """k reads at once on threads read at most k times one alone; reads that compute, whose
+    hop is a few percent of them, cannot reach the share of k processes that threads start
+    from (``START_SCALING_COMPUTE``): the probe reads nothing on threads, and the stage starts
+    on processes, settled (no trial of threads until the CPUs change)."""
+    log = tmp_path / "tuning.jsonl"
+    want = list(TorchLoader(Heavy(128), batch_size=32, num_workers=2))
+    with DataLoader(Heavy(128), batch_size=32, num_workers="auto", tuning_log=str(log)) as dl:
+        assert_same(list(dl), want)
+        kinds = dl.loader._kinds
+        assert kinds.kind[0] is False and 0 in kinds.tried  # processes, settled
+    (said,) = _kind_events(log)
+    assert re.search(r"start on processes: 2 reads at once on threads would read at most "
+                     r"1\.0\dx what 2 processes would", said), said  # fmt: skip
 
 
 class Tagged(Dataset):

@@ -48,6 +48,7 @@ from torchtune_pipe.loader.tagging import Work
 from torchtune_pipe.sources.rng import isolated_rng
 from torchtune_pipe.sources.views import standing_in
 from torchtune_pipe.stages import PipelineLike
+from torchtune_pipe.tuning.worker_kind import start_share
 
 log = logging.getLogger(__name__)
 
@@ -78,11 +79,15 @@ class _Measured:
     together_items: int = 0
     hop_s: float = 0.0
     error: Exception | None = None
+    capped: bool = False  # one read alone showed threads could not win (_threads_capped)
 
     def rates(self, k: int) -> tuple[float, float, float]:
         """Items/s of the units read alone, of those read ``k`` at once, and of ``k``
         processes each reading units as fast as one alone, then their hops; zeros before a
-        round was counted."""
+        round was counted, and 0.0 for the second where the probe was capped."""
+        if self.capped and self.alone_s > 0:
+            alone = self.alone_items / self.alone_s
+            return alone, 0.0, k * self.alone_items / (self.alone_s + self.hop_s)
         if self.rounds < 1 or self.alone_s <= 0 or self.together_s <= 0:
             return 0.0, 0.0, 0.0
         return (
@@ -414,13 +419,17 @@ class FastStart:
             try:
                 # Less its waits for a CPU: another process's load is not what one read costs
                 # (it would make k reads at once look to scale where they do not).
+                c0 = time.thread_time()
                 items, one_s = self._read_timed(works[i])
+                one_cpu = time.thread_time() - c0
             except Exception as e:
                 got.error = e
                 return got
             one_items = sum(1 for t in items if t[1] >= 0)
             units.put(items)
             i += 1
+            if i == 2 and self._threads_capped(items, one_s, one_cpu, one_items, got):
+                return got  # the first read alone: threads could not win (nothing more read)
             if time.perf_counter() - start >= KIND_PROBE_MAX_S:
                 break  # its round would end past the bound: not counted
             t0 = time.perf_counter()
@@ -452,6 +461,27 @@ class FastStart:
             if got.rounds == 1 and processes > 0 and kp.clear(together, processes):
                 break  # a second round would not change the kind: the workers start now
         return got
+
+    def _threads_capped(
+        self, items: list, one_s: float, cpu_s: float, n: int, got: _Measured
+    ) -> bool:
+        """Whether ``k`` reads at once on threads, at most ``k`` times as fast as this one read
+        alone (``n`` items in ``one_s``, ``cpu_s`` of CPU), would still fall short of the share
+        of ``k`` processes' rate that threads start from
+        (:func:`~torchtune_pipe.tuning.worker_kind.start_share`): reads that compute and whose
+        hop between processes costs a few percent of them. Then nothing more is read on
+        threads (the stage starts on processes, settled as by a measure of both) and ``got``
+        holds this read, ``capped``."""
+        share = start_share(None, one_s / cpu_s if cpu_s > 0 else None)
+        if one_s <= 0 or not n or share <= 1.0:  # a tie or less may start threads: measure
+            return False
+        kp = self.kind_probe
+        assert kp is not None
+        hop = hop_s(items, kp.arena_bytes)
+        if (one_s + hop) / one_s >= share:
+            return False
+        got.alone_s, got.alone_items, got.hop_s, got.capped = one_s, n, hop, True
+        return True
 
     def _probed_start(self) -> Iterator[tuple]:
         """The first unit in the calling thread, then the probe's units in order (the number

@@ -33,7 +33,10 @@ class KindProbe:
     allocator and caches warm up, as a new worker's do, once), then counted ones until their
     read time reaches ``KIND_PROBE_S`` over ``KIND_ROUNDS_MIN`` rounds (or twice that in one).
     It starts no read past ``KIND_PROBE_MAX_S``: units so long that no round was counted by
-    then leave the kind unmeasured (processes, tried by the rule later). Units are delivered
+    then leave the kind unmeasured (processes, tried by the rule later). Where its first read
+    alone shows that ``threads`` reads at once, even at ``threads`` times its rate, would not
+    reach the share of the processes' rate threads start from (reads that compute, a hop of a
+    few percent of them), it reads no more on threads. Units are delivered
     in order whatever thread read them; the executor starts once ``decide`` has been called.
 
     The first unit is read in the calling thread (the first batch is not delayed); the rest
@@ -48,7 +51,8 @@ class KindProbe:
             ``__getitem__`` draws nothing from the global random generators).
         decide: called once, on the probe's thread, with the rate of units read alone, of
             units read ``threads`` at once, and of the units ``threads`` worker processes
-            would read, their hops included (items/s; 0.0: not measured), the reads' wall per
+            would read, their hops included (items/s; 0.0: not measured; the second alone 0.0
+            where the first read alone ended the probe), the reads' wall per
             CPU time (None: not measured) and what a read on a probe thread raised (None:
             nothing).
         thread_context: entered around a probe thread's reads, to make it look like a worker

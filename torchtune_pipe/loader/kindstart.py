@@ -112,11 +112,17 @@ def kind_probe(
             )
         holder._next = (dataclasses.replace(now, stages=tuple(changed)), nxt[1])
         measured = min(alone, together, processes) > 0
+        # One read alone that ended the probe: threads at k times its rate would not reach
+        # the share they start from, which settles processes as a measure of both would
+        # (a trial of threads would cost seconds at their rate to find them slower).
+        capped = error is None and alone > 0 and processes > 0 and together == 0
         # The reads were measured one call at a time: where they wait, the run makes several
         # calls at once per worker, and their CPU, then the most of a unit's time, may hold
         # the interpreter lock the threads share. That measure settles nothing: the rule
         # compares the kinds on the running pipeline.
-        settled = start_settled(together, processes, wait_ratio) and k >= cpus and calls <= 1
+        settled = (
+            (capped or start_settled(together, processes, wait_ratio)) and k >= cpus and calls <= 1
+        )
         if error is not None:
             kinds.bar(stages)
         else:
@@ -131,6 +137,12 @@ def kind_probe(
                 f"{k} reads at once on threads ran {together / alone:.2f}x one alone and "
                 f"{together / processes:.2f}x what {k} processes would "
                 f"({together:.0f} against {alone:.0f} and {processes:.0f} items/s)"
+            )
+        elif alone > 0 and processes > 0:
+            why = (
+                f"{k} reads at once on threads would read at most {k * alone / processes:.2f}x "
+                f"what {k} processes would (a read alone: {alone:.0f} items/s, its hop "
+                f"{(k * alone / processes - 1) * 100:.0f}% of it), not measured further"
             )
         else:
             why = "the reads were not measured on threads"
