@@ -85,6 +85,28 @@ def _open_outbox(h: WorkerHandle) -> None:
     h.outbox = Outbox(h.conn, f"multiproc-send-{h.wid}")
 
 
+_forgets = False
+
+
+def _forget_workers_in_forks() -> None:
+    """Make every child later forked from this process (``os.fork`` in the caller's code, a
+    fork server) forget the worker processes this process started: multiprocessing's exit
+    handler in that child would otherwise SIGTERM them as its own daemon children, then fail
+    to join them ("can only join a child process")."""
+    global _forgets
+    if not _forgets:
+        _forgets = True
+        os.register_at_fork(after_in_child=_forget_workers)
+
+
+def _forget_workers() -> None:
+    from multiprocessing import process
+
+    for p in list(process._children):  # type: ignore[attr-defined]
+        if isinstance(p, WorkerProcess):
+            process._children.discard(p)  # type: ignore[attr-defined]
+
+
 def start_worker(
     h: WorkerHandle, args: tuple, server: ForkServer | None, preload: tuple[str, ...] = ()
 ) -> None:
@@ -116,6 +138,7 @@ def start_worker(
         name=f"multiproc-worker-{h.wid}",
     )
     p._server = server
+    _forget_workers_in_forks()
     try:
         p.start()
     except BaseException:

@@ -324,7 +324,7 @@ def test_a_forked_child_builds_its_own_loader_and_the_parents_keeps_working():
 
 
 _FORK_MID_EPOCH = """
-import os, sys
+import os, sys, time
 import torch
 from torchtune_pipe import DataLoader
 
@@ -332,6 +332,7 @@ class Ids(torch.utils.data.Dataset):
     def __len__(self):
         return 256
     def __getitem__(self, i):
+        time.sleep(0.002)  # the workers are still reading when the child forks, and exits
         return torch.tensor(i)
 
 if __name__ == "__main__":
