@@ -79,7 +79,7 @@ class _Measured:
     together_items: int = 0
     hop_s: float = 0.0
     error: Exception | None = None
-    capped: bool = False  # one read alone showed threads could not win (_threads_capped)
+    capped: bool = False  # one read alone showed threads could not win (_capped_hop)
 
     def rates(self, k: int) -> tuple[float, float, float]:
         """Items/s of the units read alone, of those read ``k`` at once, and of ``k``
@@ -428,7 +428,8 @@ class FastStart:
             one_items = sum(1 for t in items if t[1] >= 0)
             units.put(items)
             i += 1
-            if i == 2 and self._threads_capped(items, one_s, one_cpu, one_items, got):
+            hop = self._capped_hop(items, one_s, one_cpu, one_items, got) if i == 2 else None
+            if got.capped:
                 return got  # the first read alone: threads could not win (nothing more read)
             if time.perf_counter() - start >= KIND_PROBE_MAX_S:
                 break  # its round would end past the bound: not counted
@@ -450,7 +451,8 @@ class FastStart:
                 continue
             got.alone_s, got.alone_items = got.alone_s + one_s, got.alone_items + one_items
             got.together_s, got.together_items = got.together_s + k_s, got.together_items + k_items
-            got.hop_s += hop_s(items, kp.arena_bytes)  # what a worker process would add
+            # what a worker process would add
+            got.hop_s += hop_s(items, kp.arena_bytes) if hop is None else hop
             got.rounds += 1
             read_s = got.alone_s + got.together_s
             if read_s >= 2 * KIND_PROBE_S or (
@@ -462,26 +464,26 @@ class FastStart:
                 break  # a second round would not change the kind: the workers start now
         return got
 
-    def _threads_capped(
+    def _capped_hop(
         self, items: list, one_s: float, cpu_s: float, n: int, got: _Measured
-    ) -> bool:
-        """Whether ``k`` reads at once on threads, at most ``k`` times as fast as this one read
-        alone (``n`` items in ``one_s``, ``cpu_s`` of CPU), would still fall short of the share
+    ) -> float | None:
+        """The hop between processes of this read alone (``items``, ``n`` of them, in ``one_s``
+        with ``cpu_s`` of CPU), measured where it decides whether ``k`` reads at once on
+        threads, at most ``k`` times as fast as this one, would still fall short of the share
         of ``k`` processes' rate that threads start from
-        (:func:`~torchtune_pipe.tuning.worker_kind.start_share`): reads that compute and whose
-        hop between processes costs a few percent of them. Then nothing more is read on
-        threads (the stage starts on processes, settled as by a measure of both) and ``got``
-        holds this read, ``capped``."""
+        (:func:`~torchtune_pipe.tuning.worker_kind.start_share`); None where not measured.
+        They would for reads that compute and whose hop costs a few percent of them: then
+        nothing more is read on threads (the stage starts on processes, settled as by a
+        measure of both) and ``got`` holds this read, ``capped``."""
         share = start_share(None, one_s / cpu_s if cpu_s > 0 else None)
         if one_s <= 0 or not n or share <= 1.0:  # a tie or less may start threads: measure
-            return False
+            return None
         kp = self.kind_probe
         assert kp is not None
         hop = hop_s(items, kp.arena_bytes)
-        if (one_s + hop) / one_s >= share:
-            return False
-        got.alone_s, got.alone_items, got.hop_s, got.capped = one_s, n, hop, True
-        return True
+        if (one_s + hop) / one_s < share:
+            got.alone_s, got.alone_items, got.hop_s, got.capped = one_s, n, hop, True
+        return hop
 
     def _probed_start(self) -> Iterator[tuple]:
         """The first unit in the calling thread, then the probe's units in order (the number
