@@ -1,5 +1,6 @@
 import json
 import threading
+import time
 
 import pytest
 
@@ -311,3 +312,31 @@ def test_a_logged_decision_gives_back_the_observation_it_was_made_on(tmp_path):
             else:
                 approx = want if want is None else pytest.approx(want, rel=1e-3)
                 assert back == approx, (field.name, want, back)
+
+
+class SlowOnce(LinearTunable):
+    """Its third observation takes ``slow_s``; notes when each one returns."""
+
+    def __init__(self, *args, slow_s, **kw):
+        super().__init__(*args, **kw)
+        self.slow_s, self.returned = slow_s, []
+
+    def observe(self):
+        if len(self.returned) == 2:
+            time.sleep(self.slow_s)
+        obs = super().observe()
+        self.returned.append(time.perf_counter())
+        return obs
+
+
+def test_a_late_observation_moves_the_schedule_instead_of_catching_up():
+    """An observation that returns late (a busy machine, a slow memory reading) is followed by
+    one a whole interval after it: never ticks milliseconds apart, measuring nothing."""
+    pipe = SlowOnce((0.01, 0.02), cpus=4, slow_s=0.35)
+    loop = TuningLoop(pipe, HeuristicTuner(), interval_s=0.1).start()
+    deadline = time.monotonic() + WAIT_S
+    while len(pipe.returned) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    gaps = [b - a for a, b in zip(pipe.returned, pipe.returned[1:], strict=False)]
+    assert len(gaps) >= 5 and min(gaps) >= 0.09, gaps

@@ -235,6 +235,7 @@ class TuningLoop:
         self._started_at = 0.0
         self._ended_at: float | None = None
         self._applied: Allocation | None = None
+        self._observed_at = 0.0  # perf_counter() when the last tick's observation returned
 
     # -- public state ------------------------------------------------------------------------
     @property
@@ -321,10 +322,13 @@ class TuningLoop:
         try:
             if self.log_path is not None:
                 out = open(self.log_path, "a", encoding="utf-8")
-            self._tick(out, first=self.reset)
             deadline = time.perf_counter()
+            self._tick(out, first=self.reset)
             while True:
-                deadline += self.interval_s
+                # Every interval_s on a fixed schedule; an observation that ended late (a busy
+                # machine, a slow memory reading) moves the schedule rather than having the
+                # next tick catch up, which would measure an interval of a few milliseconds.
+                deadline = max(deadline, self._observed_at) + self.interval_s
                 if self._stop.wait(max(0.0, deadline - time.perf_counter())):
                     break
                 self._tick(out, first=False)
@@ -353,6 +357,7 @@ class TuningLoop:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         try:
             obs = self.tunable.observe()
+            self._observed_at = time.perf_counter()
             if self.carried is not None and not first and self._steps == 0:
                 last = self.carried()
                 if last is not None and last.throughput > 0:
