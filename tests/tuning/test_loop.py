@@ -224,6 +224,7 @@ def test_loop_fits_memory_once_per_decision(monkeypatch):
 
 class CountingTuner(ShiftingTuner):
     def __init__(self):
+        super().__init__()
         self.stepped_on = []
 
     def step(self, obs):
@@ -269,6 +270,47 @@ def test_a_loop_on_a_pipeline_started_anew_steps_first_on_the_last_ones_observat
         assert 7.5 not in tuner.stepped_on[1:]
         assert len(tuner.stepped_on) == loop.steps - (0 if stepped_first else 1)
         assert len(pipe.applied) == len(tuner.stepped_on)
+
+
+class StartingTunable(SignallingTunable):
+    """Delivers nothing over its first ``starting`` observations (its workers starting)."""
+
+    def __init__(self, *args, starting, **kw):
+        super().__init__(*args, **kw)
+        self.starting = starting
+
+    def observe(self):
+        import dataclasses
+
+        obs = super().observe()
+        return dataclasses.replace(obs, throughput=0.0) if self.calls <= self.starting else obs
+
+
+@pytest.mark.parametrize("reset, hold, carried", [(False, True, False), (False, False, True),
+                                                  (True, False, False)])  # fmt: skip
+def test_a_continued_loop_is_held_until_its_new_pipeline_delivers(reset, hold, carried):
+    """A continued loop on a pipeline started anew steps on no interval before the pipeline's
+    first item, however many intervals its start takes (the last pipeline's observation,
+    where carried, is still stepped on first). A new loop's reset is its first decision, and
+    its later intervals are all stepped on."""
+    import dataclasses
+
+    last = dataclasses.replace(SignallingTunable((0.01, 0.02), cpus=4).observe(), t=7.5)
+    pipe = StartingTunable((0.01, 0.02), cpus=4, target=8, starting=4)
+    tuner = CountingTuner()
+    loop = TuningLoop(
+        pipe, tuner, interval_s=0.005, reset=reset, hold_first=hold,
+        carried=(lambda: last) if carried else None,
+    ).start()  # fmt: skip
+    assert pipe.observed.wait(WAIT_S)
+    loop.stop()
+    zero_ts = {1.0, 2.0, 3.0, 4.0}
+    stepped_live = [t for t in tuner.stepped_on if t != 7.5]
+    if reset:
+        assert len(tuner.stepped_on) == loop.steps - 1 and zero_ts & set(tuner.stepped_on)
+    else:
+        assert not zero_ts & set(stepped_live) and len(stepped_live) >= 8 - 4 - 1
+        assert (tuner.stepped_on[:1] == [7.5]) == carried
 
 
 class RecordingTuner(ShiftingTuner):

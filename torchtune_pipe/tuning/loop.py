@@ -225,6 +225,10 @@ class TuningLoop:
         # say nothing of the allocation; the last pipeline's measured it since its last tick
         # (a whole epoch shorter than the interval). None from it: the first tick is held.
         self.carried = None if self.reset else carried
+        # A continued loop's pipeline was started anew (its workers fork and start): until it
+        # delivers its first item, what a tick measures is that start, not the allocation, and
+        # such ticks are held (logged, not stepped on), however long the start takes.
+        self._starting = not self.reset
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -358,15 +362,19 @@ class TuningLoop:
         try:
             obs = self.tunable.observe()
             self._observed_at = time.perf_counter()
+            starting, stepped_on_last = self._starting and obs.throughput <= 0, False
+            if obs.throughput > 0:
+                self._starting = False
             if self.carried is not None and not first and self._steps == 0:
                 last = self.carried()
                 if last is not None and last.throughput > 0:
-                    obs = last
+                    obs, stepped_on_last = last, True
                 else:
                     self.hold_first = True
-            if self.hold_first and not first and self._steps == 0:
+            held = (self.hold_first and self._steps == 0) or (starting and not stepped_on_last)
+            if held and not first:
                 # See __init__: logged, the pipeline keeps running as it was, and the tuner
-                # steps on the next interval.
+                # steps on a later interval.
                 self._steps += 1
                 if out is not None:
                     self._write(out, self._record(obs, obs.allocation(), False, 0.0))
