@@ -64,9 +64,10 @@ same model.
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from multiproc.spec import fused_depth
 from multiproc.stats import MAX_FUSED
@@ -114,11 +115,14 @@ LEAN_MIN_GAIN = 0.02
 @dataclass(frozen=True)
 class Plan:
     """A planned allocation, the delivered rate the fluid model expects from it, and the rate
-    the same model (same headroom) gives the allocation the plan was made under."""
+    the same model (same headroom) gives the allocation the plan was made under; ``rate_of``:
+    the rate it gives any worker counts of the stages as they run (as many of them remote
+    as run remote now; None: not given)."""
 
     allocation: Allocation
     throughput: float
     current: float = 0.0
+    rate_of: Callable[[Sequence[int]], float] | None = field(default=None, compare=False)
 
 
 def plan(
@@ -258,10 +262,12 @@ def _plan(
         rate, workers = found
     fused = shape if any(shape) or any(now) else ()
     current = model.rate_of(now, obs.workers)
+    rate_of_now: Callable[[Sequence[int]], float] = functools.partial(model.rate_of, now)
     if any(obs.remote_workers):
         current = _split_rate(obs, model, now, r)
+        rate_of_now = functools.partial(_split_rate, obs, model, now, r)
     plan_ = Allocation(workers, alloc.buffer_bytes, fused=fused, remote=remote)
-    return Plan(plan_, rate, current)
+    return Plan(plan_, rate, current, rate_of_now)
 
 
 def _apart_from_calls(
@@ -334,11 +340,12 @@ def _split(obs: Observation, model: _Model, shape, now, hop, r, found):
     return placed.rate, tuple(workers), tuple(remote)
 
 
-def _split_rate(obs: Observation, model: _Model, now, r) -> float:
-    """The rate the plan's model gives the workers as they run, local and remote."""
+def _split_rate(obs: Observation, model: _Model, now, r, workers=None) -> float:
+    """The rate the plan's model gives the workers as they run, local and remote (or
+    ``workers``, as many remote as run now)."""
     stations = _stations(obs, model, now, now, [0.0] * len(now), r)
-    remote = obs.remote_workers
-    local = [obs.workers[s.stage] - remote[s.stage] for s in stations]
+    remote, workers = obs.remote_workers, obs.workers if workers is None else workers
+    local = [max(0, workers[s.stage] - remote[s.stage]) for s in stations]
     far = [remote[s.stage] for s in stations]
     return rate_of(stations, local, far, obs.cpus, model.consumer_rate())
 

@@ -377,6 +377,7 @@ class InTuneTuner:
         mask = mask_split_moves(self.actions.mask(obs, current, planned), obs, current)
         if not self.plan_action or (planned is not None and _grows_for_little(planned, current)):
             mask[self.actions.plan_index] = False
+        mask_predicted_drops(mask, self.actions, obs, current, planned)
         if undone:
             # The undo is this step's worker move: another one on top of it (the network's
             # next choice, with the move just undone barred) would be judged against the
@@ -532,6 +533,31 @@ def _grows_for_little(planned: Plan, now: Allocation) -> bool:
         return False
     grows = _processes(a) > _processes(now)
     return grows and planned.throughput < (1 + GROW_MIN_GAIN) * planned.current
+
+
+def mask_predicted_drops(
+    mask: torch.Tensor, actions: ActionSpace, obs: Observation, current: Allocation,
+    planned: Plan | None,
+) -> torch.Tensor:  # fmt: skip
+    """``mask`` with every worker move closed that the plan's model rates below the
+    allocation in force by more than ``REVERT_DROP``: a move the undo would take back if the
+    model is right, and whose trial costs an interval at that rate. Moves it rates within
+    that stay open to the network (where the model errs, the network may know better);
+    unchanged where the plan rates no worker counts or ``current`` runs another shape than
+    ``obs``. Returns ``mask`` (changed in place)."""
+    rate_of = planned.rate_of if planned is not None else None
+    if rate_of is None or (current.fused or ()) not in ((), tuple(s.fused for s in obs.stages)):
+        return mask
+    now = rate_of(current.workers)
+    if now <= 0:
+        return mask
+    for index in torch.nonzero(mask & actions.worker_moves()).flatten().tolist():
+        if index == actions.plan_index:
+            continue
+        after = actions.apply(current, index, obs, planned)
+        if after.workers != current.workers and rate_of(after.workers) < (1 - REVERT_DROP) * now:
+            mask[index] = False
+    return mask
 
 
 def _processes(a: Allocation) -> int:
