@@ -237,6 +237,9 @@ class InTuneTuner:
         self._cpus = 0.0
         self._before: tuple[Allocation, float] | None = None
         self._tabu: dict[int, int] = {}
+        # Per fusion shape a reshape to it was undone at this CPU count: times, and the step
+        # until which the plan may not reshape to it again (TABU_STEPS, doubling each time).
+        self._reshapes: dict[tuple[bool, ...], tuple[int, int]] = {}
         self._settling = False  # the last action changed the fusion shape (see step)
         self._in_effect = False  # while settling: the last interval ended in the new shape
         self._settled_for = 0  # intervals waited since the change of shape
@@ -277,7 +280,7 @@ class InTuneTuner:
             self.encoder = StateEncoder(n)
         self.encoder.reset()
         self._last, self._prev, self._taken = None, None, None
-        self._before, self._tabu = None, {}
+        self._before, self._tabu, self._reshapes = None, {}, {}
         self._settling = False
         self._in_effect, self._settled_for = False, 0
         self._hops: list[float] = []  # per channel, its hop when last crossed (prepare)
@@ -345,12 +348,15 @@ class InTuneTuner:
         undone = False
         if abs(obs.cpus - self._cpus) > 1e-6:
             current, self._cpus = rescale(current, obs, self._cpus), obs.cpus
-            self._seen = {}  # what allocations delivered on the old CPU count says nothing now
+            # What allocations delivered on the old CPU count says nothing now, nor which
+            # moves cost throughput there.
+            self._seen, self._tabu, self._reshapes = {}, {}, {}
         elif self._before is not None and obs.throughput < (1 - REVERT_DROP) * self._before[1]:
             # The last worker move cost throughput: undo it and keep it off for a while.
             current = self._before[0]
             if self._taken is not None:
                 self._tabu[self._taken] = TABU_STEPS
+            self._bar_reshape(obs, current)
             undone = True
         else:
             current = self._guard(obs, current)
@@ -383,6 +389,8 @@ class InTuneTuner:
             # next choice, with the move just undone barred) would be judged against the
             # interval that ran the undone move, and is not what that interval measured.
             mask &= ~self.actions.worker_moves()
+        if planned is not None and self._reshape_barred(planned.allocation, current, obs):
+            mask[self.actions.plan_index] = False
         for index, left in list(self._tabu.items()):
             mask[index] = False
             if left <= 1:
@@ -391,6 +399,23 @@ class InTuneTuner:
                 self._tabu[index] = left - 1
         self.pending = Pending(obs, current, planned, mask)
         return state, mask
+
+    def _bar_reshape(self, obs: Observation, back: Allocation) -> None:
+        """The move being undone (back to ``back``) changed which stages run fused: the plan
+        may not make that reshape again at this CPU count for ``TABU_STEPS``, twice as long
+        each time it is undone again (its model rated it above what ran, and was wrong: a
+        reshape that frees or splits a stage's cache is where it errs)."""
+        assert self._alloc is not None
+        key = _reshape(back, self._alloc, obs)
+        if key is not None:
+            times = self._reshapes.get(key, (0, 0))[0] + 1
+            self._reshapes[key] = (times, self.steps + TABU_STEPS * 2 ** (times - 1))
+
+    def _reshape_barred(self, a: Allocation, current: Allocation, obs: Observation) -> bool:
+        """Whether going from ``current`` to ``a`` is a reshape :meth:`_bar_reshape` bars."""
+        key = _reshape(current, a, obs)
+        bar = self._reshapes.get(key) if key is not None else None
+        return bar is not None and self.steps < bar[1]
 
     def _open_plan(self) -> Plan | None:
         """The prepared plan when its action is open, else None."""
@@ -533,6 +558,14 @@ def _grows_for_little(planned: Plan, now: Allocation) -> bool:
         return False
     grows = _processes(a) > _processes(now)
     return grows and planned.throughput < (1 + GROW_MIN_GAIN) * planned.current
+
+
+def _reshape(before: Allocation, after: Allocation, obs: Observation) -> tuple[bool, ...] | None:
+    """The fusion shape a move from ``before`` to ``after`` goes to; None where the shape
+    stays (fusion left open reads as the shape ``obs`` ran)."""
+    ran = tuple(s.fused for s in obs.stages)
+    was, to = before.fused or ran, after.fused or ran
+    return None if was == to else to
 
 
 def mask_predicted_drops(
