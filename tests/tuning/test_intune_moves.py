@@ -12,8 +12,8 @@ from torchtune_pipe.tuning.intune.agent import (
     TABU_STEPS,
     WORKER_DELTAS,
     InTuneTuner,
-    mask_predicted_drops,
 )
+from torchtune_pipe.tuning.intune.space import mask_predicted_drops
 
 GiB = 1024 * MiB
 
@@ -50,8 +50,12 @@ def test_a_worker_move_the_model_rates_as_a_drop_is_closed_to_the_network():
     # The same mask without the model's word: the removal is open.
     opened = p.mask.clone()
     opened[_move(1, -1)] = True
-    assert mask_predicted_drops(opened.clone(), tuner.actions, obs, p.current, None).equal(opened)
-    got = mask_predicted_drops(opened.clone(), tuner.actions, obs, p.current, p.planned)
+    assert mask_predicted_drops(
+        opened.clone(), tuner.actions, obs, p.current, None, REVERT_DROP
+    ).equal(opened)
+    got = mask_predicted_drops(
+        opened.clone(), tuner.actions, obs, p.current, p.planned, REVERT_DROP
+    )
     assert got.equal(p.mask)
 
 

@@ -63,7 +63,9 @@ from torchtune_pipe.tuning.intune.space import (
     ActionSpace,
     changes_processes,
     cpu_cap,
+    mask_predicted_drops,
     rescale,
+    reshape_to,
 )
 from torchtune_pipe.tuning.intune.state import (
     CHANGE_COST,
@@ -383,7 +385,7 @@ class InTuneTuner:
         mask = mask_split_moves(self.actions.mask(obs, current, planned), obs, current)
         if not self.plan_action or (planned is not None and _grows_for_little(planned, current)):
             mask[self.actions.plan_index] = False
-        mask_predicted_drops(mask, self.actions, obs, current, planned)
+        mask_predicted_drops(mask, self.actions, obs, current, planned, REVERT_DROP)
         if undone:
             # The undo is this step's worker move: another one on top of it (the network's
             # next choice, with the move just undone barred) would be judged against the
@@ -406,14 +408,14 @@ class InTuneTuner:
         each time it is undone again (its model rated it above what ran, and was wrong: a
         reshape that frees or splits a stage's cache is where it errs)."""
         assert self._alloc is not None
-        key = _reshape(back, self._alloc, obs)
+        key = reshape_to(back, self._alloc, obs)
         if key is not None:
             times = self._reshapes.get(key, (0, 0))[0] + 1
             self._reshapes[key] = (times, self.steps + TABU_STEPS * 2 ** (times - 1))
 
     def _reshape_barred(self, a: Allocation, current: Allocation, obs: Observation) -> bool:
         """Whether going from ``current`` to ``a`` is a reshape :meth:`_bar_reshape` bars."""
-        key = _reshape(current, a, obs)
+        key = reshape_to(current, a, obs)
         bar = self._reshapes.get(key) if key is not None else None
         return bar is not None and self.steps < bar[1]
 
@@ -558,39 +560,6 @@ def _grows_for_little(planned: Plan, now: Allocation) -> bool:
         return False
     grows = _processes(a) > _processes(now)
     return grows and planned.throughput < (1 + GROW_MIN_GAIN) * planned.current
-
-
-def _reshape(before: Allocation, after: Allocation, obs: Observation) -> tuple[bool, ...] | None:
-    """The fusion shape a move from ``before`` to ``after`` goes to; None where the shape
-    stays (fusion left open reads as the shape ``obs`` ran)."""
-    ran = tuple(s.fused for s in obs.stages)
-    was, to = before.fused or ran, after.fused or ran
-    return None if was == to else to
-
-
-def mask_predicted_drops(
-    mask: torch.Tensor, actions: ActionSpace, obs: Observation, current: Allocation,
-    planned: Plan | None,
-) -> torch.Tensor:  # fmt: skip
-    """``mask`` with every worker move closed that the plan's model rates below the
-    allocation in force by more than ``REVERT_DROP``: a move the undo would take back if the
-    model is right, and whose trial costs an interval at that rate. Moves it rates within
-    that stay open to the network (where the model errs, the network may know better);
-    unchanged where the plan rates no worker counts or ``current`` runs another shape than
-    ``obs``. Returns ``mask`` (changed in place)."""
-    rate_of = planned.rate_of if planned is not None else None
-    if rate_of is None or (current.fused or ()) not in ((), tuple(s.fused for s in obs.stages)):
-        return mask
-    now = rate_of(current.workers)
-    if now <= 0:
-        return mask
-    for index in torch.nonzero(mask & actions.worker_moves()).flatten().tolist():
-        if index == actions.plan_index:
-            continue
-        after = actions.apply(current, index, obs, planned)
-        if after.workers != current.workers and rate_of(after.workers) < (1 - REVERT_DROP) * now:
-            mask[index] = False
-    return mask
 
 
 def _processes(a: Allocation) -> int:

@@ -336,6 +336,39 @@ def idlest_donor(
     return max(donors, key=lambda j: workers[j] * (1.0 - busy[j]))
 
 
+def reshape_to(before: Allocation, after: Allocation, obs: Observation) -> tuple[bool, ...] | None:
+    """The fusion shape a move from ``before`` to ``after`` goes to; None where the shape
+    stays (fusion left open reads as the shape ``obs`` ran)."""
+    ran = tuple(s.fused for s in obs.stages)
+    was, to = before.fused or ran, after.fused or ran
+    return None if was == to else to
+
+
+def mask_predicted_drops(
+    mask: torch.Tensor, actions: ActionSpace, obs: Observation, current: Allocation,
+    planned: Plan | None, drop: float,
+) -> torch.Tensor:  # fmt: skip
+    """``mask`` with every worker move closed that the plan's model rates below the
+    allocation in force by more than the share ``drop`` (the undo's): a move the undo would
+    take back if the model is right, and whose trial costs an interval at that rate. Moves it
+    rates within that stay open to the network (where the model errs, the network may know
+    better); unchanged where the plan rates no worker counts or ``current`` runs another shape
+    than ``obs``. Returns ``mask`` (changed in place)."""
+    rate_of = planned.rate_of if planned is not None else None
+    if rate_of is None or (current.fused or ()) not in ((), tuple(s.fused for s in obs.stages)):
+        return mask
+    now = rate_of(current.workers)
+    if now <= 0:
+        return mask
+    for index in torch.nonzero(mask & actions.worker_moves()).flatten().tolist():
+        if index == actions.plan_index:
+            continue
+        after = actions.apply(current, index, obs, planned)
+        if after.workers != current.workers and rate_of(after.workers) < (1 - drop) * now:
+            mask[index] = False
+    return mask
+
+
 def rescale(alloc: Allocation, obs: Observation, old_cpus: float) -> Allocation:
     """Carry an allocation over to a new CPU count: scale every stage, then trim to the cap.
 
