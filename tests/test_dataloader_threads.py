@@ -357,8 +357,11 @@ def test_reads_that_compute_and_hop_little_end_the_probe_after_one_read_alone(tm
         kinds = dl.loader._kinds
         assert kinds.kind[0] is False and 0 in kinds.tried  # processes, settled
     (said,) = _kind_events(log)
-    assert re.search(r"start on processes: 2 reads at once on threads would read at most "
-                     r"1\.0\dx what 2 processes would", said), said  # fmt: skip
+    # A read alone that waited for a CPU (a busy machine: its wall time well past its CPU) is
+    # not taken for one that computes, and the probe measures threads: processes either way.
+    capped = re.search(r"start on processes: 2 reads at once on threads would read at most "
+                       r"1\.0\dx what 2 processes would", said)  # fmt: skip
+    assert capped or re.search(r"start on processes: 2 reads at once on threads ran", said), said
 
 
 class Tagged(Dataset):
