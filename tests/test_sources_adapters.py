@@ -100,6 +100,46 @@ def test_torchs_own_samplers_give_the_units_a_batch_by_batch_draw_does(
     assert sorted(flat) == sorted(set(flat))  # each index once
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.utils.data.RandomSampler(range(10)),
+        lambda: torch.utils.data.RandomSampler(
+            range(10), generator=torch.Generator().manual_seed(1)
+        ),
+        lambda: torch.utils.data.RandomSampler(range(10), num_samples=25),
+        lambda: torch.utils.data.RandomSampler(range(10), num_samples=20),
+        lambda: torch.utils.data.RandomSampler(
+            range(10), num_samples=7, generator=torch.Generator().manual_seed(2)
+        ),
+        lambda: torch.utils.data.RandomSampler(range(1)),
+        lambda: torch.utils.data.SequentialSampler(range(13)),
+    ],
+)
+def test_an_order_drawn_whole_is_the_one_iterating_the_sampler_gives(make):
+    """torch's own Random (without replacement) and Sequential samplers' order, drawn whole,
+    is the order iterating them to the end gives, and leaves the global generator and the
+    sampler's own as iterating them does (the seed drawn where it has none, the permutation
+    drawn for the rest even when nothing of it is kept)."""
+    from array import array
+
+    from torchtune_pipe.sources.orders import drawn_order
+
+    def draw(whole):
+        torch.manual_seed(5)
+        s = make()
+        order = drawn_order(s) if whole else array("q", iter(s))
+        own = getattr(s, "generator", None)
+        return list(order), own.get_state() if own is not None else None, torch.get_rng_state()
+
+    whole, one_by_one = draw(True), draw(False)
+    assert whole[0] == one_by_one[0]
+    assert (whole[1] is None) == (one_by_one[1] is None)
+    assert whole[1] is None or torch.equal(whole[1], one_by_one[1])
+    assert torch.equal(whole[2], one_by_one[2])
+    assert drawn_order(torch.utils.data.RandomSampler(range(4), replacement=True)) is None
+
+
 def test_map_source_units_hold_int_indices_packed_and_give_them_back_as_the_sampler_did():
     import pickle
 

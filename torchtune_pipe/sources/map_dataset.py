@@ -12,6 +12,7 @@ from typing import Any
 from multiproc import concurrency, in_thread_worker
 from torchtune_pipe.errors import StateError
 from torchtune_pipe.loader.state import map_source_fingerprint
+from torchtune_pipe.sources.orders import drawn_order
 from torchtune_pipe.sources.rng import (
     draw_seed,
     rng_state_from_text,
@@ -361,7 +362,7 @@ class MapDatasetSource:
             chunks = (
                 self._chunks(it, _unsized_limit(index_sampler, self.dataset))
                 if plain is None
-                else self._sliced(it, *plain[1:])
+                else self._sliced(it, *plain[1:], order=plain[0])
             )
             units = [
                 IndexUnit(j, entries, self.base_seed + j if self.seed_units else None)
@@ -369,12 +370,17 @@ class MapDatasetSource:
             ]
         return units[self.rank :: self.world_size]
 
-    def _sliced(self, it: Iterator[int], size: int, drop_last: bool) -> Iterator[PackedEntries]:
+    def _sliced(
+        self, it: Iterator[int], size: int, drop_last: bool, order: Any = None
+    ) -> Iterator[PackedEntries]:
         """What :meth:`_chunks` gives for torch's ``BatchSampler(sampler, size, drop_last)``
         over ``it``, the sampler's order (``size`` 1: entries are indices), read into an
         ``int64`` array at once and cut into units: the same entries, without a Python list
-        per batch (an epoch of 120,000 indices in batches of 256: 8 ms against 13)."""
-        flat = array("q", it)
+        per batch (an epoch of 120,000 indices in batches of 256: 8 ms against 13). Where
+        ``order``, the sampler ``it`` iterates, is one :func:`drawn_order` draws whole, its
+        order is drawn that way instead of iterated (the same draws)."""
+        flat = drawn_order(order) if order is not None else None
+        flat = array("q", it) if flat is None else flat
         total = len(flat) - (len(flat) % size if drop_last else 0)
         step = self.entries_per_unit * size  # indices per unit
         for a in range(0, total, step):
