@@ -27,7 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data._utils import collate as _torch_collate
-from torch.utils.data._utils import worker as _torch_worker
+
+from . import workerinfo
 
 # Buffers smaller than this stay inside the header: copying a few hundred bytes in-band is
 # cheaper than an arena slot for them.
@@ -151,25 +152,13 @@ class _Pickler(pickle.Pickler):
         return NotImplemented
 
 
-# Where a thread worker keeps its worker info: a context variable torch's worker module holds
-# under this name (``torchtune_pipe.sources.thread_info`` installs it; ``get_worker_info``
-# reads it before the module global).
-THREAD_INFO_ATTR = "_ttp_thread_worker_info"
-
-
 def _stack_in_private_memory(batch, *, collate_fn_map=None):
     """torch's ``collate_tensor_fn`` (same checks, same values) as it runs outside a torch
-    worker: the stacked tensor in ordinary memory, in a worker process or a thread worker."""
-    saved = _torch_worker._worker_info
-    _torch_worker._worker_info = None
-    var = getattr(_torch_worker, THREAD_INFO_ATTR, None)
-    token = None if var is None else var.set(None)
-    try:
+    worker: the stacked tensor in ordinary memory, in a worker process or a thread worker.
+    ``get_worker_info()`` reads None for the call, in the calling context only
+    (:mod:`multiproc.workerinfo`): a read on another thread still sees its own."""
+    with workerinfo.info_set(None):
         return _torch_collate.collate_tensor_fn(batch, collate_fn_map=collate_fn_map)
-    finally:
-        if var is not None and token is not None:
-            var.reset(token)
-        _torch_worker._worker_info = saved
 
 
 def collate_into_private_memory() -> None:
@@ -320,5 +309,4 @@ __all__ = [
     "collate_into_private_memory",
     "private_collate",
     "INBAND_MAX_BYTES",
-    "THREAD_INFO_ATTR",
 ]

@@ -27,7 +27,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from multiproc import in_thread_worker
+from multiproc import in_thread_worker, workerinfo
 from torchtune_pipe.loader.core import Loader
 from torchtune_pipe.options import Strategy
 from torchtune_pipe.pipeline import Pipeline
@@ -44,7 +44,6 @@ from torchtune_pipe.sources.base import (
 )
 from torchtune_pipe.sources.rank_share import take_rank_share
 from torchtune_pipe.sources.rng import draw_seed, seed_as_torch_worker
-from torchtune_pipe.sources.thread_info import set_thread_info
 from torchtune_pipe.telemetry.measure import cpus_available
 
 log = logging.getLogger(__name__)
@@ -141,33 +140,14 @@ class _WorkerInit:
 
     @contextlib.contextmanager
     def inline(self) -> Iterator[None]:
-        """Reads in the calling thread (a fast start) see the worker info of worker 0, as a
-        worker would; the caller's own worker info comes back after."""
-        from torch.utils.data._utils import worker as torch_worker
-
+        """Reads in the calling thread (a fast start's, or a thread standing in for a thread
+        worker to measure its reads) see the worker info of worker 0, as a worker would, in
+        that thread only, and stack batches in ordinary memory as a worker does; the thread's
+        own worker info comes back after."""
         from multiproc.serialize import private_collate
 
-        saved = torch_worker._worker_info
-        torch_worker._worker_info = self._info(0, self.source.base_seed)
-        try:
-            with private_collate():  # as in a worker: no shared-memory segment per tensor
-                yield
-        finally:
-            torch_worker._worker_info = saved
-
-    @contextlib.contextmanager
-    def in_thread(self) -> Iterator[None]:
-        """Reads on a thread of this process standing in for a thread worker (a fast start
-        measuring its reads on threads) see the worker info of worker 0, in that thread only,
-        and stack batches in ordinary memory, as :meth:`inline` reads do."""
-        from multiproc.serialize import private_collate
-
-        set_thread_info(self._info(0, self.source.base_seed))
-        try:
-            with private_collate():
-                yield
-        finally:
-            set_thread_info(None)
+        with workerinfo.info_set(self._info(0, self.source.base_seed)), private_collate():
+            yield
 
     def _info(self, index: int, base_seed: int) -> Any:
         from torch.utils.data._utils import worker as torch_worker
@@ -185,7 +165,7 @@ class _WorkerInit:
         if in_thread_worker():
             # A thread of the consumer's process: its own worker info, and the process's
             # random generators left as they are (torch's thread workers share them too).
-            set_thread_info(self._info(index, self.source.base_seed))
+            workerinfo.set_info(self._info(index, self.source.base_seed))
             if self.worker_init_fn is not None:
                 self.worker_init_fn(index)
             return

@@ -74,9 +74,9 @@ def kind_probe(
     first = spec()
     source = pipeline.source
     init = pipeline.stages[0].init
-    # A source stage's init that makes the calling thread a worker must be able to do it for
-    # one thread alone (the consumer's own thread goes on meanwhile).
-    thread_context = contextlib.nullcontext if init is None else getattr(init, "in_thread", None)
+    # A source stage's init that makes the calling thread a worker (its ``inline``) does it
+    # for that thread alone: the consumer's own thread goes on meanwhile.
+    thread_context = contextlib.nullcontext if init is None else getattr(init, "inline", None)
     if first is None or thread_context is None or max_readers(source) is not None:
         return None
     stages = [i for i in auto_stages(first) if i not in kinds.kind]

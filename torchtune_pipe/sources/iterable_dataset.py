@@ -8,10 +8,9 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from multiproc import in_thread_worker
+from multiproc import in_thread_worker, workerinfo
 from torchtune_pipe.errors import StateError
 from torchtune_pipe.sources.rng import draw_seed, seed_as_torch_worker
-from torchtune_pipe.sources.thread_info import set_thread_info
 
 __all__ = ["IterableDatasetSource", "ShardUnit"]
 
@@ -164,10 +163,11 @@ class IterableDatasetSource:
         self._replay = seed
 
     def read(self, unit: ShardUnit) -> Iterator[Any]:
-        """The shard's samples (or batches of them), with the worker info set while reading."""
+        """The shard's samples (or batches of them). While the shard is read, and only then
+        (not between its items), ``get_worker_info()`` gives the shard's worker info, or None
+        for the only shard, in the reading thread alone (:mod:`multiproc.workerinfo`)."""
         import copy
 
-        from torch.utils.data import IterDataPipe
         from torch.utils.data._utils import worker as torch_worker
 
         ds = self.dataset
@@ -178,33 +178,26 @@ class IterableDatasetSource:
             info = torch_worker.WorkerInfo(
                 id=unit.id, num_workers=unit.num_shards, seed=unit.seed, dataset=ds
             )
-        on_thread = in_thread_worker()  # the consumer's process: a worker info of its own
-        previous = torch_worker._worker_info
-        if on_thread:
-            set_thread_info(info)
-        else:
-            torch_worker._worker_info = info
-        try:
-            if unit.reseed is not None and not on_thread:
-                # As torch's worker loop seeds its generators, before worker_init_fn.
-                seed_as_torch_worker(unit.reseed, unit.id)
-            if self.worker_init_fn is not None:
-                self.worker_init_fn(unit.id)
-            if isinstance(ds, IterDataPipe) and unit.num_shards > 1:
-                from torch.utils.data import graph_settings
+        yield from workerinfo.read_with_info(info, self._read(ds, unit))
 
-                ds = graph_settings.apply_sharding(ds, unit.num_shards, unit.id)
-            it = iter(ds)
-            if self.batch_size is None:
-                yield from it
+    def _read(self, ds: Any, unit: ShardUnit) -> Iterator[Any]:
+        from torch.utils.data import IterDataPipe
+
+        if unit.reseed is not None and not in_thread_worker():
+            # As torch's worker loop seeds its generators, before worker_init_fn.
+            seed_as_torch_worker(unit.reseed, unit.id)
+        if self.worker_init_fn is not None:
+            self.worker_init_fn(unit.id)
+        if isinstance(ds, IterDataPipe) and unit.num_shards > 1:
+            from torch.utils.data import graph_settings
+
+            ds = graph_settings.apply_sharding(ds, unit.num_shards, unit.id)
+        it = iter(ds)
+        if self.batch_size is None:
+            yield from it
+            return
+        while True:
+            batch = list(itertools.islice(it, self.batch_size))
+            if not batch or (self.drop_last and len(batch) < self.batch_size):
                 return
-            while True:
-                batch = list(itertools.islice(it, self.batch_size))
-                if not batch or (self.drop_last and len(batch) < self.batch_size):
-                    return
-                yield batch
-        finally:
-            if on_thread:
-                set_thread_info(None)
-            else:
-                torch_worker._worker_info = previous
+            yield batch
