@@ -148,3 +148,22 @@ def test_a_batch_from_workers_never_aliases_the_dataset(method):
         b.mul_(-1)  # the training loop's own in-place work
     assert torch.equal(x, want)
     assert torch.equal(torch.stack(got), -want)
+
+
+def _warned(loader_cls, **kw) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loader = loader_cls(Rows(), batch_size=8, **kw)
+        for _ in range(2):  # at every iter(), as torch's
+            next(iter(loader))
+        if hasattr(loader, "close"):
+            loader.close()
+    return [str(w.message) for w in caught if "pin_memory" in str(w.message)]
+
+
+@pytest.mark.skipif(torch.accelerator.is_available(), reason="warns only without an accelerator")
+def test_pin_memory_without_an_accelerator_warns_as_torch_does():
+    for kw in ({"pin_memory": True}, {"pin_memory": True, "pin_memory_device": "cuda"}):
+        want = _warned(torch.utils.data.DataLoader, **kw)
+        assert want and _warned(DataLoader, **kw) == want
+    assert _warned(DataLoader, pin_memory=False, pin_memory_device="cuda") == []

@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -173,6 +174,25 @@ class _WorkerInit:
         seed_as_torch_worker(self.base_seed, index)
         if self.worker_init_fn is not None:
             self.worker_init_fn(index)
+
+
+def _warn_pin_memory(device: str) -> None:
+    """torch's warnings for ``pin_memory=True`` at ``iter()`` (its words), pointing at the
+    caller's ``iter()`` (or ``for``)."""
+    from torchtune_pipe.loader.prefetch import accelerator_available
+
+    if device:
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the "
+            f"device,ignore pin_memory_device='{device}'.",
+            stacklevel=3,
+        )
+    if not accelerator_available():
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, then device "
+            "pinned memory won't be used.",
+            stacklevel=3,
+        )
 
 
 def _start_method(context: Any) -> str:
@@ -516,7 +536,12 @@ class DataLoader:
         self.__dict__.update(state["extra"])
 
     def __iter__(self) -> Iterator[Any]:
+        """An epoch's iterator. As torch's does at every ``iter()``, warns where
+        ``pin_memory`` is set but no accelerator is present (nothing is pinned) and where
+        ``pin_memory_device`` is given (torch ignores it for the current accelerator)."""
         take_rank_share(self)
+        if self.pin_memory:
+            _warn_pin_memory(self.pin_memory_device)
         init = self.pipeline.stages[0].init
         if isinstance(init, _WorkerInit) and not (self.persistent_workers and self._iterated):
             init.base_seed = draw_seed(self.source.generator, peek=True)
