@@ -222,3 +222,24 @@ def test_over_the_cpu_budget_growth_is_refused_before_what_runs_is_cut():
     assert safe(obs.allocation(), obs).workers == (62, 22, 4)
     got = safe(Allocation((62, 26, 4), (MiB,) * 3), obs)
     assert got.workers[0] == 62 and 22 <= got.workers[1] < 26
+
+
+def test_a_stage_split_out_of_its_group_takes_the_groups_workers_not_growth():
+    # A reader of 4 workers (100 MiB each) hosting a UDF, which a fused stage reports with 0
+    # workers of its own, and a batcher; memory holds about 5 such workers.
+    stages = (
+        StageStats("read", 4, items_per_s=10.0, memory_bytes=4 * 100 * MiB),
+        StageStats("udf", 0, items_per_s=10.0, fused=True),
+        StageStats("batch", 1, items_per_s=1.0, memory_bytes=50 * MiB),
+    )
+    obs = Observation(stages, 1.0, 8.0, int(500 * MiB / MEMORY_SAFE_SHARE), 450 * MiB)
+    # The UDF split out with 3 workers, the reader down to 2: one worker more than fits.
+    split = Allocation((2, 3, 1), (0, 0, 0), fused=(False, False, False))
+    got = fit_memory(split, obs)
+    # Its 3 workers are its group's, not growth over 0: one worker is shed where they hold the
+    # most, and no stage is left without a worker.
+    assert got.workers == (2, 2, 1)
+    assert memory_parts(obs).worst_case_bytes(got) <= MEMORY_SAFE_SHARE * obs.memory_limit_bytes
+    # Over the CPU budget too, its workers are not the first refused as growth.
+    cpu = safe(Allocation((2, 7, 1), (MiB,) * 3, fused=(False, False, False)), obs)
+    assert cpu.workers[1] >= cpu.workers[0] >= 1

@@ -216,7 +216,7 @@ def safe(alloc: Allocation, obs: Observation, limits: Limits | None = None) -> A
     limits = limits or limits_of(obs)
     if not alloc.remote and any(obs.remote_workers):  # "as now": the count must be explicit
         alloc = alloc.replace(remote=remote_of(alloc, obs))
-    was = obs.allocation().workers
+    was = running_workers(alloc, obs)
     out = clamp(alloc, limits, oversubscribe_factor(obs, alloc), was)
     while (again := clamp(out, limits, oversubscribe_factor(obs, out), was)) != out:
         out = again  # ends: workers only shrink, and never below the stage minimums
@@ -293,6 +293,21 @@ def memory_parts(obs: Observation) -> MemoryParts:
     )
 
 
+def running_workers(alloc: Allocation, obs: Observation) -> list[int]:
+    """Per stage, the workers that run now as the hard limits weigh ``alloc``'s growth
+    against them: ``obs``'s, except for a stage whose fusion ``alloc`` changes (split out of
+    its group, or fused into one), which counts what ``alloc`` gives it. Its workers are its
+    group's (a fused stage reports none of its own): refusing a newly split stage's workers as
+    growth would cut what runs, its group's work, to one worker or none."""
+    was = list(obs.allocation().workers)
+    if alloc.fused:
+        now = tuple(s.fused for s in obs.stages)
+        for j, f in enumerate(alloc.fused):
+            if f != now[j]:
+                was[j] = alloc.workers[j]
+    return was
+
+
 def fit_memory(
     alloc: Allocation,
     obs: Observation,
@@ -303,8 +318,9 @@ def fit_memory(
     the one memory fit, every tuner's decision through :class:`Guarded`.
 
     In order, until the worst case (:meth:`MemoryParts.worst_case_bytes`) fits: refuse buffer
-    growth past what runs now, then worker growth (stage by stage, the stage whose workers hold
-    the most first); halve the largest buffer down to its floor (:func:`buffer_floors`); remove a
+    growth past what runs now, then worker growth past what runs now (:func:`running_workers`;
+    stage by stage, the stage whose workers hold the most first, never below its
+    ``min_workers``); halve the largest buffer down to its floor (:func:`buffer_floors`); remove a
     worker from the stage whose workers hold the most (never below its ``min_workers``); halve
     the largest buffer down to ``min_buffer_bytes``. An allocation that fits is returned
     unchanged.
@@ -341,15 +357,15 @@ def fit_memory(
     # Only local workers hold memory on the host: their growth is refused, they are shed.
     fused = alloc.fused or (False,) * len(workers)
     remote = alloc.remote or (0,) * len(workers)
-    # (now.workers of a fused stage is its target for when it is split again, not 0.)
-    was = [w - r for w, r in zip(now.workers, now.remote or (0,) * len(workers), strict=True)]
+    running = running_workers(alloc, obs)
+    was = [w - r for w, r in zip(running, now.remote or (0,) * len(workers), strict=True)]
+    floors = [max(1, s.min_workers) for s in obs.stages]
     grown = [j for j in range(len(workers)) if workers[j] - remote[j] > was[j] and not fused[j]]
     for j in sorted(grown, key=lambda k: -parts.per_worker_bytes[k]):
         if not over():
             break
-        workers[j] = remote[j] + was[j]
+        workers[j] = max(floors[j], remote[j] + was[j])
     shed_buffers(buffer_floors(obs))
-    floors = [max(1, s.min_workers) for s in obs.stages]
     while over():
         costly = [
             j
