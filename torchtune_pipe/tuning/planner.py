@@ -261,11 +261,10 @@ def _plan(
         assert found is not None
         rate, workers = found
     fused = shape if any(shape) or any(now) else ()
-    current = model.rate_of(now, obs.workers)
     rate_of_now: Callable[[Sequence[int]], float] = functools.partial(model.rate_of, now)
     if any(obs.remote_workers):
-        current = _split_rate(obs, model, now, r)
         rate_of_now = functools.partial(_split_rate, obs, model, now, r)
+    current = rate_of_now(obs.workers)
     plan_ = Allocation(workers, alloc.buffer_bytes, fused=fused, remote=remote)
     return Plan(plan_, rate, current, rate_of_now)
 
