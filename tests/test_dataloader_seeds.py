@@ -183,3 +183,75 @@ def test_worker_seeds_of_every_epoch_are_torchs(persistent):
     assert all(seed == init for epoch in got for _, seed, init in epoch)
     bases = [{seed - i for i, seed, _ in epoch} for epoch in got]
     assert (bases[0] == bases[1]) == persistent  # fresh workers: a new base seed each epoch
+
+
+class OwnGenerators(Dataset):
+    """An augmentation drawing from generators the dataset holds, as users seed them in
+    ``__init__``; reads take a little longer on some workers than on others."""
+
+    def __init__(self, seed=0):
+        self.np_rng = np.random.default_rng(seed)
+        self.py_rng = random.Random(seed)
+        self.torch_rng = torch.Generator().manual_seed(seed)
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        import time
+
+        info = get_worker_info()
+        time.sleep(0.002 * (info.id if info is not None else 0))  # workers finish out of turn
+        return {
+            "i": i,
+            "numpy": float(self.np_rng.random()),
+            "random": self.py_rng.random(),
+            "torch": torch.rand(1, generator=self.torch_rng),
+        }
+
+
+def _own(workers, seed=0, epochs=1, **kw):
+    ds = OwnGenerators(seed)
+    with DataLoader(ds, batch_size=4, num_workers=workers, **kw) as d:
+        out = [list(d) for _ in range(epochs)]
+    return out, ds
+
+
+def test_a_datasets_own_generators_draw_the_same_batches_run_to_run():
+    """Torch's workers each go on from the dataset's generators as they were at ``iter()``
+    through a fixed share of the batches: its batches are the same run to run. Ours take
+    batches as they free up: each batch draws from the dataset's generators set from their
+    state at ``iter()`` and its place in the epoch, whatever reads it."""
+    want, _ = _own(1)
+    for workers, kw in ((2, {}), (2, {}), (3, {}), ("auto", {}), (2, {"worker_method": "thread"})):
+        got, _ = _own(workers, **kw)
+        assert_same(want, got)
+    draws = [b["numpy"].tolist() for b in want[0]]
+    assert len({tuple(d) for d in draws}) == len(draws)  # every batch draws its own numbers
+    other, _ = _own(2, seed=1)
+    assert not torch.equal(other[0][0]["torch"], want[0][0]["torch"])  # the user's seed decides
+
+
+def test_a_datasets_own_generators_draw_anew_each_epoch_and_the_callers_are_untouched():
+    """Each epoch draws other numbers; the caller's generators are never drawn from (the
+    reads of workers and of the readers standing in for them draw from copies)."""
+    (first, second), ds = _own("auto", epochs=2)
+    assert not torch.equal(first[0]["torch"], second[0]["torch"])
+    fresh = OwnGenerators(0)
+    assert ds.np_rng.random() == fresh.np_rng.random()
+    assert ds.py_rng.random() == fresh.py_rng.random()
+    assert torch.equal(ds.torch_rng.get_state(), fresh.torch_rng.get_state())
+
+
+def test_a_datasets_own_generators_resume_with_the_uninterrupted_draws():
+    """A state saved mid-epoch and loaded into a new loader goes on with the draws of the
+    uninterrupted run."""
+    want, _ = _own(2)
+    with DataLoader(OwnGenerators(), batch_size=4, num_workers=2) as a:
+        it = iter(a)
+        head = [next(it) for _ in range(5)]
+        state = a.state_dict()
+    with DataLoader(OwnGenerators(), batch_size=4, num_workers=2) as b:
+        b.load_state_dict(state)
+        rest = list(b)
+    assert_same(want[0], head + rest)

@@ -256,7 +256,11 @@ class DataLoader:
             batch's ``__getitem__`` calls as torch seeds its worker ``j`` at its start, ``j``
             the batch's position in the epoch, so random draws in the dataset give the same
             batches whatever the worker count, the tuner's moves or a resume (default; with
-            ``w`` workers the epoch's first ``w`` batches draw what torch's draw). ``False``:
+            ``w`` workers the epoch's first ``w`` batches draw what torch's draw). Generators
+            the dataset holds (``random.Random``, numpy's, ``torch.Generator``) are set before
+            each batch from their state at ``iter()``, the epoch and the batch's position: the
+            same batches run to run, decided by the seed they were given
+            (``torchtune_pipe.sources.rng``). ``False``:
             seed each worker process once, at its start, with ``base_seed + worker_id`` as
             torch does (draws then depend on which worker fetches which batch, as under torch).
         max_concurrency: with ``"auto"``, the most ``__getitem__`` calls one fetch worker may

@@ -20,6 +20,7 @@ from torchtune_pipe.loader.tagging import (
     reducer_factory,
 )
 from torchtune_pipe.sources.rng import isolated_rng
+from torchtune_pipe.sources.views import standing_in
 from torchtune_pipe.stages import PipelineLike, Stage
 
 log = logging.getLogger(__name__)
@@ -30,8 +31,9 @@ def run_inline(
 ) -> Iterator[tuple]:
     """Run the pipeline in the calling thread (no workers): the tagged stream of items.
     ``isolate``: each work unit is read whole, the global random generators put back as they
-    were before it (a source that seeds them per unit, as for workers, leaves the caller's
-    draws alone, as workers do)."""
+    were before it, from a view of the dataset (:mod:`~torchtune_pipe.sources.views`): a source
+    that seeds reads per unit, as for workers, leaves the caller's draws and its dataset's
+    state alone, as workers do."""
     src = pipeline.stages[0]
     read = ReadTagged(pipeline.source, skip=src.on_error == "skip")
     stream: Iterator[tuple] = _inline_source(src, _read(src, read, works, isolate))
@@ -49,13 +51,13 @@ def _note(e: BaseException, st: Stage, where: str) -> None:
 
 
 def _read(st: Stage, read: ReadTagged, works: list[Work], isolate: bool) -> Iterator[Any]:
-    """The works' tagged items (each unit read whole within :func:`isolated_rng` where
-    ``isolate``)."""
+    """The works' tagged items (each unit read whole within :func:`isolated_rng`, standing in
+    for a worker, where ``isolate``)."""
     for w in works:
         if not isolate:
             yield from _unit(st, read, w)
             continue
-        with isolated_rng():
+        with isolated_rng(), standing_in():
             got = list(_unit(st, read, w))
         yield from got
 

@@ -15,11 +15,13 @@ from torchtune_pipe.loader.state import map_source_fingerprint
 from torchtune_pipe.sources.orders import drawn_order
 from torchtune_pipe.sources.rng import (
     draw_seed,
+    generator_digest,
     rng_state_from_text,
     rng_state_text,
     rng_states,
     same_rng_states,
     seed_as_torch_worker,
+    seed_held,
 )
 from torchtune_pipe.sources.views import Views, get_in_view
 
@@ -92,11 +94,13 @@ class IndexUnit:
         entries: one entry per item: an index, or a list of indices (one batch); a
             :class:`PackedEntries` where every index is an ``int``, else a tuple.
         seed: seed of the random generators while the unit is read (None: not seeded).
+        epoch: the epoch it is of (what seeds the dataset's own generators, with ``id``).
     """
 
     id: int
     entries: Sequence[Any]
     seed: int | None = None
+    epoch: int = 0
 
     def __repr__(self) -> str:
         # Bounded, for error notes: an epoch's unit may hold thousands of indices.
@@ -305,7 +309,9 @@ class MapDatasetSource:
         # last units() call began (left_early).
         self._own: tuple[Any, Any] | None = None
         self._replay: dict | None = None
-        self._draws: bool | None = None  # whether __getitem__ draws random numbers (per process)
+        # Whether __getitem__ draws random numbers, from the global generators or the
+        # dataset's own (per process).
+        self._draws: bool | None = None
         # Entries torch's iterator pulls from the sampler ahead of those delivered (its
         # prefetch_factor * num_workers; set by the DataLoader): see left_early.
         self.pulled_ahead = 0
@@ -365,7 +371,7 @@ class MapDatasetSource:
                 else self._sliced(it, *plain[1:], order=plain[0])
             )
             units = [
-                IndexUnit(j, entries, self.base_seed + j if self.seed_units else None)
+                IndexUnit(j, entries, self.base_seed + j if self.seed_units else None, epoch)
                 for j, entries in enumerate(chunks)
             ]
         return units[self.rank :: self.world_size]
@@ -520,6 +526,8 @@ class MapDatasetSource:
             # generators are the consumer's: left alone.
             seed_as_torch_worker(unit.seed - unit.id, unit.id)
         ds = self.views.get()
+        if unit.seed is not None:  # the dataset's own generators (a thread's view holds copies)
+            seed_held(self.views.held(ds), unit.epoch, unit.id)
         getitems = getattr(ds, "__getitems__", None) if self.batched else None
         for k, entry in enumerate(unit.entries):
             if k in skip:
@@ -542,14 +550,18 @@ class MapDatasetSource:
 
     def _fetch_batch(self, entry: list, n: int) -> list:
         """Batch ``n``'s samples; on the worker's threads when its stage's concurrency is
-        above 1 (reads that wait overlap), unless ``__getitem__`` draws from the global random
-        generators: threads would interleave the draws, and batches would differ run to run.
+        above 1 (reads that wait overlap), unless ``__getitem__`` draws random numbers (from
+        the global generators or the dataset's own): threads would interleave the draws, and
+        batches would differ run to run.
         The first batch a process reads is read serially to find that out."""
         ds = self.views.get()
         if self._draws is None:
-            before = rng_states()
+            before, held = rng_states(), [g for g, _ in self.views.held(ds)]
+            held_before = [generator_digest(g) for g in held]
             out = _read_each(ds, entry, n)
-            self._draws = not same_rng_states(before, rng_states())
+            self._draws = not same_rng_states(before, rng_states()) or held_before != [
+                generator_digest(g) for g in held
+            ]
             return out
         pool = concurrency.current()
         if pool.width <= 1 or self._draws:

@@ -1,11 +1,28 @@
 """The global random generators (``random``, ``numpy``, ``torch``): saving, restoring,
 comparing and seeding them, for sources that seed reads per unit and for inline reads that
-must not disturb the caller's draws."""
+must not disturb the caller's draws; and the generators a dataset holds of its own
+(:func:`is_generator`), seeded per unit from their state at ``iter()`` (:func:`seed_held`).
+
+A dataset's own generator (``self.rng = np.random.default_rng(0)`` in ``__init__``) goes on, in
+each of torch's worker processes, from its state at ``iter()`` through the batches that worker
+reads; torch hands worker ``j`` batches ``j, j + w, ...``, so the draws are the same run to run.
+Workers that take units as they free up, in numbers a tuner moves, would draw them in an order
+that changes run to run. So where a source seeds its units (``seed_each_batch``), a read sets
+each generator the dataset holds to a state drawn from that generator's state at ``iter()``, the
+epoch and the unit's place in it before it reads (:func:`seed_held`): the same batches run to
+run whatever the worker count, the scheduling or a resume, as torch's are, decided by the seed
+the user gave the generator (not by torch's), different from batch to batch and from epoch to
+epoch. Torch's own values differ (its non-persistent workers draw the same numbers every
+epoch, and each worker's first batch the same as every other's).
+"""
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import copy
+import hashlib
+import pickle
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -128,3 +145,64 @@ def rng_state_from_text(value: Any, field: str) -> Any:
             "Loader.state_dict()); load a state saved by this loader"
         )
     return value
+
+
+def is_generator(value: Any) -> bool:
+    """Whether ``value`` is a random generator of its own: ``random.Random``,
+    ``numpy.random.Generator`` or ``RandomState``, ``torch.Generator`` (a CPU one)."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Generator):
+        return value.device.type == "cpu"
+    return isinstance(value, (random.Random, np.random.Generator, np.random.RandomState))
+
+
+def copied_generator(value: Any) -> Any:
+    """A generator of the same kind and state as ``value``, drawing apart from it."""
+    import torch
+
+    if isinstance(value, torch.Generator):
+        out = torch.Generator(device=value.device)
+        out.set_state(value.get_state())
+        return out
+    return copy.deepcopy(value)
+
+
+def generator_digest(value: Any) -> bytes:
+    """A digest of a generator's state (:func:`is_generator`), the same in every process."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, torch.Generator):
+        raw = value.get_state().numpy().tobytes()
+    elif isinstance(value, np.random.Generator):
+        raw = pickle.dumps(value.bit_generator.state, protocol=4)
+    elif isinstance(value, np.random.RandomState):
+        raw = pickle.dumps(value.get_state(), protocol=4)
+    else:
+        raw = pickle.dumps(value.getstate(), protocol=4)
+    return hashlib.blake2b(type(value).__name__.encode() + raw, digest_size=16).digest()
+
+
+def seed_held(held: list[tuple[Any, bytes]], epoch: int, unit: int) -> None:
+    """Set each generator of ``held`` (a generator and the :func:`generator_digest` of its
+    state at ``iter()``) to a state drawn from that digest, the ``epoch`` and the ``unit``'s
+    place in it (module docstring)."""
+    if not held:
+        return
+    import numpy as np
+    import torch
+
+    salt = int(epoch).to_bytes(8, "little", signed=True) + int(unit).to_bytes(8, "little")
+    for gen, digest in held:
+        n = int.from_bytes(hashlib.blake2b(digest + salt, digest_size=16).digest(), "little")
+        if isinstance(gen, torch.Generator):
+            gen.manual_seed(n & ((1 << 63) - 1))
+        elif isinstance(gen, np.random.Generator):
+            bits = gen.bit_generator
+            bits.state = type(bits)(np.random.SeedSequence(n)).state
+        elif isinstance(gen, np.random.RandomState):
+            gen.seed(np.random.SeedSequence(n).generate_state(4))
+        else:
+            gen.seed(n)

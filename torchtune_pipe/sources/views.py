@@ -16,7 +16,9 @@ generation, from a copy made at its start; a source starts a new generation with
 its workers fork from, so what the caller changed between epochs reaches the views as it reaches
 new workers, and a persistent loader's thread workers keep the first epoch's, as its worker
 processes do. Calls that a worker process runs side by side on threads read views too. A
-dataset that cannot be copied is read as it is.
+dataset that cannot be copied is read as it is. A random generator a dataset holds is copied
+(:func:`~torchtune_pipe.sources.rng.is_generator`): a view draws from its own, as a worker
+does, and never from the caller's (the next epoch's workers fork with it as the caller left it).
 
 Copying never reads the dataset's ``__dict__`` where it can help it: CPython (3.11, 3.12) keeps an
 object's attributes inline until its ``__dict__`` is read, and from then on in a dict whose loads
@@ -40,6 +42,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from multiproc.worker import in_thread_worker
+from torchtune_pipe.sources.rng import copied_generator, generator_digest, is_generator
 
 log = logging.getLogger(__name__)
 
@@ -82,11 +85,23 @@ class Views:
         self.generation = 0
         self._template: Any = None
         self._here = threading.local()
+        self._held: dict[int, tuple[Any, list[tuple[Any, bytes]]]] = {}
 
     def renew(self) -> None:
         """Start a new generation, its template copied from the dataset as it is now."""
         self.generation += 1
         self._template = _copied(self.dataset, _DEPTH)
+        self._held = {}
+
+    def held(self, ds: Any) -> list[tuple[Any, bytes]]:
+        """The random generators ``ds`` (the dataset, or a view of it) holds, each with the
+        digest of its state when first asked for (:func:`~.rng.generator_digest`): a worker's
+        copy or a view asks before its first read, so this is their state at ``iter()``."""
+        got = self._held.get(id(ds))
+        if got is None or got[0] is not ds:
+            got = (ds, [(g, generator_digest(g)) for g in _generators(ds, _DEPTH)])
+            self._held[id(ds)] = got
+        return got[1]
 
     def get(self) -> Any:
         """The dataset a read of the calling thread uses: the dataset, or the thread's view."""
@@ -140,6 +155,9 @@ def _copied(obj: Any, depth: int) -> Any:
         if out is obj or not isinstance(attrs, dict):
             return out
         state = attrs
+    for name, value in list(state.items()):
+        if is_generator(value):
+            state[name] = copied_generator(value)
     if depth > 1:
         for name, value in list(state.items()):
             if isinstance(value, Dataset):
@@ -153,6 +171,43 @@ def _copied(obj: Any, depth: int) -> Any:
     if fresh:
         for name, value in state.items():  # into the new object's inline attributes or slots
             object.__setattr__(out, name, value)
+    return out
+
+
+def _generators(obj: Any, depth: int) -> list[Any]:
+    """The random generators held by ``obj`` and by the datasets it holds (alone, or as the
+    items of a list or tuple), ``depth`` levels down, each once."""
+    from torch.utils.data import Dataset
+
+    out: list[Any] = []
+    seen: set[int] = set()
+
+    def walk(o: Any, d: int) -> None:
+        if id(o) in seen or not isinstance(o, Dataset):
+            return
+        seen.add(id(o))
+        state = _state(o)
+        # Else what the object refers to, read without materializing its __dict__ (where it
+        # already is one, its values).
+        values = list(state.values()) if state is not None else _referred(o)
+        for value in values:
+            if is_generator(value) and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+            elif d > 1 and isinstance(value, Dataset):
+                walk(value, d - 1)
+            elif d > 1 and type(value) in (list, tuple) and value and isinstance(value[0], Dataset):
+                for v in value:
+                    walk(v, d - 1)
+
+    walk(obj, depth)
+    return out
+
+
+def _referred(obj: Any) -> list[Any]:
+    out: list[Any] = []
+    for r in gc.get_referents(obj):
+        out.extend(r.values() if type(r) is dict else [r])
     return out
 
 
