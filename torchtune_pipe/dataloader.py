@@ -471,9 +471,12 @@ class DataLoader:
         if auto:
             # Reads that wait get calls in flight per worker: __getitem__ may then run on
             # several threads of a worker, as torchdata.nodes' thread workers run it. A shard
-            # is one generator, read by one thread: threads cannot help it.
+            # is one generator, read by one thread: threads cannot help it. The fetch group
+            # starts with a worker per CPU, where the tuner starts it (InTune's fused start):
+            # started with one, the others waited for its first step.
+            start = max(readers, round(cpus_available()))
             pipe = Pipeline.from_source(
-                self.source, name="fetch", workers=readers, min_workers=readers, init=init,
+                self.source, name="fetch", workers=start, min_workers=readers, init=init,
                 max_concurrency=1 if iterable else max_concurrency, worker_type=worker_method,
             )  # fmt: skip
             # Collate starts in the fetch workers (torch's arrangement: no hop per batch);
