@@ -591,10 +591,11 @@ class Loader:
 
 
 def _stop(ex: Executor, tunable: RunningPipeline | None, final: dict) -> None:
-    """Observe a pipeline a last time (``final["obs"]``), then close its executor."""
+    """Observe a pipeline a last time (``final["obs"]``; its memory as last read), then close
+    its executor."""
     if tunable is not None:
         try:
-            final["obs"] = tunable.observe()
+            final["obs"] = tunable.observe(read_memory=False)
         except Exception:  # closed by a failure: no last observation
             pass
     ex.close()

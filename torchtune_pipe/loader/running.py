@@ -49,9 +49,10 @@ class RunningPipeline:
         self.kinds = kinds if kinds is not None else KindRule()
         self._last: Observation | None = None
 
-    def observe(self) -> Observation:
-        """Rates since the previous observation, plus machine facts."""
-        self._last = self.meter.observe()
+    def observe(self, read_memory: bool = True) -> Observation:
+        """Rates since the previous observation, plus machine facts (``read_memory``:
+        :meth:`~torchtune_pipe.telemetry.measure.Meter.observe`)."""
+        self._last = self.meter.observe(read_memory)
         return self._last
 
     def apply(self, allocation: Allocation) -> None:

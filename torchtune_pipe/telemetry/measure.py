@@ -468,12 +468,16 @@ class Meter:
         self.last: Observation | None = None
         self.last_snapshot: Snapshot = self._prev
 
-    def observe(self) -> Observation:
-        """An observation of the interval since the previous call (or since creation)."""
+    def observe(self, read_memory: bool = True) -> Observation:
+        """An observation of the interval since the previous call (or since creation).
+        ``read_memory=False``: the memory as last read (at the previous call, or at creation),
+        not read again (a read walks every process's page tables)."""
         with self._lock:
             cur = self._snapshot()
             cpu_s = time.process_time()
-            reading = self.memory.read(cur) if self.memory is not None else None
+            reading = self._prev_memory
+            if self.memory is not None and read_memory:
+                reading = self.memory.read(cur)
             items = self.clock.items if self.clock is not None else None
             totals = self.clock.totals() if self.clock is not None else None
             obs = observe(
