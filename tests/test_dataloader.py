@@ -179,6 +179,19 @@ def test_invalid_arguments_raise_like_torch(kw):
         DataLoader(Squares(), **kw)
 
 
+@pytest.mark.parametrize("kw", [{}, {"num_workers": 2}, {"num_workers": 2, "prefetch_factor": 4}])
+def test_the_attributes_read_as_torchs(kw):
+    """What scripts and frameworks read off a loader (``prefetch_factor * num_workers``
+    batches ahead, a log line) has torch's values, defaults filled in as torch fills them."""
+    names = ("batch_size", "drop_last", "num_workers", "timeout", "prefetch_factor",
+             "persistent_workers", "pin_memory", "pin_memory_device", "in_order")  # fmt: skip
+    want = torch.utils.data.DataLoader(Squares(), batch_size=4, **kw)
+    with DataLoader(Squares(), batch_size=4, **kw) as got:
+        assert {n: getattr(got, n) for n in names} == {n: getattr(want, n) for n in names}
+        assert type(got.sampler) is type(want.sampler)
+        assert type(got.batch_sampler) is type(want.batch_sampler)
+
+
 def test_iterable_dataset_rejects_shuffle_like_torch():
     with pytest.raises(ValueError, match="shuffle"):
         DataLoader(Counting(), shuffle=True)

@@ -405,7 +405,10 @@ class DataLoader:
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
-        self.prefetch_factor = prefetch_factor
+        # As torch's: 2 where workers run and none was given.
+        self.prefetch_factor = (
+            2 if prefetch_factor is None and num_workers != 0 else prefetch_factor
+        )
         self.persistent_workers = persistent_workers
         self._iterated = False
         self.in_order = in_order
