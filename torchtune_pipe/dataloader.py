@@ -256,13 +256,11 @@ class DataLoader:
             batch's ``__getitem__`` calls as torch seeds its worker ``j`` at its start, ``j``
             the batch's position in the epoch, so random draws in the dataset give the same
             batches whatever the worker count, the tuner's moves or a resume (default; with
-            ``w`` workers the epoch's first ``w`` batches draw what torch's draw). Generators
-            the dataset holds (``random.Random``, numpy's, ``torch.Generator``) are set before
-            each batch from their state at ``iter()``, the epoch and the batch's position: the
-            same batches run to run, decided by the seed they were given
-            (``torchtune_pipe.sources.rng``). ``False``:
-            seed each worker process once, at its start, with ``base_seed + worker_id`` as
-            torch does (draws then depend on which worker fetches which batch, as under torch).
+            ``w`` workers the epoch's first ``w`` batches draw what torch's draw), and set the
+            generators the dataset holds from their state at ``iter()`` and the batch
+            (``torchtune_pipe.sources.rng``). ``False``: seed each worker process once, at its
+            start, with ``base_seed + worker_id`` as torch does (draws then depend on which
+            worker fetches which batch, as under torch).
         max_concurrency: with ``"auto"``, the most ``__getitem__`` calls one fetch worker may
             run at once on its threads when reads wait (raised while running from 1); 1 for a
             dataset that must not be called from several threads at once. A dataset whose
@@ -405,10 +403,9 @@ class DataLoader:
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
-        # As torch's: 2 where workers run and none was given.
-        self.prefetch_factor = (
-            2 if prefetch_factor is None and num_workers != 0 else prefetch_factor
-        )
+        self.prefetch_factor = prefetch_factor
+        if prefetch_factor is None and num_workers != 0:
+            self.prefetch_factor = 2  # as torch's
         self.persistent_workers = persistent_workers
         self._iterated = False
         self.in_order = in_order
@@ -475,8 +472,7 @@ class DataLoader:
             # Reads that wait get calls in flight per worker: __getitem__ may then run on
             # several threads of a worker, as torchdata.nodes' thread workers run it. A shard
             # is one generator, read by one thread: threads cannot help it. The fetch group
-            # starts with a worker per CPU, where the tuner starts it (InTune's fused start):
-            # started with one, the others waited for its first step.
+            # starts where the tuner starts it (InTune's fused start): a worker per CPU.
             start = max(readers, round(cpus_available()))
             pipe = Pipeline.from_source(
                 self.source, name="fetch", workers=start, min_workers=readers, init=init,

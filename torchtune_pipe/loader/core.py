@@ -591,8 +591,7 @@ class Loader:
 
 
 def _stop(ex: Executor, tunable: RunningPipeline | None, final: dict) -> None:
-    """Observe a pipeline a last time (``final["obs"]``; its memory as last read), then close
-    its executor."""
+    """Observe a pipeline a last time (``final["obs"]``, memory as last read), then close it."""
     if tunable is not None:
         try:
             final["obs"] = tunable.observe(read_memory=False)
