@@ -255,3 +255,32 @@ def test_a_datasets_own_generators_resume_with_the_uninterrupted_draws():
         b.load_state_dict(state)
         rest = list(b)
     assert_same(want[0], head + rest)
+
+
+class _Uncopyable(random.Random):
+    def __reduce_ex__(self, protocol):
+        raise TypeError("this generator does not copy")
+
+
+class UncopyableGenerator(Dataset):
+    def __init__(self):
+        self.rng = _Uncopyable(0)
+
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return i
+
+
+def test_a_generator_that_will_not_copy_is_left_as_it_is():
+    """A generator the views cannot copy, nor a digest read, is shared and left unseeded:
+    the reads go on."""
+    got, _ = _own_of(UncopyableGenerator, "auto")
+    assert [int(x) for b in got for x in b] == list(range(8))
+
+
+def _own_of(cls, workers):
+    ds = cls()
+    with DataLoader(ds, batch_size=4, num_workers=workers) as d:
+        return list(d), ds

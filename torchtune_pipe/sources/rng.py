@@ -201,7 +201,10 @@ def seed_held(held: list[tuple[Any, bytes]], epoch: int, unit: int) -> None:
             gen.manual_seed(n & ((1 << 63) - 1))
         elif isinstance(gen, np.random.Generator):
             bits = gen.bit_generator
-            bits.state = type(bits)(np.random.SeedSequence(n)).state
+            try:
+                bits.state = type(bits)(np.random.SeedSequence(n)).state
+            except (TypeError, ValueError):  # a bit generator of the user's: its own seeding
+                continue
         elif isinstance(gen, np.random.RandomState):
             gen.seed(np.random.SeedSequence(n).generate_state(4))
         else:

@@ -99,7 +99,13 @@ class Views:
         copy or a view asks before its first read, so this is their state at ``iter()``."""
         got = self._held.get(id(ds))
         if got is None or got[0] is not ds:
-            got = (ds, [(g, generator_digest(g)) for g in _generators(ds, _DEPTH)])
+            held = []
+            for g in _generators(ds, _DEPTH):
+                try:
+                    held.append((g, generator_digest(g)))
+                except Exception as e:  # a state that will not pickle: left as it goes on
+                    log.debug("views: a %s is not seeded (%r)", type(g).__name__, e)
+            got = (ds, held)
             self._held[id(ds)] = got
         return got[1]
 
@@ -157,7 +163,12 @@ def _copied(obj: Any, depth: int) -> Any:
         state = attrs
     for name, value in list(state.items()):
         if is_generator(value):
-            state[name] = copied_generator(value)
+            try:
+                state[name] = copied_generator(value)
+            except Exception as e:  # a subclass that will not copy: shared, as before
+                log.debug(
+                    "views: %s.%s is shared (copying it raised %r)", type(obj).__name__, name, e
+                )
     if depth > 1:
         for name, value in list(state.items()):
             if isinstance(value, Dataset):
