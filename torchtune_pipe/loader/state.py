@@ -32,7 +32,7 @@ def type_name(obj: Any) -> str:
 def source_fingerprint(source: Any) -> Any:
     """The fields of ``source`` a state must match, as a dict: the source's own
     ``fingerprint()`` where it offers one (a mapping of fields, or a string), else its type
-    and length. (Typed ``Any``: ``dataloader._Collated.fingerprint``, which passes it on, is
+    and length. (Typed ``Any``: ``sources.collated.Collated.fingerprint``, which passes it on, is
     annotated ``str``.)"""
     own = getattr(source, "fingerprint", None)
     if callable(own):
