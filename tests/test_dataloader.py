@@ -378,3 +378,17 @@ def test_a_sampler_without_len_reads_as_torchs_and_an_endless_one_is_named(worke
     with DataLoader(ds, batch_sampler=_Own(endless_batches), num_workers=workers) as dl:
         with pytest.raises(ValueError, match=r"sampler _Own has no __len__"):
             next(iter(dl))
+
+
+@pytest.mark.parametrize(("cpus", "batches", "start"), [(8, 3, 3), (8, 20, 8), (2, 20, 2)])
+def test_auto_starts_the_fetch_group_with_a_worker_per_cpu_or_per_batch(
+    monkeypatch, cpus, batches, start
+):
+    """``"auto"`` starts the fetch group where the tuner starts it, a worker per CPU, but no
+    more workers than an epoch has batches (a short validation loader on a many-core host)."""
+    import torchtune_pipe.dataloader as dl
+
+    monkeypatch.setattr(dl, "cpus_available", lambda: float(cpus))
+    with DataLoader(Squares(n=4 * batches), batch_size=4, num_workers="auto") as loader:
+        fetch = loader.loader.pipeline.stages[0]
+        assert (fetch.name, fetch.workers, fetch.min_workers) == ("fetch", start, 1)

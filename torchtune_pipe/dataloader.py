@@ -41,6 +41,14 @@ from torchtune_pipe.telemetry.measure import cpus_available
 log = logging.getLogger(__name__)
 
 
+def _epoch_items(source: Any) -> int:
+    """Items (batches where batched) an epoch of ``source`` gives, or a bound where not known."""
+    try:
+        return max(1, len(source))
+    except TypeError:
+        return 1 << 30
+
+
 class _WorkerInit:
     """``StageSpec.init`` for the fetch stage: sets torch's worker info, then calls the
     user's ``worker_init_fn(worker_index)`` (as torch does, once per worker process).
@@ -398,8 +406,9 @@ class DataLoader:
             # Reads that wait get calls in flight per worker: __getitem__ may then run on
             # several threads of a worker, as torchdata.nodes' thread workers run it. A shard
             # is one generator, read by one thread: threads cannot help it. The fetch group
-            # starts where the tuner starts it (InTune's fused start): a worker per CPU.
-            start = max(readers, round(cpus_available()))
+            # starts where the tuner starts it (InTune's fused start): a worker per CPU, or
+            # per batch of a shorter epoch.
+            start = max(readers, min(round(cpus_available()), _epoch_items(self.source)))
             pipe = Pipeline.from_source(
                 self.source, name="fetch", workers=start, min_workers=readers, init=init,
                 max_concurrency=1 if iterable else max_concurrency, worker_type=worker_method,
