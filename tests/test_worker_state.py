@@ -170,6 +170,22 @@ def test_a_dataset_attribute_set_before_each_epoch(num_workers, tuner, persisten
     )
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["fresh", "persistent"])
+def test_a_loader_that_reads_inline_for_good_sees_the_dataset_as_workers_would(persistent):
+    """Once ``"auto"`` reads in the calling thread in place of workers, each epoch reads the
+    dataset as that epoch's workers would see it: as set before the epoch, or, with persistent
+    workers, as the first epoch's saw it."""
+    ds = EpochDataset()
+    want = _epochs(_torch(ds, persistent), lambda e: setattr(ds, "epoch", e))
+    ds = EpochDataset()
+    with _ours(ds, "auto", None, persistent) as loader:
+        list(loader)
+        loader.loader._go_inline("as the shape choice would")  # what the choice decides
+        got = _epochs(loader, lambda e: setattr(ds, "epoch", e))
+        assert loader.loader.inline
+    assert got == want
+
+
 @pytest.fixture
 def records(tmp_path):
     path = tmp_path / "records.bin"

@@ -1,9 +1,9 @@
 """The Loader: iterates a running pipeline, epoch after epoch, and lets a tuner steer it.
 
 A :class:`Loader` owns an executor (one per epoch, or one kept across epochs with
-``persistent_workers=True``), an optional tuning loop (a daemon thread stepping a tuner
-through :class:`RunningPipeline`, the pipeline's :class:`~torchtune_pipe.tuning.base.Tunable`),
-an optional prefetch thread (pinning and device transfer, :mod:`torchtune_pipe.loader.prefetch`),
+``persistent_workers=True``), an optional tuning loop (a daemon thread stepping a tuner through
+:class:`RunningPipeline`, the pipeline's :class:`~torchtune_pipe.tuning.base.Tunable`), an
+optional prefetch thread (pinning and device transfer, :mod:`torchtune_pipe.loader.prefetch`),
 and the bookkeeping that makes ``state_dict()`` exact.
 
 Resume rule: the state records *which* items were delivered, by ``(unit, position in unit)``
@@ -69,7 +69,7 @@ from torchtune_pipe.loader.running import (
 )
 from torchtune_pipe.loader.shape import ShapeProbe
 from torchtune_pipe.options import Strategy, with_fields
-from torchtune_pipe.sources.base import ShardedSource, left_early
+from torchtune_pipe.sources.base import ShardedSource, left_early, new_view
 from torchtune_pipe.stages import PipelineLike, items_out
 from torchtune_pipe.telemetry import measure as telemetry
 from torchtune_pipe.tuning.base import Allocation, Observation
@@ -163,9 +163,7 @@ class Loader:
                 "Loader: interleave=True needs a pipeline without shuffle or batch stages"
             )
         if start_method not in ("fork", "spawn"):
-            raise ValueError(
-                f"Loader: start_method must be 'fork' or 'spawn', got {start_method!r}"
-            )
+            raise ValueError(f"Loader: start_method is 'fork' or 'spawn', not {start_method!r}")
         at_source = self.strategy.batch_at_source and batched_at_source(pipeline)
         self.pipeline = at_source or pipeline
         self.tuner = as_tuner(tuner)
@@ -226,9 +224,10 @@ class Loader:
         if not self.inline and (self._executor is None or not self.persistent_workers):
             self._drop_executor()
             self._snapshot_now()
+        elif self.inline and not (self.strategy.inline or self.persistent_workers):
+            new_view(self.pipeline.source)  # read in place of new workers: the dataset as now
         it = EpochIterator(self._iterate(), self._epoch)
-        # Held weakly: an iterator the caller drops (``break``) is collected at once, and its
-        # cleanup stops the workers, as when torch's DataLoader iterator goes away.
+        # Held weakly: a dropped iterator (``break``) is collected at once, stopping the workers.
         self._active = weakref.ref(it)
         return it
 
