@@ -284,3 +284,38 @@ def _own_of(cls, workers):
     ds = cls()
     with DataLoader(ds, batch_size=4, num_workers=workers) as d:
         return list(d), ds
+
+
+class Jitter:
+    """An augmentation with a generator of its own, as the dataset's ``transform``."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, x):
+        return x + float(self.rng.random())
+
+
+class Augmented(Dataset):
+    def __init__(self, seed=0):
+        self.transform = Jitter(seed)
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        import time
+
+        info = get_worker_info()
+        time.sleep(0.002 * (info.id if info is not None else 0))
+        return self.transform(float(i))
+
+
+def test_a_generator_held_by_the_datasets_transform_draws_the_same_batches_run_to_run():
+    """A generator one object further down (a transform's) is seeded per batch too, and the
+    caller's transform keeps its own generator where it was."""
+    want, _ = _own_of(Augmented, 1)
+    for workers in (2, 3, "auto"):
+        got, ds = _own_of(Augmented, workers)
+        assert_same(want, got)
+    assert ds.transform.rng.random() == Augmented().transform.rng.random()

@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 # Datasets held by a dataset, copied this deep (a Subset of a ConcatDataset of datasets: 3).
 _DEPTH = 4
+# Plain objects a dataset holds (an augmentation's class), searched this deep for generators.
+_HOLDER_DEPTH = 2
 
 _here = threading.local()
 
@@ -162,13 +164,7 @@ def _copied(obj: Any, depth: int) -> Any:
             return out
         state = attrs
     for name, value in list(state.items()):
-        if is_generator(value):
-            try:
-                state[name] = copied_generator(value)
-            except Exception as e:  # a subclass that will not copy: shared, as before
-                log.debug(
-                    "views: %s.%s is shared (copying it raised %r)", type(obj).__name__, name, e
-                )
+        state[name] = _with_own_generators(value, _HOLDER_DEPTH)
     if depth > 1:
         for name, value in list(state.items()):
             if isinstance(value, Dataset):
@@ -185,13 +181,57 @@ def _copied(obj: Any, depth: int) -> Any:
     return out
 
 
+def _holder_state(obj: Any) -> dict[str, Any] | None:
+    """The attributes of ``obj``, an object a dataset holds that may hold a generator of its
+    own (an augmentation's class): those of a plain object that is no dataset (:func:`_state`),
+    else None (a builtin, an array, a tensor, a class that copies itself its own way)."""
+    from torch.utils.data import Dataset
+
+    if isinstance(obj, (Dataset, type)) or is_generator(obj):
+        return None
+    return _state(obj)
+
+
+def _with_own_generators(value: Any, depth: int) -> Any:
+    """``value`` (an attribute of a dataset) as a view holds it: a generator copied; a plain
+    object holding one, ``depth`` levels down, copied (shallow) with its generators copied;
+    anything else, or what will not copy, ``value`` itself (shared)."""
+    if is_generator(value):
+        try:
+            return copied_generator(value)
+        except Exception as e:  # a subclass that will not copy: shared
+            log.debug("views: a %s is shared (copying it raised %r)", type(value).__name__, e)
+            return value
+    held = _holder_state(value) if depth > 0 else None
+    if not held:
+        return value
+    own = {name: _with_own_generators(v, depth - 1) for name, v in held.items()}
+    if all(own[name] is v for name, v in held.items()):
+        return value
+    out = object.__new__(type(value))
+    for name, v in own.items():  # into the new object's inline attributes or slots
+        object.__setattr__(out, name, v)
+    return out
+
+
 def _generators(obj: Any, depth: int) -> list[Any]:
-    """The random generators held by ``obj`` and by the datasets it holds (alone, or as the
-    items of a list or tuple), ``depth`` levels down, each once."""
+    """The random generators held by ``obj``, by the datasets it holds (alone, or as the items
+    of a list or tuple), ``depth`` levels down, and by the plain objects these hold,
+    ``_HOLDER_DEPTH`` levels down (those :func:`_with_own_generators` copies), each once."""
     from torch.utils.data import Dataset
 
     out: list[Any] = []
     seen: set[int] = set()
+
+    def held_by(o: Any, d: int) -> None:  # a plain object a dataset holds
+        state = _holder_state(o) if d > 0 and id(o) not in seen else None
+        seen.add(id(o))
+        for value in (state or {}).values():
+            if is_generator(value) and id(value) not in seen:
+                seen.add(id(value))
+                out.append(value)
+            else:
+                held_by(value, d - 1)
 
     def walk(o: Any, d: int) -> None:
         if id(o) in seen or not isinstance(o, Dataset):
@@ -210,6 +250,8 @@ def _generators(obj: Any, depth: int) -> list[Any]:
             elif d > 1 and type(value) in (list, tuple) and value and isinstance(value[0], Dataset):
                 for v in value:
                     walk(v, d - 1)
+            elif not isinstance(value, Dataset):
+                held_by(value, _HOLDER_DEPTH)
 
     walk(obj, depth)
     return out
