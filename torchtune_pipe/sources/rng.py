@@ -8,11 +8,12 @@ each of torch's worker processes, from its state at ``iter()`` through the batch
 reads; torch hands worker ``j`` batches ``j, j + w, ...``, so the draws are the same run to run.
 Workers that take units as they free up, in numbers a tuner moves, would draw them in an order
 that changes run to run. So where a source seeds its units (``seed_each_batch``), a read sets
-each generator the dataset holds to a state drawn from that generator's state at ``iter()``, the
-epoch and the unit's place in it before it reads (:func:`seed_held`): the same batches run to
-run whatever the worker count, the scheduling or a resume, as torch's are, decided by the seed
-the user gave the generator (not by torch's), different from batch to batch and from epoch to
-epoch. Torch's own values differ (its non-persistent workers draw the same numbers every
+each generator the dataset holds (itself, or through a dataset or a plain object such as its
+transform: :mod:`~torchtune_pipe.sources.views`) to a state drawn from its state at ``iter()``,
+the epoch and the unit's place in it before it reads (:func:`seed_held`): the same batches run
+to run whatever the worker count, the scheduling or a resume, as torch's are, decided by the
+seed the user gave the generator (not by torch's), different from batch to batch and from epoch
+to epoch. Torch's own values differ (its non-persistent workers draw the same numbers every
 epoch, and each worker's first batch the same as every other's).
 """
 
