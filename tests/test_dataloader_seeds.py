@@ -120,6 +120,44 @@ def test_seeding_a_batch_is_torch_manual_seed_on_the_cpu(monkeypatch):
     assert same_rng_states(want, rng_states())
 
 
+@pytest.mark.parametrize("caller_gauss", [False, True])
+def test_an_inline_read_leaves_numpys_global_generator_exactly_as_it_was(caller_gauss):
+    """``isolated_rng`` (around every unit read inline) puts numpy's global generator back
+    exactly, the gaussian it held from an odd count of legacy normal draws included, whatever
+    the read did: draw nothing, reseed, draw past a twister regeneration, leave a gaussian
+    cached, or replace the bit generator."""
+    from torchtune_pipe.sources.rng import isolated_rng
+
+    def same(a, b):
+        return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+    reads = [
+        lambda: None,
+        lambda: np.random.seed(7),
+        lambda: np.random.rand(1300),
+        lambda: np.random.standard_normal(3),
+        lambda: (np.random.seed(7), np.random.standard_normal()),
+        lambda: np.random.set_bit_generator(np.random.MT19937(3)),
+    ]
+    bits = np.random.get_bit_generator()
+    try:
+        for i, read in enumerate(reads):
+            np.random.seed(100 + i)
+            np.random.rand(5)
+            if caller_gauss:
+                np.random.standard_normal()
+            before = np.random.get_state()
+            assert before[3] == int(caller_gauss)
+            with isolated_rng():
+                read()
+            assert same(before, np.random.get_state()), f"read {i}"
+            copy = np.random.RandomState()
+            copy.set_state(before)
+            assert np.random.standard_normal(4).tolist() == copy.standard_normal(4).tolist()
+    finally:
+        np.random.set_bit_generator(bits)
+
+
 def test_a_persistent_loaders_later_epoch_resumes_with_its_order_and_draws():
     """With persistent workers the base seed is drawn at the first ``iter()`` only (as torch
     draws it) and read from a copy of the generator later: a state saved in the second epoch

@@ -52,12 +52,103 @@ def set_rng_states(states: tuple) -> None:
 @contextlib.contextmanager
 def isolated_rng() -> Iterator[None]:
     """The global generators as they were on entry, put back on exit: reads in the caller's
-    thread seeded as a worker's leave the caller's own draws alone."""
-    saved = rng_states()
+    thread seeded as a worker's leave the caller's own draws alone. Around every unit read
+    inline: numpy's generator is saved and put back by :class:`_LegacyGlobal` (a few
+    microseconds, where ``get_state``/``set_state`` take 70)."""
+    import torch
+
+    saved = random.getstate(), _NUMPY.save(), torch.get_rng_state()
     try:
         yield
     finally:
-        set_rng_states(saved)
+        random.setstate(saved[0])
+        _NUMPY.restore(saved[1])
+        torch.set_rng_state(saved[2])
+
+
+class _LegacyGlobal:
+    """numpy's global generator (the ``RandomState`` behind ``np.random.*``), saved and put
+    back exactly: its Mersenne Twister state copied as bytes, and the gaussian it may hold
+    from an odd count of legacy normal draws. ``get_state`` and ``set_state`` copy the 624
+    words one by one in Python (~35 us each way); this copies them at once.
+
+    The cached gaussian is not readable apart from ``get_state``; a draw reveals it: a
+    ``standard_normal()`` that leaves the twister unchanged returned the cached value, one that
+    changes it drew a pair (the second is taken too, and the twister put back). A bit
+    generator other than an ``MT19937``, or one whose state is not laid out as checked once
+    (the key then the position, as ``MT19937.state`` gives them), takes the slow way."""
+
+    _BYTES = 624 * 4 + 4  # uint32 key[624]; int pos
+
+    def __init__(self) -> None:
+        self._bits: Any = None  # the bit generator whose state address was checked
+        self._address: int | None = None
+
+    def _state_address(self, r: Any) -> int | None:
+        bits = r._bit_generator
+        if bits is self._bits:
+            return self._address
+        import ctypes
+        import sys
+
+        import numpy as np
+
+        address = None
+        if type(bits) is np.random.MT19937:
+            got = bits.state["state"]
+            want = np.ascontiguousarray(got["key"], dtype=np.uint32).tobytes()
+            want += int(got["pos"]).to_bytes(4, sys.byteorder, signed=True)
+            at = bits.ctypes.state_address
+            if ctypes.string_at(at, self._BYTES) == want:
+                address = at
+        self._bits, self._address = bits, address
+        return address
+
+    def save(self) -> tuple:
+        import ctypes
+
+        import numpy as np
+
+        r = np.random.mtrand._rand
+        at = self._state_address(r)
+        if at is None:
+            return ("state", r.get_state())
+        twister = ctypes.string_at(at, self._BYTES)
+        cached = r.standard_normal()
+        if ctypes.string_at(at, self._BYTES) == twister:
+            return (twister, cached)  # it held ``cached``: taken
+        r.standard_normal()  # it held none and drew a pair: take the second, undo the draw
+        ctypes.memmove(at, twister, self._BYTES)
+        return (twister, None)
+
+    def restore(self, saved: tuple) -> None:
+        import ctypes
+        import sys
+
+        import numpy as np
+
+        r = np.random.mtrand._rand
+        twister, cached = saved
+        if isinstance(twister, str):
+            r.set_state(cached)
+            return
+        at = self._state_address(r)
+        if at is not None:
+            ctypes.memmove(at, twister, self._BYTES)
+            r.standard_normal()  # a gaussian the read left cached is taken...
+            if ctypes.string_at(at, self._BYTES) != twister:  # ...or a pair was drawn
+                r.standard_normal()
+                ctypes.memmove(at, twister, self._BYTES)
+            if cached is None:
+                return
+        # A cached gaussian to give back (or a bit generator the read replaced): all of it.
+        key = np.frombuffer(twister, dtype=np.uint32, count=624).copy()
+        pos = int.from_bytes(twister[-4:], sys.byteorder, signed=True)
+        gauss = (1, float(cached)) if cached is not None else (0, 0.0)
+        r.set_state(("MT19937", key, pos, *gauss))
+
+
+_NUMPY = _LegacyGlobal()
 
 
 def same_rng_states(a: tuple, b: tuple) -> bool:
