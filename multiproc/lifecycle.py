@@ -20,6 +20,7 @@ import numpy as np
 from . import arena, buffers, handles, offload, policy, servers, shm, stats
 from . import protocol as P
 from .errors import (
+    ExecutorClosedError,
     ExecutorError,
     WorkerDiedError,
 )
@@ -190,6 +191,10 @@ class WorkerPool:
             # A fork server killed a moment ago can still look alive to waitpid: once it is
             # reaped, launch again through its successor.
             snap = launch.snapshot
+            if snap is not None and snap.stopped:
+                raise ExecutorClosedError(
+                    "the executor was closed while its workers were starting"
+                ) from None
             if h.thread or snap is None or not snap.server.wait_ended():
                 raise
             log.warning("stage %r: the fork server ended while starting a worker", s.name)
@@ -209,6 +214,8 @@ class WorkerPool:
         snap = self.launch.snapshot
         if snap is None or not snap.server.ended():
             return
+        if snap.stopped:  # closed (its executor's finalizer, at exit) while this start ran
+            raise ExecutorClosedError("the executor was closed while its workers were starting")
         log.warning(
             "the fork server %d of the stages' workers ended; forking another from this "
             "process (workers started from now on see it as it is now)",

@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from . import inherit, servers
+from .errors import ExecutorClosedError
 
 _lock = threading.Lock()  # one fork at a time publishes
 _keys = itertools.count()
@@ -45,6 +46,7 @@ class Snapshot:
         self.roots = tuple(r for r in roots if r is not None)
         self.preload = preload
         self.key = f"s{next(_keys)}"
+        self.stopped = False  # by stop(): its executor closed
         self.server = self._fork()
 
     def _fork(self) -> servers.ForkServer:
@@ -66,7 +68,16 @@ class Snapshot:
 
     def renew(self) -> None:
         """Fork a new server from this process now (the old one ended: killed): workers
-        started from now on see the process as it is now, not as at the snapshot."""
+        started from now on see the process as it is now, not as at the snapshot.
+
+        Raises:
+            ExecutorClosedError: the snapshot was stopped (its executor closed, e.g. by the
+                interpreter's exit while a thread was still starting its workers).
+        """
+        if self.stopped:
+            raise ExecutorClosedError(
+                "the executor was closed while its workers were starting: no worker starts"
+            )
         self.server.stop()
         self.server = self._fork()
 
@@ -78,7 +89,9 @@ class Snapshot:
         return out.getvalue()
 
     def stop(self) -> None:
-        """End the server (after its workers, which die with it). Idempotent."""
+        """End the server (after its workers, which die with it); none is forked again.
+        Idempotent."""
+        self.stopped = True
         self.server.stop()
 
 

@@ -190,3 +190,31 @@ def test_a_users_sampler_is_iterated_once_per_epoch_even_when_one_stops_early():
     _break(loader)
     assert [b.tolist() for b in loader] == WANT
     assert sampler.epochs == 2
+
+
+_EXIT_WHILE_STARTING = """
+import sys
+import torch
+from torch.utils.data import TensorDataset
+from torchtune_pipe import DataLoader
+
+loader = DataLoader(TensorDataset(torch.arange(400.0)), batch_size=5, num_workers=2)
+for i, _ in enumerate(loader):
+    if i == 3:
+        break
+it = iter(loader)
+next(it)  # read inline while the executor is still being built on a thread
+print("ready", flush=True)
+sys.exit(0)
+"""
+
+
+def test_exiting_while_the_workers_start_is_silent_and_clean():
+    """The interpreter's exit closes an executor a fast start is still building: its start
+    stops there (no fork server forked again from an exiting process, nothing said), and no
+    process or segment is left."""
+    from . import _subproc
+
+    code, err, left, segs = _subproc.leftovers(_EXIT_WHILE_STARTING, "ready")
+    assert code == 0 and err == "", err
+    assert not left and not segs, (left, segs)
