@@ -28,7 +28,6 @@ import functools
 import logging
 import os
 import sys
-import threading
 import weakref
 from collections.abc import Generator, Iterator, Mapping
 from typing import Any
@@ -64,6 +63,7 @@ from torchtune_pipe.loader.running import (
     start_executor,
     start_tuning,
     start_watch,
+    stop_pipeline,
     take_snapshot,
     warm_workers,
 )
@@ -392,15 +392,7 @@ class Loader:
             except Exception:  # closed by a failure: the last allocation stands
                 pass
         final = self._final = {}
-        if background:
-            closing = threading.Thread(
-                target=_stop, args=(ex, tunable, final), name="ttp-close", daemon=True
-            )
-            closing.start()
-            pending = self._held.setdefault("closing", [])
-            pending[:] = [t for t in pending if t.is_alive()] + [closing]
-        else:
-            _stop(ex, tunable, final)
+        stop_pipeline(ex, tunable, final, self._held if background else None)
 
     def _iterate(self) -> Generator[Any, None, None]:
         sync = _ranks.RankSync() if _ranks.active(self.even_ranks, self.pipeline.source) else None
@@ -587,13 +579,3 @@ class Loader:
             self._tunable, self._machine, self._clock, self.memory_limit_bytes,
             unit=consumer_labels(self.pipeline)["unit"],
         )  # fmt: skip
-
-
-def _stop(ex: Executor, tunable: RunningPipeline | None, final: dict) -> None:
-    """Observe a pipeline a last time (``final["obs"]``, memory as last read), then close it."""
-    if tunable is not None:
-        try:
-            final["obs"] = tunable.observe(read_memory=False)
-        except Exception:  # closed by a failure: no last observation
-            pass
-    ex.close()

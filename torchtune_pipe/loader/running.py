@@ -468,6 +468,28 @@ def busy(executor: Executor | None) -> list:
         return []
 
 
+def stop_pipeline(
+    ex: Executor, tunable: RunningPipeline | None, final: dict, held: dict | None = None
+) -> None:
+    """Observe a pipeline a last time (``final["obs"]``, memory as last read), then close it;
+    where ``held`` (a loader's, :func:`close_held`) is given, on a thread of its own, listed
+    there under ``"closing"``."""
+    if held is not None:
+        closing = threading.Thread(
+            target=stop_pipeline, args=(ex, tunable, final), name="ttp-close", daemon=True
+        )
+        closing.start()
+        pending = held.setdefault("closing", [])
+        pending[:] = [t for t in pending if t.is_alive()] + [closing]
+        return
+    if tunable is not None:
+        try:
+            final["obs"] = tunable.observe(read_memory=False)
+        except Exception:  # closed by a failure: no last observation
+            pass
+    ex.close()
+
+
 def close_held(held: dict, pid: int) -> None:
     """Close the executor in ``held``, then end the snapshot no executor took and the one a
     persistent loader's executors share, after every worker forked from it (a loader's
