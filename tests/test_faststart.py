@@ -169,10 +169,12 @@ def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
     assert len(read_log(log)) == len(events) - 2
 
 
-def test_a_shape_window_goes_on_across_epochs_shorter_than_it():
+def test_a_shape_window_goes_on_across_epochs_shorter_than_it(monkeypatch):
     """Epochs of a few batches, each restarting the workers, end long before one measurement
     window (the tuner's interval): the window goes on in the next epoch, so the choice is
-    made (free inline reads: inline) rather than never."""
+    made (free inline reads: inline) rather than never. (Epochs that end before the workers
+    serve are read inline whole: not here.)"""
+    monkeypatch.setattr(ShapeProbe, "read_before_serving", lambda self, units: False)
     ds = Cheap(n=640)
     with DataLoader(ds, batch_size=64, num_workers="auto", tuning_interval_s=0.1) as dl:
         # Inline reads that cost ~0 and do not wait.
@@ -184,6 +186,49 @@ def test_a_shape_window_goes_on_across_epochs_shorter_than_it():
                 break
         assert dl.loader.inline and probe.decided == "inline", probe
         assert probe.windows >= 2
+
+
+class Levels(WhereAndNoise):
+    """WhereAndNoise, with the value of an attribute the caller sets before each epoch."""
+
+    level = 0
+
+    def __len__(self):
+        return 48
+
+    def __getitem__(self, i):
+        return {**super().__getitem__(i), "level": self.level}
+
+
+def _epochs_with_levels(workers, probe=None):
+    ds = Levels()
+    g = torch.Generator().manual_seed(3)
+    with DataLoader(ds, batch_size=8, shuffle=True, generator=g, num_workers=workers) as dl:
+        if probe is not None:
+            dl.loader._shape_probe = probe
+        return [list(dl) for epoch in range(3) if setattr(ds, "level", epoch) is None]
+
+
+def test_an_epoch_read_before_the_workers_would_serve_builds_none(monkeypatch):
+    """An "auto" loader whose epoch, read inline as fast as its reads alone so far, ends
+    before an executor as quick to serve as its last would (a small validation set) builds
+    none: no fork, every batch read in the calling process, the batches (and their seeded
+    draws) those of workers, and the dataset as it was at each ``iter()``."""
+    import torchtune_pipe.loader.core as core
+
+    probe = ShapeProbe(serving_s=30.0, alone_s=0.01, alone_units=1)
+    taken = []
+    monkeypatch.setattr(core, "take_snapshot", lambda *a, **k: taken.append(a))  # no fork
+    got = _epochs_with_levels("auto", probe)
+    assert not taken
+    monkeypatch.undo()
+    want = _epochs_with_levels(2)
+    for epoch, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert {int(p) for b in g for p in b["pid"]} == {os.getpid()}
+        assert {int(v) for b in g for v in b["level"]} == {epoch}
+        strip = [{k: v for k, v in b.items() if k != "pid"} for b in g]
+        assert_same(strip, [{k: v for k, v in b.items() if k != "pid"} for b in w])
+    assert probe.decided is None and probe.alone_units > 1  # measured on, epoch by epoch
 
 
 def test_reads_that_wait_are_never_chosen_inline():

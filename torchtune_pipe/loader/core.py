@@ -179,6 +179,7 @@ class Loader:
         self.persistent_workers = bool(persistent_workers)
         self.start_method = start_method
         self._shape_probe = ShapeProbe()  # what the shape choice measured (choose_shape)
+        self._inline_epoch = False  # this epoch is read inline whole (_read_before_serving)
         self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
         self._epoch = epoch
@@ -221,9 +222,14 @@ class Loader:
             )
         # One epoch at a time: a new iter() ends the previous one, which says so if used again.
         self._end_active("was ended by a new iter() on the loader, which starts a new epoch")
+        self._inline_epoch = False
         if not self.inline and (self._executor is None or not self.persistent_workers):
             self._drop_executor()
-            self._snapshot_now()
+            self._inline_epoch = self._read_before_serving()
+            if self._inline_epoch:  # no executor: the reads stand in for workers of this iter()
+                new_view(self.pipeline.source)
+            else:
+                self._snapshot_now()
         elif self.inline and not (self.strategy.inline or self.persistent_workers):
             new_view(self.pipeline.source)  # read in place of new workers: the dataset as now
         it = EpochIterator(self._iterate(), self._epoch)
@@ -411,7 +417,8 @@ class Loader:
                 on_inline=self._go_inline, delivered=lambda: (progress.done, progress.seen),
                 interval_s=self.tuning_interval_s, probe=self._shape_probe,
                 on_built=self._on_built, inline_context=inline_context(self.pipeline),
-                kind_probe=self._kind_probe(),
+                kind_probe=None if self._inline_epoch else self._kind_probe(),
+                build=not self._inline_epoch,
             )  # fmt: skip
             stream = faststart.stream()
         else:
@@ -496,6 +503,17 @@ class Loader:
                     watcher.stop()
                 if loop_error is not None:
                     raise loop_error
+
+    def _read_before_serving(self) -> bool:
+        """Whether a loader choosing its shape reads this epoch inline whole, building no
+        executor: its units (``len()``, at least as many), read as fast as its inline reads
+        alone so far, end before an executor as quick to serve as its last would (a short
+        epoch: a small validation set; :meth:`ShapeProbe.read_before_serving`)."""
+        if self.persistent_workers or self.tuner is None or not self.strategy.choose_shape:
+            return False
+        with contextlib.suppress(TypeError):
+            return self._fast_start_applies() and self._shape_probe.read_before_serving(len(self))
+        return False
 
     def _fast_start_applies(self) -> bool:
         """Whether this epoch's first units may run inline while the workers start: until

@@ -176,6 +176,8 @@ class FastStart:
             starts after it.
         torch_threads: torch intra-op threads of an inline read: a worker process's
             (``StageSpec.torch_threads``, 1 in every spec the loader builds).
+        build: build the executor (False: the epoch is read inline whole, none is built;
+            :meth:`ShapeProbe.read_before_serving`).
     """
 
     def __init__(
@@ -196,6 +198,7 @@ class FastStart:
         inline_context: Callable[[], Any] = contextlib.nullcontext,
         kind_probe: KindProbe | None = None,
         torch_threads: int = 1,
+        build: bool = True,
     ):
         self.pipeline = pipeline
         self.works = works
@@ -222,6 +225,7 @@ class FastStart:
         self._stop_probe = threading.Event()
         self._probe_thread: threading.Thread | None = None
         self._first_s = 0.0  # the first unit's read time (a kind probe's warm-up)
+        self._served = False  # the executor served while the epoch ran (_time_serving)
         self._lock = threading.Lock()  # the counts the probe's thread adds to
         # The handover of the units after the one read inline now (class docstring): that
         # unit's index (None: no read that may be handed over from), and the run started
@@ -232,7 +236,8 @@ class FastStart:
         self._thread = threading.Thread(
             target=self._build, args=(start,), name="torchtune_pipe-start", daemon=True
         )
-        if kind_probe is None:
+        self.builds = build or kind_probe is not None
+        if kind_probe is None and build:
             self._start_build()
 
     def _start_build(self) -> None:
@@ -259,6 +264,7 @@ class FastStart:
             try:
                 if ex.serving():
                     self.probe.serving_s = time.perf_counter() - self._build_t0
+                    self._served = True
                     self._hand_over(ex)
                     return
             except Exception:  # closed meanwhile: nothing to time
@@ -279,6 +285,8 @@ class FastStart:
         """Whether the consumer reads unit ``i`` inline (the executor not ready, nor expected
         sooner than the read), noting it as the unit the workers may take over after, unless
         it is the epoch's first to be delivered."""
+        if not self.builds:
+            return True
         with self._handover:
             if self._ready() or self._workers_sooner():
                 return False
@@ -340,6 +348,9 @@ class FastStart:
             p.inline_cpu_s += time.thread_time() - c0
             p.inline_items += sum(1 for t in items if t[1] >= 0)
             p.units_read += 1
+            if self._thread.ident is None:  # no build started: nothing else ran beside it
+                p.alone_s += took
+                p.alone_units += 1
             self.inline_units += 1
         return items, took
 
@@ -568,7 +579,11 @@ class FastStart:
     def join(self) -> None:
         """Wait until the executor is built (or failed), so that nothing is left half made;
         at once where its build never started (a kind probe that stopped). The epoch is over:
-        its executor's start is no longer timed."""
+        its executor's start is no longer timed: one that did not serve yet serves no sooner
+        than now (:attr:`ShapeProbe.serving_s`, where nothing later was measured)."""
+        if self._thread.ident is not None and not self._served:
+            waited = time.perf_counter() - self._build_t0
+            self.probe.serving_s = max(self.probe.serving_s or 0.0, waited)
         self._joined.set()
         self._wait_built()
 

@@ -51,6 +51,8 @@ class ShapeProbe:
         decided: ``"inline"`` or ``"workers"`` once chosen.
         units_read: units read one at a time (inline, or alone by a kind probe), in
             ``inline_s``.
+        alone_s, alone_units: those of them read while no executor was being built or ran
+            (a kind probe's, an epoch read inline whole): the reads' own time.
         serving_s: seconds the last executor took to serve, from its build's start (None:
             none has yet).
     """
@@ -59,6 +61,8 @@ class ShapeProbe:
     inline_cpu_s: float = 0.0
     inline_items: int = 0
     units_read: int = 0
+    alone_s: float = 0.0
+    alone_units: int = 0
     serving_s: float | None = None
     settle_until: float | None = None
     windows: int = 0
@@ -67,6 +71,15 @@ class ShapeProbe:
     window_s: float = 0.0
     window_items: int = 0
     window_waited_s: float = 0.0
+
+    def read_before_serving(self, units: int) -> bool:
+        """Whether ``units`` read inline one at a time, each as long as those read alone so
+        far on average, end before an executor as quick to serve as the last one would: its
+        workers would read none of them (False until both were measured). Reads beside a
+        build are not the measure: the build's forks and interpreter time slow them 2-8x."""
+        if self.serving_s is None or not self.alone_units:
+            return False
+        return units * self.alone_s / self.alone_units < self.serving_s
 
 
 def measured(
