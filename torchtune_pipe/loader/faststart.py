@@ -331,7 +331,7 @@ class FastStart:
             yield
 
     def _read_timed(
-        self, work: Work, context: Callable[[], Any] = contextlib.nullcontext
+        self, work: Work, context: Callable[[], Any] = contextlib.nullcontext, alone: bool = True
     ) -> tuple[list, float]:
         """Read ``work`` in this thread within ``context()``, its time counted in
         :attr:`probe` (the consumer's inline reads, and a kind probe's reads alone): its items
@@ -348,7 +348,7 @@ class FastStart:
             p.inline_cpu_s += time.thread_time() - c0
             p.inline_items += sum(1 for t in items if t[1] >= 0)
             p.units_read += 1
-            if self._thread.ident is None:  # no build started: nothing else ran beside it
+            if alone and self._thread.ident is None:  # no build started: nothing beside it
                 p.alone_s += took
                 p.alone_units += 1
             self.inline_units += 1
@@ -503,7 +503,8 @@ class FastStart:
             self._start_build()
             return
         t0 = time.perf_counter()
-        items = self._read_inline(self.works[0])  # warm-up: imports, first opens
+        # A warm-up (imports, first opens): not what a read alone costs.
+        items = self._read_timed(self.works[0], self._inline_read, alone=False)[0]
         self._first_s = time.perf_counter() - t0
         self._probed = 1
         self._probe_thread = threading.Thread(
