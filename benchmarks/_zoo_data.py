@@ -176,6 +176,7 @@ WRITERS: dict[str, Callable[[str, int], None]] = {
     "big-items": _big_items,
     "memmap": _memmap,
     "tensor-ops": _tensor_ops,
+    "small-eval": _tiny_rows,
 }
 
 

@@ -299,6 +299,6 @@ def make(name: str, root: str, items: int) -> tuple[Dataset, Callable | None]:
         "images": ImageFolder, "jsonl": JsonLines, "tsv-shards": TsvShards,
         "hf-arrow": ArrowTokens, "packed-records": PackedRecords, "webdataset-tar": TarShards,
         "remote-store": RemoteRows, "tiny-rows": TinyRows, "memmap": MemmapRows,
-        "tensor-ops": TensorOps,
+        "tensor-ops": TensorOps, "small-eval": TinyRows,
     }  # fmt: skip
     return datasets[name](root), pad_collate if name == "jsonl" else None

@@ -18,7 +18,8 @@ class Member:
         what: what the user's dataset does, in one line.
         batch_size: the loader's ``batch_size``.
         items: samples the generated data holds in a full run (an epoch of about a second at
-            torch's best setting on 2 cores); ``quick_items`` with ``--quick``.
+            torch's best setting on 2 cores; ``small-eval``'s, a validation set, ~10 ms);
+            ``quick_items`` with ``--quick``.
         iterable: an ``IterableDataset`` (sharded by ``get_worker_info()``); torchdata.nodes
             has nothing to parallelise it with, so it is not run.
         waits: ``__getitem__`` mostly waits (torchdata.nodes then runs a wide thread pool).
@@ -60,5 +61,7 @@ MEMBERS: dict[str, Member] = {
                batch_size=256, items=120_000, quick_items=1024),
         Member("tensor-ops", "torch.load'ed images; normalise, pool, FFT in __getitem__",
                batch_size=64, items=10_000, quick_items=128),
+        Member("small-eval", "a validation set of 1,024 tiny-rows rows, read whole each time "
+               "(epochs of ~10 ms)", batch_size=64, items=1_024, quick_items=256),
     )
 }  # fmt: skip
