@@ -26,7 +26,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 from multiproc import intraop
@@ -34,7 +33,7 @@ from multiproc.items import own_memory
 from multiproc.serialize import hop_s
 from multiproc.worker import act_as_thread_worker
 from torchtune_pipe.loader.inline import run_inline
-from torchtune_pipe.loader.kindprobe import Helper, KindProbe, read_or_error, runq_s
+from torchtune_pipe.loader.kindprobe import Helper, KindProbe, Measured, read_or_error, runq_s
 from torchtune_pipe.loader.shape import (
     INLINE_MAX_WAIT_RATIO,
     SETTLE_INTERVALS,
@@ -64,37 +63,6 @@ KIND_ROUNDS_MIN = 2
 KIND_ROUNDS_MAX = 6
 KIND_PROBE_S = 0.06
 KIND_PROBE_MAX_S = 0.3
-
-
-@dataclass
-class _Measured:
-    """What a kind probe's counted rounds measured (:meth:`FastStart._rounds`): seconds and
-    items of the units read alone and of those read at once, the hops of the former between
-    processes (:func:`multiproc.serialize.hop_s`), and what a read raised."""
-
-    rounds: int = 0
-    alone_s: float = 0.0
-    alone_items: int = 0
-    together_s: float = 0.0
-    together_items: int = 0
-    hop_s: float = 0.0
-    error: Exception | None = None
-    capped: bool = False  # one read alone showed threads could not win (_capped_hop)
-
-    def rates(self, k: int) -> tuple[float, float, float]:
-        """Items/s of the units read alone, of those read ``k`` at once, and of ``k``
-        processes each reading units as fast as one alone, then their hops; zeros before a
-        round was counted, and 0.0 for the second where the probe was capped."""
-        if self.capped and self.alone_s > 0:
-            alone = self.alone_items / self.alone_s
-            return alone, 0.0, k * self.alone_items / (self.alone_s + self.hop_s)
-        if self.rounds < 1 or self.alone_s <= 0 or self.together_s <= 0:
-            return 0.0, 0.0, 0.0
-        return (
-            self.alone_items / self.alone_s,
-            self.together_items / self.together_s,
-            k * self.alone_items / (self.alone_s + self.hop_s),
-        )
 
 
 @contextlib.contextmanager
@@ -376,7 +344,7 @@ class FastStart:
         stopped)."""
         kp = self.kind_probe
         assert kp is not None
-        got = _Measured()
+        got = Measured()
         act_as_thread_worker()
         intraop.set_here(kp.torch_threads)  # as a worker's: not the interpreter's default
         try:
@@ -410,7 +378,7 @@ class FastStart:
             act_as_thread_worker(False)
             self._units.put(None)  # the probe's units end here
 
-    def _rounds(self, helpers: list[Helper]) -> _Measured:
+    def _rounds(self, helpers: list[Helper]) -> Measured:
         """Rounds of one unit alone then ``k`` at once, each unit's items put on
         :attr:`_units` in order; what the counted ones measured. A read that raises ends them:
         the units before it are delivered, it and the rest are the consumer's to read."""
@@ -418,7 +386,7 @@ class FastStart:
         kp = self.kind_probe
         assert kp is not None
         i = 1
-        got = _Measured()
+        got = Measured()
         # A first round warms the helpers up (a new thread's first reads pay for its
         # allocator's first pages and its caches, as a new worker's do, once), where it and a
         # counted round fit in the probe's time.
@@ -476,7 +444,7 @@ class FastStart:
         return got
 
     def _capped_hop(
-        self, items: list, one_s: float, cpu_s: float, n: int, got: _Measured
+        self, items: list, one_s: float, cpu_s: float, n: int, got: Measured
     ) -> float | None:
         """The hop between processes of this read alone (``items``, ``n`` of them, in ``one_s``
         with ``cpu_s`` of CPU), measured where it decides whether ``k`` reads at once on

@@ -128,4 +128,35 @@ class Helper:
                 self._out.put(read_or_error(self._read, work))
 
 
+@dataclass
+class Measured:
+    """What a kind probe's counted rounds measured (``FastStart._rounds``): seconds and items
+    of the units read alone and of those read at once, the hops of the former between
+    processes (:func:`multiproc.serialize.hop_s`), and what a read raised."""
+
+    rounds: int = 0
+    alone_s: float = 0.0
+    alone_items: int = 0
+    together_s: float = 0.0
+    together_items: int = 0
+    hop_s: float = 0.0
+    error: Exception | None = None
+    capped: bool = False  # one read alone showed threads could not win (_capped_hop)
+
+    def rates(self, k: int) -> tuple[float, float, float]:
+        """Items/s of the units read alone, of those read ``k`` at once, and of ``k``
+        processes each reading units as fast as one alone, then their hops; zeros before a
+        round was counted, and 0.0 for the second where the probe was capped."""
+        if self.capped and self.alone_s > 0:
+            alone = self.alone_items / self.alone_s
+            return alone, 0.0, k * self.alone_items / (self.alone_s + self.hop_s)
+        if self.rounds < 1 or self.alone_s <= 0 or self.together_s <= 0:
+            return 0.0, 0.0, 0.0
+        return (
+            self.alone_items / self.alone_s,
+            self.together_items / self.together_s,
+            k * self.alone_items / (self.alone_s + self.hop_s),
+        )
+
+
 __all__ = ["Helper", "KindProbe", "read_or_error", "runq_s"]
