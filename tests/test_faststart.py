@@ -136,11 +136,13 @@ class Cheap(Dataset):
 
 
 @pytest.mark.slow
-def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path):
+def test_going_inline_mid_epoch_keeps_torchs_batches_exactly_once(tmp_path, monkeypatch):
     """The switch itself, made certain: inline reads measured as free beat any workers, so the
     loader closes its workers at the first windows after the tuner settled, mid-epoch, and
     reads the rest inline. (Which shape wins on real costs is measured by
-    ``benchmarks/peers.py --scenarios cheap-map``, not asserted here.)"""
+    ``benchmarks/peers.py --scenarios cheap-map``, not asserted here; epochs read inline whole
+    when they measure sooner so, not here.)"""
+    monkeypatch.setattr(ShapeProbe, "inline_sooner", lambda self, units: False)
     ds = Cheap()
     g = torch.Generator().manual_seed(3)
     want = list(torch.utils.data.DataLoader(ds, batch_size=64, shuffle=True, generator=g))
@@ -174,7 +176,7 @@ def test_a_shape_window_goes_on_across_epochs_shorter_than_it(monkeypatch):
     window (the tuner's interval): the window goes on in the next epoch, so the choice is
     made (free inline reads: inline) rather than never. (Epochs that end before the workers
     serve are read inline whole: not here.)"""
-    monkeypatch.setattr(ShapeProbe, "read_before_serving", lambda self, units: False)
+    monkeypatch.setattr(ShapeProbe, "inline_sooner", lambda self, units: False)
     ds = Cheap(n=640)
     with DataLoader(ds, batch_size=64, num_workers="auto", tuning_interval_s=0.1) as dl:
         # Inline reads that cost ~0 and do not wait.
@@ -229,6 +231,31 @@ def test_an_epoch_read_before_the_workers_would_serve_builds_none(monkeypatch):
         strip = [{k: v for k, v in b.items() if k != "pid"} for b in g]
         assert_same(strip, [{k: v for k, v in b.items() if k != "pid"} for b in w])
     assert probe.decided is None and probe.alone_units > 1  # measured on, epoch by epoch
+
+
+def test_inline_is_sooner_by_the_reads_alone_against_what_workers_measured():
+    """An epoch is read inline whole where its units, each as long as the reads alone so far,
+    end before an executor would serve, or take less than the consumer waited per unit over
+    the last warm epoch on workers; never before reads alone were measured."""
+    assert not ShapeProbe(serving_s=9.0, workers_s=9.0, workers_units=1).inline_sooner(1)
+    alone = {"alone_s": 0.010, "alone_units": 10}  # 1 ms a unit
+    assert ShapeProbe(serving_s=0.101, **alone).inline_sooner(100)
+    assert not ShapeProbe(serving_s=0.099, **alone).inline_sooner(100)
+    assert ShapeProbe(workers_s=0.4, workers_units=200, **alone).inline_sooner(100)
+    assert not ShapeProbe(workers_s=0.1, workers_units=200, **alone).inline_sooner(100)
+
+
+def test_the_consumers_wait_is_measured_on_warm_epochs_only(monkeypatch):
+    """The first executor (a kind probe, a cold start) is not what later epochs' workers
+    cost; the next epoch read whole on workers is, its units with it."""
+    monkeypatch.setattr(ShapeProbe, "inline_sooner", lambda self, units: False)
+    ds = Cheap(n=640)
+    with DataLoader(ds, batch_size=64, num_workers="auto") as dl:
+        probe = dl.loader._shape_probe
+        list(dl)
+        assert probe.workers_units == 0 and probe.serving_s is not None
+        list(dl)
+        assert probe.workers_units == 10 and probe.workers_s > 0
 
 
 def test_reads_that_wait_are_never_chosen_inline():

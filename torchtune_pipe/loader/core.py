@@ -179,7 +179,7 @@ class Loader:
         self.persistent_workers = bool(persistent_workers)
         self.start_method = start_method
         self._shape_probe = ShapeProbe()  # what the shape choice measured (choose_shape)
-        self._inline_epoch = False  # this epoch is read inline whole (_read_before_serving)
+        self._inline_epoch = False  # this epoch is read inline whole (_inline_sooner)
         self.last_epoch_dropped = 0  # items the last epoch dropped to keep ranks in step
         self._length = length
         self._epoch = epoch
@@ -225,7 +225,7 @@ class Loader:
         self._inline_epoch = False
         if not self.inline and (self._executor is None or not self.persistent_workers):
             self._drop_executor()
-            self._inline_epoch = self._read_before_serving()
+            self._inline_epoch = self._inline_sooner()
             if self._inline_epoch:  # no executor: the reads stand in for workers of this iter()
                 new_view(self.pipeline.source)
             else:
@@ -504,15 +504,15 @@ class Loader:
                 if loop_error is not None:
                     raise loop_error
 
-    def _read_before_serving(self) -> bool:
+    def _inline_sooner(self) -> bool:
         """Whether a loader choosing its shape reads this epoch inline whole, building no
         executor: its units (``len()``, at least as many), read as fast as its inline reads
-        alone so far, end before an executor as quick to serve as its last would (a short
-        epoch: a small validation set; :meth:`ShapeProbe.read_before_serving`)."""
+        alone so far, take less than workers would (a short epoch, a small validation set:
+        :meth:`ShapeProbe.inline_sooner`)."""
         if self.persistent_workers or self.tuner is None or not self.strategy.choose_shape:
             return False
         with contextlib.suppress(TypeError):
-            return self._fast_start_applies() and self._shape_probe.read_before_serving(len(self))
+            return self._fast_start_applies() and self._shape_probe.inline_sooner(len(self))
         return False
 
     def _fast_start_applies(self) -> bool:

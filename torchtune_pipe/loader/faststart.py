@@ -145,7 +145,7 @@ class FastStart:
         torch_threads: torch intra-op threads of an inline read: a worker process's
             (``StageSpec.torch_threads``, 1 in every spec the loader builds).
         build: build the executor (False: the epoch is read inline whole, none is built;
-            :meth:`ShapeProbe.read_before_serving`).
+            :meth:`ShapeProbe.inline_sooner`).
     """
 
     def __init__(
@@ -194,6 +194,7 @@ class FastStart:
         self._probe_thread: threading.Thread | None = None
         self._first_s = 0.0  # the first unit's read time (a kind probe's warm-up)
         self._served = False  # the executor served while the epoch ran (_time_serving)
+        self._warm = self.probe.serving_s is not None  # an executor was built before this one
         self._lock = threading.Lock()  # the counts the probe's thread adds to
         # The handover of the units after the one read inline now (class docstring): that
         # unit's index (None: no read that may be handed over from), and the run started
@@ -487,7 +488,20 @@ class FastStart:
             yield from _owned(got)
 
     def stream(self) -> Iterator[tuple]:
-        """The tagged items of the epoch (as ``Executor.run`` yields them)."""
+        """The tagged items of the epoch (as ``Executor.run`` yields them); an epoch read
+        whole by a warm executor (not after a kind probe, not gone inline) tells the probe
+        how long the consumer waited (:attr:`ShapeProbe.workers_s`)."""
+        waited, t = 0.0, time.perf_counter()
+        for item in self._stream():
+            waited += time.perf_counter() - t
+            yield item
+            t = time.perf_counter()
+        waited += time.perf_counter() - t
+        p = self.probe
+        if self._warm and self.builds and self.kind_probe is None and p.decided != "inline":
+            p.workers_s, p.workers_units = waited, len(self.works)
+
+    def _stream(self) -> Iterator[tuple]:
         i = 0
         if self.kind_probe is not None:
             self._probed = 0

@@ -55,6 +55,8 @@ class ShapeProbe:
             (a kind probe's, an epoch read inline whole): the reads' own time.
         serving_s: seconds the last executor took to serve, from its build's start (None:
             none has yet).
+        workers_s, workers_units: the consumer's wait for its items over the last epoch read
+            whole by an executor that was not the loader's first (a warm start), and its units.
     """
 
     inline_s: float = 0.0
@@ -64,6 +66,8 @@ class ShapeProbe:
     alone_s: float = 0.0
     alone_units: int = 0
     serving_s: float | None = None
+    workers_s: float = 0.0
+    workers_units: int = 0
     settle_until: float | None = None
     windows: int = 0
     wins: int = 0
@@ -72,14 +76,19 @@ class ShapeProbe:
     window_items: int = 0
     window_waited_s: float = 0.0
 
-    def read_before_serving(self, units: int) -> bool:
+    def inline_sooner(self, units: int) -> bool:
         """Whether ``units`` read inline one at a time, each as long as those read alone so
-        far on average, end before an executor as quick to serve as the last one would: its
-        workers would read none of them (False until both were measured). Reads beside a
-        build are not the measure: the build's forks and interpreter time slow them 2-8x."""
-        if self.serving_s is None or not self.alone_units:
+        far on average, take less than the workers would: an executor as quick to serve as the
+        last one would serve after them (its workers would read none), or the last warm epoch
+        on workers had the consumer wait longer per unit (its fork, build, start and close
+        included). False until measured. Reads beside a build are not the measure: the
+        build's forks and interpreter time slow them 2-8x."""
+        if not self.alone_units:
             return False
-        return units * self.alone_s / self.alone_units < self.serving_s
+        inline_s = units * self.alone_s / self.alone_units
+        if self.serving_s is not None and inline_s < self.serving_s:
+            return True
+        return self.workers_units > 0 and inline_s < units * self.workers_s / self.workers_units
 
 
 def measured(
