@@ -152,6 +152,12 @@ class WorkerPool:
         assert size is not None  # set by StageSpec
         state.segments.add(seg_name)  # first: removed at close even if Ctrl-C lands below
         arena.create_segment(seg_name, size)
+        if state.res.stop.is_set():
+            # Closed meanwhile (its finalizer, at the interpreter's exit): the close's removal
+            # of the segments may have run before this one was made.
+            arena.remove_segment(seg_name)
+            state.segments.discard(seg_name)
+            raise ExecutorClosedError("the executor was closed while its workers were starting")
         index = sum(1 for h in state.workers.values() if h.stage == stage)
         h = handles.WorkerHandle(
             wid, stage, index, slot, seg_name, thread=kind != "process", remote=kind == "remote"
