@@ -22,9 +22,11 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import ctypes
 import hashlib
 import pickle
 import random
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,20 +35,11 @@ from torchtune_pipe.errors import StateError
 
 def rng_states() -> tuple:
     """The global generators' states (``random``, ``numpy``, ``torch``), as
-    :func:`set_rng_states` puts them back."""
+    :func:`same_rng_states` compares them."""
     import numpy as np
     import torch
 
     return random.getstate(), np.random.get_state(), torch.get_rng_state()
-
-
-def set_rng_states(states: tuple) -> None:
-    import numpy as np
-    import torch
-
-    random.setstate(states[0])
-    np.random.set_state(states[1])
-    torch.set_rng_state(states[2])
 
 
 @contextlib.contextmanager
@@ -88,9 +81,6 @@ class _LegacyGlobal:
         bits = r._bit_generator
         if bits is self._bits:
             return self._address
-        import ctypes
-        import sys
-
         import numpy as np
 
         address = None
@@ -105,8 +95,6 @@ class _LegacyGlobal:
         return address
 
     def save(self) -> tuple:
-        import ctypes
-
         import numpy as np
 
         r = np.random.mtrand._rand
@@ -122,9 +110,6 @@ class _LegacyGlobal:
         return (twister, None)
 
     def restore(self, saved: tuple) -> None:
-        import ctypes
-        import sys
-
         import numpy as np
 
         r = np.random.mtrand._rand
