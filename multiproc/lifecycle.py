@@ -127,6 +127,10 @@ class Launch:
         return self.thread_stages[stage], self.thread_chains[stage]
 
 
+def _closed_while_starting() -> ExecutorClosedError:
+    return ExecutorClosedError("the executor was closed while its workers were starting")
+
+
 class WorkerPool:
     """Worker lifecycle of the executor (see the module docstring). Callers hold the
     executor's lock."""
@@ -157,7 +161,7 @@ class WorkerPool:
             # of the segments may have run before this one was made.
             arena.remove_segment(seg_name)
             state.segments.discard(seg_name)
-            raise ExecutorClosedError("the executor was closed while its workers were starting")
+            raise _closed_while_starting()
         index = sum(1 for h in state.workers.values() if h.stage == stage)
         h = handles.WorkerHandle(
             wid, stage, index, slot, seg_name, thread=kind != "process", remote=kind == "remote"
@@ -198,9 +202,7 @@ class WorkerPool:
             # reaped, launch again through its successor.
             snap = launch.snapshot
             if snap is not None and snap.stopped:
-                raise ExecutorClosedError(
-                    "the executor was closed while its workers were starting"
-                ) from None
+                raise _closed_while_starting() from None
             if h.thread or snap is None or not snap.server.wait_ended():
                 raise
             log.warning("stage %r: the fork server ended while starting a worker", s.name)
@@ -220,14 +222,13 @@ class WorkerPool:
         snap = self.launch.snapshot
         if snap is None or not snap.server.ended():
             return
-        if snap.stopped:  # closed (its executor's finalizer, at exit) while this start ran
-            raise ExecutorClosedError("the executor was closed while its workers were starting")
+        ended = snap.server.pid
+        snap.renew()  # raises ExecutorClosedError where its executor closed meanwhile
         log.warning(
-            "the fork server %d of the stages' workers ended; forking another from this "
+            "the fork server %d of the stages' workers ended; forked another from this "
             "process (workers started from now on see it as it is now)",
-            snap.server.pid,
+            ended,
         )
-        snap.renew()
 
     def _ramps(self, stage: int) -> bool:
         """Whether the stage's process workers start a few at first and the rest while it

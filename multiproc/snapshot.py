@@ -75,9 +75,7 @@ class Snapshot:
                 interpreter's exit while a thread was still starting its workers).
         """
         if self.stopped:
-            raise ExecutorClosedError(
-                "the executor was closed while its workers were starting: no worker starts"
-            )
+            raise ExecutorClosedError("the executor was closed while its workers were starting")
         self.server.stop()
         self.server = self._fork()
 
