@@ -569,7 +569,10 @@ def worker_main(conn: Connection, *args: Any, is_thread: bool = False, owner_pid
             msg = P.Error(wid, None, exc_payload(e), type(e).__name__, str(e), tb, where)
             conn.send(P.wire(msg))
         except Exception:
-            print(tb, file=sys.stderr)
+            # Nobody to tell: the executor is gone. Where it closed before this worker found
+            # its segments (the interpreter's exit while workers start), nothing went wrong.
+            if not (w is None and isinstance(e, FileNotFoundError)):
+                print(tb, file=sys.stderr)
     finally:
         if w is not None:
             w.close()
